@@ -1,0 +1,19 @@
+"""MLP-Offload: multi-level, multi-path offloading of optimizer state.
+
+Implements Maurya et al., "MLP-Offload: Multi-Level, Multi-Path Offloading
+for LLM Pre-training to Break the GPU Memory Wall" (SC'25): the fp32 master
+weights and optimizer moments live across host memory and several storage
+paths, and the optimizer step runs on the CPU with SIMD kernels while
+asynchronous I/O streams the state in and out.
+"""
+
+import logging as _logging
+
+from mlp_offload import errors
+from mlp_offload._C import build_info
+
+__version__ = build_info()["version"]
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+__all__ = ["build_info", "errors", "__version__"]

@@ -1,0 +1,54 @@
+"""Typed exceptions raised by mlp_offload.
+
+The C++ core reports every failure as an absl::Status; the extension turns
+each status code into one of these classes (python/bindings/status.cc), so
+callers can catch by meaning: a full tier, a vanished tier, corrupt state.
+"""
+
+
+class OffloadError(RuntimeError):
+    """Base class of every error raised by mlp_offload."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """A bad argument or configuration (a typo, an impossible budget...)."""
+
+
+class TierError(OffloadError, OSError):
+    """A storage tier failed; the message names the tier and operation."""
+
+
+class TierNotFoundError(TierError):
+    """A tier path (or a state file in it) does not exist."""
+
+
+class TierPermissionError(TierError):
+    """A tier path is not readable or writable."""
+
+
+class TierFullError(TierError):
+    """A tier ran out of space (ENOSPC) or the host budget is exhausted."""
+
+
+class TierIOError(TierError):
+    """A read or write on a tier failed (EIO, a short transfer, ...)."""
+
+
+class TierInUseError(TierError):
+    """A tier directory is already used by another live run."""
+
+
+class CorruptStateError(OffloadError):
+    """Offloaded state failed its checksum or has a bad header/manifest."""
+
+
+class StateMismatchError(OffloadError):
+    """State or a checkpoint belongs to another model/configuration."""
+
+
+class CancelledError(OffloadError):
+    """An operation was cancelled (engine shut down)."""
+
+
+class NonFiniteGradientError(OffloadError, FloatingPointError):
+    """Gradients contain NaN/Inf and no GradScaler asked to skip the step."""

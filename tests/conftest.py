@@ -1,0 +1,2 @@
+def pytest_addoption(parser):
+    parser.addoption("--wheel", default=None, help="path of the built wheel")

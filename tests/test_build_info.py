@@ -1,0 +1,30 @@
+"""The extension imports next to torch and reports how it was built."""
+import re
+
+import torch
+
+import mlp_offload
+from mlp_offload import _C
+
+
+def test_imports_next_to_torch():
+    assert torch.__version__.startswith("2.")
+    assert mlp_offload.__version__ == mlp_offload.build_info()["version"]
+
+
+def test_build_info_fields():
+    info = mlp_offload.build_info()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", info["version"])
+    assert info["compiler"].split()[0] in ("gcc", "clang")
+    supported = info["simd_targets_supported"]
+    assert supported, "no SIMD target compiled in"
+    # Dynamic dispatch picks the best target this CPU supports.
+    assert info["simd_target"] == supported[0]
+    assert isinstance(info["cuda"], bool)
+
+
+def test_extension_does_not_link_libtorch():
+    # One wheel must fit any torch: the extension may not depend on libtorch.
+    with open(_C.__file__, "rb") as f:
+        blob = f.read()
+    assert b"libtorch" not in blob and b"libc10" not in blob

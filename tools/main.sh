@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The README's main-job command: set up (idempotent), build the wheel with
+# -c opt, install it into the venv, and run `mlp-offload train` with its
+# defaults (extra arguments go to it).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+./tools/setup.sh
+bazel build --config=opt //python:wheel
+wheel="$(ls -t bazel-bin/python/mlp_offload-*.whl | head -1)"
+.venv/bin/python -m pip install -q --no-deps --force-reinstall "$wheel"
+cd "$(mktemp -d)"  # so the installed package, not the source tree, is imported
+exec "$root/.venv/bin/mlp-offload" train "$@"
