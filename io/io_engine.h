@@ -1,0 +1,93 @@
+// Asynchronous reads and writes of byte ranges of files. Every request
+// completes exactly once with its own status and byte count.
+//
+// Engines: io_uring (liburing; the default), a pread/pwrite thread pool (the
+// fallback when io_uring_setup fails), and wrappers that inject faults or
+// throttle bandwidth. Knows nothing of optimizers.
+#ifndef MLP_OFFLOAD_IO_IO_ENGINE_H_
+#define MLP_OFFLOAD_IO_IO_ENGINE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "io/file.h"
+
+namespace mlp_offload {
+
+enum class IoOp : uint8_t { kRead, kWrite };
+
+struct IoRequest {
+  IoOp op = IoOp::kRead;
+  File* file = nullptr;   // must outlive the request
+  uint64_t offset = 0;    // for O_DIRECT files: multiple of kDirectIoAlignment
+  size_t length = 0;      // likewise (the engine rejects misaligned direct I/O)
+  void* buffer = nullptr; // likewise aligned; must outlive the request
+};
+
+// Called exactly once per request, on an engine thread: the number of bytes
+// transferred (always == length on success; a short transfer that cannot be
+// completed, e.g. a read past EOF, is an error) or the error, whose message
+// names the operation, the path and the offset.
+using IoCallback = std::function<void(absl::StatusOr<size_t>)>;
+
+// The result of one request, waitable. Copyable handle to shared state.
+class IoFuture {
+ public:
+  IoFuture();
+  // Blocks until the request completes.
+  absl::StatusOr<size_t> Wait() const;
+  bool Ready() const;
+  // Completes the future (used by engines).
+  void Set(absl::StatusOr<size_t> result) const;
+  IoCallback AsCallback() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+struct IoEngineOptions {
+  enum class Kind { kAuto, kUring, kThreadPool };
+  Kind kind = Kind::kAuto;        // kAuto: io_uring if it works, else threads
+  unsigned queue_depth = 32;      // requests (pieces) in flight
+  size_t block_size = 1 << 20;    // large requests are split into pieces
+  int num_threads = 4;            // thread-pool engine only
+};
+
+class IoEngine {
+ public:
+  virtual ~IoEngine() = default;
+  // "io_uring", "threadpool", "fault(io_uring)", "throttle(io_uring)"...
+  virtual std::string name() const = 0;
+  // Queues one request; `done` runs when it completes. After Shutdown,
+  // completes at once with FailedPrecondition.
+  virtual void Submit(const IoRequest& request, IoCallback done) = 0;
+  // Queues several requests with one submission where the engine can.
+  virtual void SubmitBatch(absl::Span<const IoRequest> requests,
+                           absl::Span<IoCallback> done);
+  // Waits for every in-flight request to complete (their callbacks run) and
+  // stops the engine. Idempotent; also called by the destructor.
+  virtual void Shutdown() = 0;
+
+  // Convenience: Submit returning a future.
+  IoFuture Submit(const IoRequest& request);
+};
+
+// Whether io_uring can be used in this process; if not, `reason` says why
+// (e.g. "io_uring_queue_init: Operation not permitted").
+bool IoUringAvailable(std::string* reason);
+
+// Creates an engine. kUring fails with Unavailable if io_uring is not
+// usable; kAuto falls back to the thread pool.
+absl::StatusOr<std::unique_ptr<IoEngine>> CreateIoEngine(
+    const IoEngineOptions& options);
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_IO_IO_ENGINE_H_

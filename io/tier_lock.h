@@ -1,0 +1,53 @@
+// Cross-process tier lock (technique 4 of PAPER.md): at most K processes of a
+// node do I/O on a tier at a time. Blocking without busy waiting, FIFO-fair
+// enough that no process starves, and released by the kernel when a holder
+// dies (file locks), so a SIGKILLed holder never wedges the others.
+#ifndef MLP_OFFLOAD_IO_TIER_LOCK_H_
+#define MLP_OFFLOAD_IO_TIER_LOCK_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace mlp_offload {
+
+class TierLock {
+ public:
+  // Opens (creating, 0600) the lock files under `lock_path` (a file path
+  // prefix on the tier) for at most `max_holders` concurrent holders.
+  static absl::StatusOr<std::unique_ptr<TierLock>> Open(const std::string& lock_path,
+                                                        int max_holders = 1);
+  ~TierLock();  // releases if held
+
+  // Blocks until this process holds one of the K slots. Not reentrant per
+  // TierLock object (one holder per object); several objects (threads) in
+  // one process count as separate holders.
+  absl::Status Acquire();
+  void Release();
+  bool held() const;
+
+ private:
+  struct Impl;
+  explicit TierLock(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A lock file that marks a tier directory as in use by one live run:
+// AlreadyExists naming the path (and the holder's pid if readable) when
+// another live process holds it; taken over silently if the holder died.
+class RunLock {
+ public:
+  static absl::StatusOr<std::unique_ptr<RunLock>> Acquire(const std::string& path);
+  ~RunLock();
+
+ private:
+  RunLock(int fd, std::string path);
+  int fd_;
+  std::string path_;
+};
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_IO_TIER_LOCK_H_
