@@ -13,6 +13,8 @@
 #include <memory>
 #include <string>
 
+#include <sys/uio.h>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -74,6 +76,14 @@ class IoEngine {
   // Waits for every in-flight request to complete (their callbacks run) and
   // stops the engine. Idempotent; also called by the destructor.
   virtual void Shutdown() = 0;
+
+  // Registers host buffers (e.g. AlignedBuffers) with the engine, replacing
+  // any registered before; requests whose buffer lies inside one of them may
+  // then skip the per-request page pinning (io_uring fixed buffers). Purely an
+  // optimisation: engines that cannot use it return OK and ignore it. Call only
+  // while no in-flight request uses a previously registered buffer; an empty
+  // span unregisters.
+  virtual absl::Status RegisterBuffers(absl::Span<const iovec> buffers);
 
   // Convenience: Submit returning a future.
   IoFuture Submit(const IoRequest& request);

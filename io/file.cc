@@ -1,0 +1,152 @@
+// Files on a tier: O_DIRECT detection, preallocation, fdatasync.
+#include "io/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "io/aligned_buffer.h"
+#include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+namespace {
+
+// Some filesystems accept O_DIRECT at open() and only reject it on the first
+// transfer (FUSE, some network filesystems), so a successful open is not proof.
+// A one-block aligned read settles it: a filesystem without direct I/O answers
+// EINVAL. Reading past EOF (a new file) is fine: it returns 0.
+absl::Status ProbeDirectRead(int fd, const std::string& path) {
+  absl::StatusOr<AlignedBuffer> block = AlignedBuffer::Allocate(kDirectIoAlignment);
+  if (!block.ok()) return block.status();
+  ssize_t n;
+  do {
+    n = pread(fd, block->data(), block->size(), 0);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    return ErrnoStatus(errno, "pread (O_DIRECT probe)",
+                       absl::StrCat(path, " at offset 0"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+File::File(int fd, std::string path, bool direct, std::string reason)
+    : fd_(fd),
+      path_(std::move(path)),
+      direct_(direct),
+      fallback_reason_(std::move(reason)) {}
+
+File::~File() {
+  // close() errors cannot be acted upon here; durability is what Sync() is for.
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
+                                                 const FileOptions& options) {
+  int flags = O_CLOEXEC | (options.read_only ? O_RDONLY : O_RDWR);
+  if (options.create) flags |= O_CREAT;
+  if (options.truncate) flags |= O_TRUNC;
+  if (options.no_follow) flags |= O_NOFOLLOW;
+
+  bool direct = false;
+  std::string reason;
+  int fd = -1;
+  if (options.try_direct) {
+    do {
+      fd = open(path.c_str(), flags | O_DIRECT, 0600);
+    } while (fd < 0 && errno == EINTR);
+    if (fd >= 0) {
+      absl::Status probe = ProbeDirectRead(fd, path);
+      if (probe.ok()) {
+        direct = true;
+      } else if (!absl::IsInvalidArgument(probe)) {
+        close(fd);
+        return probe;
+      } else {
+        // Keep the descriptor (O_CREAT/O_TRUNC already happened), drop O_DIRECT.
+        reason = absl::StrCat(probe.message(),
+                              ": filesystem rejects direct transfers");
+        const int current = fcntl(fd, F_GETFL);
+        if (current < 0 || fcntl(fd, F_SETFL, current & ~O_DIRECT) < 0) {
+          const int saved = errno;
+          close(fd);
+          return ErrnoStatus(saved, "fcntl(F_SETFL, ~O_DIRECT)", path);
+        }
+      }
+    } else if (errno == EINVAL) {
+      reason = "EINVAL from open with O_DIRECT: filesystem does not support it";
+    } else {
+      const int saved = errno;
+      if (saved == ELOOP && options.no_follow) {
+        return ErrnoStatus(saved, "open (refusing to follow a symlink)", path);
+      }
+      return ErrnoStatus(saved, "open", path);
+    }
+  } else {
+    reason = "O_DIRECT not requested";
+  }
+  if (fd < 0) {
+    do {
+      fd = open(path.c_str(), flags, 0600);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+      const int saved = errno;
+      if (saved == ELOOP && options.no_follow) {
+        return ErrnoStatus(saved, "open (refusing to follow a symlink)", path);
+      }
+      return ErrnoStatus(saved, "open", path);
+    }
+  }
+  std::unique_ptr<File> file(
+      new File(fd, path, direct, std::move(reason)));
+  if (options.preallocate_bytes > 0) {
+    MLP_RETURN_IF_ERROR(file->Allocate(options.preallocate_bytes));
+  }
+  return file;
+}
+
+absl::Status File::Sync() {
+  int rc;
+  do {
+    rc = fdatasync(fd_);
+  } while (rc < 0 && errno == EINTR);
+  if (rc < 0) return ErrnoStatus(errno, "fdatasync", path_);
+  return absl::OkStatus();
+}
+
+absl::Status File::Allocate(uint64_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  int rc;
+  do {
+    rc = fallocate(fd_, 0, 0, static_cast<off_t>(bytes));
+  } while (rc < 0 && errno == EINTR);
+  if (rc == 0) return absl::OkStatus();
+  const int saved = errno;
+  if (saved != EOPNOTSUPP) {
+    return ErrnoStatus(saved, absl::StrCat("fallocate of ", bytes, " bytes"),
+                       path_);
+  }
+  // No fallocate on this filesystem: glibc's posix_fallocate emulation writes
+  // through the descriptor, which breaks on O_DIRECT alignment, so only extend
+  // the size. Space is then claimed on first write (ENOSPC surfaces there).
+  MLP_ASSIGN_OR_RETURN(const uint64_t size, Size());
+  if (size >= bytes) return absl::OkStatus();
+  if (ftruncate(fd_, static_cast<off_t>(bytes)) < 0) {
+    return ErrnoStatus(errno, absl::StrCat("ftruncate to ", bytes, " bytes"),
+                       path_);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> File::Size() const {
+  struct stat st;
+  if (fstat(fd_, &st) < 0) return ErrnoStatus(errno, "fstat", path_);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+}  // namespace mlp_offload

@@ -1,0 +1,72 @@
+// A timer thread for delayed closures.
+#include "io/internal/delay_queue.h"
+
+#include <vector>
+
+namespace mlp_offload {
+namespace internal_io {
+
+DelayQueue::DelayQueue() {
+  absl::MutexLock lock(&join_mu_);
+  thread_ = std::thread([this] { Loop(); });
+}
+
+DelayQueue::~DelayQueue() { Drain(); }
+
+void DelayQueue::RunAt(absl::Time when, std::function<void()> fn) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopped_) {
+      queue_.emplace(std::make_pair(when, next_seq_++), std::move(fn));
+      changed_ = true;
+      return;
+    }
+  }
+  fn();
+}
+
+void DelayQueue::Drain() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    changed_ = true;
+  }
+  absl::MutexLock lock(&join_mu_);
+  if (thread_.joinable()) thread_.join();
+}
+
+void DelayQueue::Loop() {
+  for (;;) {
+    std::vector<std::function<void()>> due;
+    {
+      absl::MutexLock lock(&mu_);
+      for (;;) {
+        if (queue_.empty()) {
+          if (stopping_) {
+            stopped_ = true;
+            return;
+          }
+          changed_ = false;
+          mu_.Await(absl::Condition(&changed_));
+          continue;
+        }
+        const absl::Time now = absl::Now();
+        auto it = queue_.begin();
+        if (it->first.first <= now) break;
+        // Sleep until the earliest deadline or until RunAt adds an earlier one.
+        changed_ = false;
+        mu_.AwaitWithDeadline(absl::Condition(&changed_), it->first.first);
+      }
+      const absl::Time now = absl::Now();
+      while (!queue_.empty() && queue_.begin()->first.first <= now) {
+        due.push_back(std::move(queue_.begin()->second));
+        queue_.erase(queue_.begin());
+      }
+    }
+    // Outside the lock: a closure may call RunAt.
+    for (auto& fn : due) fn();
+  }
+}
+
+}  // namespace internal_io
+}  // namespace mlp_offload

@@ -1,0 +1,54 @@
+// A thread that runs closures at given times, for the wrappers that delay
+// requests (fault-injected delays, the bandwidth throttle) without blocking
+// the submitting thread.
+#ifndef MLP_OFFLOAD_IO_INTERNAL_DELAY_QUEUE_H_
+#define MLP_OFFLOAD_IO_INTERNAL_DELAY_QUEUE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace mlp_offload {
+namespace internal_io {
+
+class DelayQueue {
+ public:
+  DelayQueue();
+  // Drains.
+  ~DelayQueue();
+  DelayQueue(const DelayQueue&) = delete;
+  DelayQueue& operator=(const DelayQueue&) = delete;
+
+  // Runs `fn` on the queue's thread at `when` (at once if past). Closures due
+  // at the same time run in the order they were added. After Drain, runs
+  // `fn` on the calling thread at once.
+  void RunAt(absl::Time when, std::function<void()> fn);
+  // Waits until every closure added so far has run (at its time), then stops
+  // the thread. Idempotent.
+  void Drain();
+
+ private:
+  void Loop();
+
+  absl::Mutex mu_;
+  // Keyed by (time, arrival) so equal times keep FIFO order.
+  std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> queue_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  bool changed_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Mutex join_mu_;
+  std::thread thread_ ABSL_GUARDED_BY(join_mu_);
+};
+
+}  // namespace internal_io
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_IO_INTERNAL_DELAY_QUEUE_H_

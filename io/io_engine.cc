@@ -1,0 +1,97 @@
+// IoFuture, the IoEngine defaults, and the engine factory.
+#include "io/io_engine.h"
+
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "io/aligned_buffer.h"
+#include "io/internal/engines.h"
+
+namespace mlp_offload {
+
+struct IoFuture::State {
+  absl::Mutex mu;
+  bool ready ABSL_GUARDED_BY(mu) = false;
+  absl::StatusOr<size_t> result ABSL_GUARDED_BY(mu);
+};
+
+IoFuture::IoFuture() : state_(std::make_shared<State>()) {}
+
+absl::StatusOr<size_t> IoFuture::Wait() const {
+  absl::MutexLock lock(&state_->mu);
+  state_->mu.Await(absl::Condition(&state_->ready));
+  return state_->result;
+}
+
+bool IoFuture::Ready() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->ready;
+}
+
+void IoFuture::Set(absl::StatusOr<size_t> result) const {
+  absl::MutexLock lock(&state_->mu);
+  // Engines complete each request exactly once; a second Set is a bug in the
+  // caller and is ignored so the first outcome stays observable.
+  if (state_->ready) return;
+  state_->result = std::move(result);
+  state_->ready = true;
+}
+
+IoCallback IoFuture::AsCallback() const {
+  return [future = *this](absl::StatusOr<size_t> result) {
+    future.Set(std::move(result));
+  };
+}
+
+void IoEngine::SubmitBatch(absl::Span<const IoRequest> requests,
+                           absl::Span<IoCallback> done) {
+  if (requests.size() != done.size()) {
+    for (auto& d : done) {
+      d(absl::InvalidArgumentError(absl::StrCat("SubmitBatch: ", requests.size(),
+                                                " requests but ", done.size(),
+                                                " callbacks")));
+    }
+    return;
+  }
+  for (size_t i = 0; i < requests.size(); ++i) Submit(requests[i], std::move(done[i]));
+}
+
+absl::Status IoEngine::RegisterBuffers(absl::Span<const iovec> buffers) {
+  return absl::OkStatus();
+}
+
+IoFuture IoEngine::Submit(const IoRequest& request) {
+  IoFuture future;
+  Submit(request, future.AsCallback());
+  return future;
+}
+
+absl::StatusOr<std::unique_ptr<IoEngine>> CreateIoEngine(
+    const IoEngineOptions& options) {
+  if (options.queue_depth == 0) {
+    return absl::InvalidArgumentError("CreateIoEngine: queue_depth must be > 0");
+  }
+  // Pieces of an O_DIRECT request must stay aligned.
+  if (options.block_size == 0 || options.block_size % kDirectIoAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CreateIoEngine: block_size ", options.block_size,
+                     " must be a positive multiple of ", kDirectIoAlignment));
+  }
+  switch (options.kind) {
+    case IoEngineOptions::Kind::kUring:
+      return internal_io::CreateUringEngine(options);
+    case IoEngineOptions::Kind::kThreadPool:
+      return internal_io::CreateThreadPoolEngine(options);
+    case IoEngineOptions::Kind::kAuto: {
+      absl::StatusOr<std::unique_ptr<IoEngine>> uring =
+          internal_io::CreateUringEngine(options);
+      if (uring.ok()) return uring;
+      return internal_io::CreateThreadPoolEngine(options);
+    }
+  }
+  return absl::InvalidArgumentError("CreateIoEngine: unknown engine kind");
+}
+
+}  // namespace mlp_offload

@@ -1,0 +1,199 @@
+// The pread/pwrite thread-pool engine: the fallback where io_uring cannot be
+// set up (old kernel, io_uring disabled by sysctl or seccomp). Each worker
+// takes one piece at a time from a shared FIFO and loops on the syscall until
+// the piece is complete or fails, so num_threads is its queue depth.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "io/internal/engines.h"
+#include "io/internal/request.h"
+
+namespace mlp_offload {
+namespace internal_io {
+namespace {
+
+class ThreadPoolEngine final : public IoEngine {
+ public:
+  explicit ThreadPoolEngine(const IoEngineOptions& options)
+      : block_size_(options.block_size) {
+    const int n = std::max(1, options.num_threads);
+    workers_.reserve(n);
+    for (int i = 0; i < n; ++i) {
+      workers_.emplace_back([this] { WorkerLoop(); });
+    }
+  }
+
+  ~ThreadPoolEngine() override {
+    Shutdown();
+    absl::MutexLock lock(&join_mu_);
+    JoinWorkersLocked();
+  }
+
+  std::string name() const override { return "threadpool"; }
+
+  void Submit(const IoRequest& request, IoCallback done) override {
+    SubmitBatch(absl::MakeConstSpan(&request, 1), absl::MakeSpan(&done, 1));
+  }
+
+  void SubmitBatch(absl::Span<const IoRequest> requests,
+                   absl::Span<IoCallback> done) override {
+    if (requests.size() != done.size()) {
+      for (auto& d : done) {
+        d(absl::InvalidArgumentError(absl::StrCat("SubmitBatch: ", requests.size(),
+                                                  " requests but ", done.size(),
+                                                  " callbacks")));
+      }
+      return;
+    }
+    std::vector<Piece> pieces;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      absl::Status valid = ValidateRequest(requests[i]);
+      if (!valid.ok()) {
+        done[i](std::move(valid));
+        continue;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) {
+          lock.Release();
+          done[i](Stopped());
+          continue;
+        }
+      }
+      std::vector<Piece> split =
+          SplitRequest(requests[i], std::move(done[i]), block_size_);
+      for (auto& p : split) pieces.push_back(std::move(p));
+    }
+    if (pieces.empty()) return;
+    absl::MutexLock lock(&mu_);
+    // Workers only exit once stopping_ is set and the queue is empty, and
+    // stopping_ was clear above; Shutdown drains what is queued before that.
+    if (workers_exited_ == static_cast<int>(workers_.size())) {
+      lock.Release();
+      for (auto& p : pieces) p.tracker->PieceDone(p.offset, Stopped());
+      return;
+    }
+    for (auto& p : pieces) pending_.push_back(std::move(p));
+  }
+
+  void Shutdown() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    // From a completion callback (a worker) joining would deadlock; the
+    // workers still drain and exit, and the destructor joins.
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& id : worker_ids_) {
+        if (id == std::this_thread::get_id()) return;
+      }
+    }
+    absl::MutexLock lock(&join_mu_);
+    JoinWorkersLocked();
+  }
+
+ private:
+  static absl::Status Stopped() {
+    return absl::FailedPreconditionError("threadpool engine is shut down");
+  }
+
+  void JoinWorkersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(join_mu_) {
+    for (auto& w : workers_) {
+      if (w.joinable()) w.join();
+    }
+  }
+
+  void WorkerLoop() {
+    {
+      absl::MutexLock lock(&mu_);
+      worker_ids_.push_back(std::this_thread::get_id());
+    }
+    for (;;) {
+      Piece piece;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ThreadPoolEngine* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) {
+              return e->stopping_ || !e->pending_.empty();
+            },
+            this));
+        if (pending_.empty()) {
+          ++workers_exited_;
+          return;
+        }
+        piece = std::move(pending_.front());
+        pending_.pop_front();
+      }
+      absl::Status status = Transfer(&piece);
+      piece.tracker->PieceDone(piece.offset, std::move(status));
+    }
+  }
+
+  // Runs the piece to completion: short transfers continue where they
+  // stopped, EINTR/EAGAIN retry, end of file on a read is an error.
+  static absl::Status Transfer(Piece* piece) {
+    const IoRequest& request = piece->tracker->request();
+    const int fd = request.file->fd();
+    while (piece->done < piece->length) {
+      size_t len = piece->length - piece->done;
+      if (const size_t cap = MaxTransferForTesting(); cap > 0) len = std::min(len, cap);
+      char* buf = piece->buffer + piece->done;
+      const off_t off = static_cast<off_t>(piece->offset + piece->done);
+      ssize_t n = request.op == IoOp::kRead ? pread(fd, buf, len, off)
+                                            : pwrite(fd, buf, len, off);
+      int err = n < 0 ? errno : 0;
+      if (n >= 0 && InjectEagainForTesting()) {
+        n = -1;
+        err = EAGAIN;
+      }
+      if (n < 0) {
+        if ((err == EAGAIN || err == EINTR) && ++piece->retries <= kMaxRetries) {
+          continue;
+        }
+        return TransferError(request.op, *request.file,
+                             piece->offset + piece->done, err);
+      }
+      if (n == 0) {
+        if (request.op == IoOp::kRead) return ShortTransferError(*piece);
+        // A write that makes no progress: retry a bounded number of times.
+        if (++piece->retries <= kMaxRetries) continue;
+        return TransferError(request.op, *request.file,
+                             piece->offset + piece->done, EIO);
+      }
+      piece->retries = 0;
+      piece->done += static_cast<size_t>(n);
+    }
+    return absl::OkStatus();
+  }
+
+  const size_t block_size_;
+  std::vector<std::thread> workers_;  // fixed after construction
+  absl::Mutex join_mu_;
+
+  absl::Mutex mu_;
+  std::deque<Piece> pending_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int workers_exited_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread::id> worker_ids_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::unique_ptr<IoEngine> CreateThreadPoolEngine(const IoEngineOptions& options) {
+  return std::make_unique<ThreadPoolEngine>(options);
+}
+
+}  // namespace internal_io
+}  // namespace mlp_offload

@@ -1,0 +1,395 @@
+// The io_uring engine: one ring per engine (one engine per tier), owned by a
+// single event-loop thread.
+//
+// Why one thread owns the ring: liburing's submission and completion queues
+// are not thread-safe, and sharing them between submitters and a reaper needs
+// a lock around every SQE and a reaper woken for every submission. Instead,
+// submitters only append pieces to a locked queue and poke an eventfd; the
+// loop keeps a poll on that eventfd in the ring, so one io_uring_submit_and_wait
+// both pushes new SQEs and sleeps until either a transfer completes or new
+// work arrives. The loop follows liburing's io_uring-cp pattern: at most
+// queue_depth pieces in flight, the piece pointer in user_data, every CQE
+// consumed (failed ones too), short transfers and -EAGAIN resubmitted.
+#include <fcntl.h>
+#include <liburing.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "io/internal/engines.h"
+#include "io/internal/request.h"
+#include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+namespace internal_io {
+namespace {
+
+// user_data of the eventfd poll; pieces are heap pointers, never this value.
+constexpr uint64_t kWakeTag = 1;
+
+class UringEngine final : public IoEngine {
+ public:
+  UringEngine(const IoEngineOptions& options, int event_fd)
+      : queue_depth_(std::max(1u, options.queue_depth)),
+        block_size_(options.block_size),
+        event_fd_(event_fd) {}
+
+  ~UringEngine() override {
+    Shutdown();
+    {
+      absl::MutexLock lock(&join_mu_);
+      if (loop_.joinable()) loop_.join();
+    }
+    if (initialized_) io_uring_queue_exit(&ring_);
+    close(event_fd_);
+  }
+
+  absl::Status Init() {
+    // +1: the eventfd poll is always in the ring besides the transfers.
+    const int rc = io_uring_queue_init(queue_depth_ + 1, &ring_, 0);
+    if (rc < 0) return ErrnoStatus(-rc, "io_uring_queue_init", "");
+    initialized_ = true;
+    absl::MutexLock lock(&join_mu_);
+    loop_ = std::thread([this] { Loop(); });
+    loop_id_ = loop_.get_id();
+    return absl::OkStatus();
+  }
+
+  std::string name() const override { return "io_uring"; }
+
+  void Submit(const IoRequest& request, IoCallback done) override {
+    SubmitBatch(absl::MakeConstSpan(&request, 1), absl::MakeSpan(&done, 1));
+  }
+
+  void SubmitBatch(absl::Span<const IoRequest> requests,
+                   absl::Span<IoCallback> done) override {
+    if (requests.size() != done.size()) {
+      FailMismatchedBatch(requests.size(), done);
+      return;
+    }
+    std::vector<Piece> pieces;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) {
+        lock.Release();
+        for (auto& d : done) d(Stopped());
+        return;
+      }
+    }
+    for (size_t i = 0; i < requests.size(); ++i) {
+      absl::Status valid = ValidateRequest(requests[i]);
+      if (!valid.ok()) {
+        done[i](std::move(valid));
+        continue;
+      }
+      std::vector<Piece> split =
+          SplitRequest(requests[i], std::move(done[i]), block_size_);
+      for (auto& p : split) pieces.push_back(std::move(p));
+    }
+    if (pieces.empty()) return;
+    bool stopped = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // Shutdown may have started since the check above; it drains what is
+      // queued, so only refuse if the loop has already gone.
+      stopped = loop_exited_;
+      if (!stopped) {
+        for (auto& p : pieces) pending_.push_back(std::move(p));
+      }
+    }
+    if (stopped) {
+      for (auto& p : pieces) p.tracker->PieceDone(p.offset, Stopped());
+      return;
+    }
+    Wake();
+  }
+
+  void Shutdown() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    Wake();
+    // Called from a completion callback (the loop thread itself) it cannot
+    // join; the loop still drains and exits, and the destructor joins.
+    if (std::this_thread::get_id() == loop_id_) return;
+    absl::MutexLock lock(&join_mu_);
+    if (loop_.joinable()) loop_.join();
+  }
+
+  absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override {
+    absl::MutexLock lock(&mu_);
+    if (!fixed_.empty()) {
+      const int rc = io_uring_unregister_buffers(&ring_);
+      if (rc < 0) return ErrnoStatus(-rc, "io_uring_unregister_buffers", "");
+      fixed_.clear();
+    }
+    if (buffers.empty()) return absl::OkStatus();
+    const int rc = io_uring_register_buffers(&ring_, buffers.data(),
+                                             static_cast<unsigned>(buffers.size()));
+    if (rc < 0) {
+      return ErrnoStatus(-rc, "io_uring_register_buffers",
+                         absl::StrCat(buffers.size(), " buffers"));
+    }
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      const auto start = reinterpret_cast<uintptr_t>(buffers[i].iov_base);
+      fixed_[start] = FixedBuffer{start + buffers[i].iov_len, static_cast<int>(i)};
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct FixedBuffer {
+    uintptr_t end;
+    int index;
+  };
+
+  static absl::Status Stopped() {
+    return absl::FailedPreconditionError("io_uring engine is shut down");
+  }
+
+  static void FailMismatchedBatch(size_t requests, absl::Span<IoCallback> done) {
+    for (auto& d : done) {
+      d(absl::InvalidArgumentError(absl::StrCat(
+          "SubmitBatch: ", requests, " requests but ", done.size(), " callbacks")));
+    }
+  }
+
+  void Wake() {
+    const uint64_t one = 1;
+    // Cannot fail short of a counter overflow (2^64 - 1 pokes); a failed poke
+    // would at worst delay pickup until the next completion.
+    ssize_t n;
+    do {
+      n = write(event_fd_, &one, sizeof(one));
+    } while (n < 0 && errno == EINTR);
+  }
+
+  // The buffer index if [addr, addr+len) lies inside a registered buffer.
+  int FixedIndex(const char* addr, size_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (fixed_.empty()) return -1;
+    const auto start = reinterpret_cast<uintptr_t>(addr);
+    auto it = fixed_.upper_bound(start);
+    if (it == fixed_.begin()) return -1;
+    --it;
+    return start + len <= it->second.end ? it->second.index : -1;
+  }
+
+  void ArmWakePoll() {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    // The ring has queue_depth + 1 entries and at most queue_depth transfers
+    // are queued, so there is always room for the poll.
+    io_uring_prep_poll_add(sqe, event_fd_, POLLIN);
+    io_uring_sqe_set_data64(sqe, kWakeTag);
+  }
+
+  void PrepPiece(Piece* piece, int fixed_index) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    const IoRequest& request = piece->tracker->request();
+    size_t len = piece->length - piece->done;
+    if (const size_t cap = MaxTransferForTesting(); cap > 0) len = std::min(len, cap);
+    char* buf = piece->buffer + piece->done;
+    const uint64_t off = piece->offset + piece->done;
+    const int fd = request.file->fd();
+    if (fixed_index >= 0) {
+      if (request.op == IoOp::kRead) {
+        io_uring_prep_read_fixed(sqe, fd, buf, len, off, fixed_index);
+      } else {
+        io_uring_prep_write_fixed(sqe, fd, buf, len, off, fixed_index);
+      }
+    } else if (request.op == IoOp::kRead) {
+      io_uring_prep_read(sqe, fd, buf, len, off);
+    } else {
+      io_uring_prep_write(sqe, fd, buf, len, off);
+    }
+    io_uring_sqe_set_data(sqe, piece);
+  }
+
+  // Returns the piece to the front of the queue (resubmission) or completes it.
+  void HandleCompletion(Piece* raw, int res) {
+    std::unique_ptr<Piece> piece(raw);
+    const IoRequest& request = piece->tracker->request();
+    if (res >= 0 && InjectEagainForTesting()) res = -EAGAIN;
+    if (res == -EAGAIN || res == -EINTR ||
+        (res == 0 && request.op == IoOp::kWrite)) {
+      if (++piece->retries <= kMaxRetries) {
+        retry_.push_back(std::move(piece));
+        return;
+      }
+      if (res == 0) res = -EIO;  // a write that never makes progress
+    }
+    if (res < 0) {
+      piece->tracker->PieceDone(
+          piece->offset, TransferError(request.op, *request.file,
+                                       piece->offset + piece->done, -res));
+      return;
+    }
+    if (res == 0) {  // a read at end of file: the rest cannot come
+      piece->tracker->PieceDone(piece->offset, ShortTransferError(*piece));
+      return;
+    }
+    piece->retries = 0;
+    piece->done += static_cast<size_t>(res);
+    if (piece->done < piece->length) {
+      retry_.push_back(std::move(piece));
+      return;
+    }
+    piece->tracker->PieceDone(piece->offset, absl::OkStatus());
+  }
+
+  void DrainEventFd() {
+    uint64_t value;
+    // Non-blocking: the poll said it is readable, and a second wake that
+    // raced with this read simply re-fires the next poll.
+    (void)read(event_fd_, &value, sizeof(value));
+  }
+
+  void Loop() {
+    ArmWakePoll();
+    unsigned in_flight = 0;
+    std::vector<io_uring_cqe*> cqes(2 * (queue_depth_ + 1));
+    for (;;) {
+      // Resubmissions go first: they are older than anything queued.
+      while (in_flight < queue_depth_ && !retry_.empty()) {
+        Piece* piece = retry_.front().release();
+        retry_.pop_front();
+        int index;
+        {
+          absl::MutexLock lock(&mu_);
+          index = FixedIndex(piece->buffer + piece->done, piece->length - piece->done);
+        }
+        PrepPiece(piece, index);
+        ++in_flight;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        while (in_flight < queue_depth_ && !pending_.empty()) {
+          auto piece = std::make_unique<Piece>(std::move(pending_.front()));
+          pending_.pop_front();
+          const int index = FixedIndex(piece->buffer, piece->length);
+          PrepPiece(piece.release(), index);
+          ++in_flight;
+        }
+        if (stopping_ && pending_.empty() && retry_.empty() && in_flight == 0) {
+          loop_exited_ = true;
+          break;
+        }
+      }
+      const int rc = io_uring_submit_and_wait(&ring_, 1);
+      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+        // The SQEs stay in the ring and go in with the next submission; a
+        // persistent failure here means the ring itself is broken, and the
+        // completions of what is in flight are still reaped below.
+      }
+      const unsigned n = io_uring_peek_batch_cqe(&ring_, cqes.data(),
+                                                 static_cast<unsigned>(cqes.size()));
+      bool rearm = false;
+      for (unsigned i = 0; i < n; ++i) {
+        const uint64_t tag = io_uring_cqe_get_data64(cqes[i]);
+        const int res = cqes[i]->res;
+        if (tag == kWakeTag) {
+          rearm = true;
+          continue;
+        }
+        --in_flight;
+        HandleCompletion(static_cast<Piece*>(io_uring_cqe_get_data(cqes[i])), res);
+      }
+      io_uring_cq_advance(&ring_, n);
+      if (rearm) {
+        DrainEventFd();
+        ArmWakePoll();
+      }
+    }
+    // The wake poll is still armed; io_uring_queue_exit cancels it, and it
+    // references no memory of ours.
+  }
+
+  const unsigned queue_depth_;
+  const size_t block_size_;
+  const int event_fd_;
+  io_uring ring_;
+  bool initialized_ = false;
+  absl::Mutex join_mu_;
+  std::thread loop_ ABSL_GUARDED_BY(join_mu_);
+  // Written once before any request exists; read by Shutdown.
+  std::thread::id loop_id_;
+
+  absl::Mutex mu_;
+  std::deque<Piece> pending_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool loop_exited_ ABSL_GUARDED_BY(mu_) = false;
+  // Registered buffers by start address.
+  std::map<uintptr_t, FixedBuffer> fixed_ ABSL_GUARDED_BY(mu_);
+
+  // Loop thread only: pieces to resubmit (short transfers, EAGAIN).
+  std::deque<std::unique_ptr<Piece>> retry_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<IoEngine>> CreateUringEngine(
+    const IoEngineOptions& options) {
+  std::string reason;
+  if (!IoUringAvailable(&reason)) return absl::UnavailableError(reason);
+  const int event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (event_fd < 0) return ErrnoStatus(errno, "eventfd", "for the io_uring engine");
+  auto engine = std::make_unique<UringEngine>(options, event_fd);
+  absl::Status status = engine->Init();
+  if (!status.ok()) return absl::UnavailableError(status.message());
+  return engine;
+}
+
+}  // namespace internal_io
+
+bool IoUringAvailable(std::string* reason) {
+  auto set_reason = [reason](std::string why) {
+    if (reason != nullptr) *reason = std::move(why);
+  };
+  const char* disable = getenv("MLP_OFFLOAD_DISABLE_IO_URING");
+  if (disable != nullptr && disable[0] != '\0' && std::strcmp(disable, "0") != 0) {
+    set_reason(absl::StrCat("disabled by MLP_OFFLOAD_DISABLE_IO_URING=", disable));
+    return false;
+  }
+  io_uring ring;
+  const int rc = io_uring_queue_init(2, &ring, 0);
+  if (rc < 0) {
+    set_reason(absl::StrCat("io_uring_queue_init: ", std::strerror(-rc)));
+    return false;
+  }
+  // IORING_OP_READ/WRITE/POLL_ADD need kernel 5.6; older rings fall back.
+  bool ok = true;
+  io_uring_probe* probe = io_uring_get_probe_ring(&ring);
+  if (probe == nullptr) {
+    ok = false;
+    set_reason("io_uring_get_probe_ring failed (kernel older than 5.6)");
+  } else {
+    for (int op : {IORING_OP_READ, IORING_OP_WRITE, IORING_OP_POLL_ADD,
+                   IORING_OP_READ_FIXED, IORING_OP_WRITE_FIXED}) {
+      if (!io_uring_opcode_supported(probe, op)) {
+        ok = false;
+        set_reason(absl::StrCat("io_uring opcode ", op, " not supported by the kernel"));
+        break;
+      }
+    }
+    io_uring_free_probe(probe);
+  }
+  io_uring_queue_exit(&ring);
+  if (ok) set_reason("");
+  return ok;
+}
+
+}  // namespace mlp_offload

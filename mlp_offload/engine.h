@@ -1,0 +1,167 @@
+// The offload engine: runs the update phase of a training step over
+// optimizer state that lives on host memory and several storage tiers.
+//
+// For each subgroup, in the plan's order: make its record resident (a cache
+// hit, or wait for its prefetch), run the kernel (or hand the record to the
+// caller, for optimizers without a native kernel), then write it back unless
+// the next step starts with it. Reads run ahead and writes behind, within the
+// host budget. Every technique of PAPER.md can be switched off; all off is
+// the ZeRO-Infinity-like baseline, in the same engine.
+#ifndef MLP_OFFLOAD_MLP_OFFLOAD_ENGINE_H_
+#define MLP_OFFLOAD_MLP_OFFLOAD_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "io/io_engine.h"
+#include "kernels/optimizer_kernels.h"
+#include "mlp_offload/planner.h"
+#include "mlp_offload/tier.h"
+
+namespace mlp_offload {
+
+struct EngineConfig {
+  std::vector<TierSpec> tiers;
+  uint64_t host_budget_bytes = 0;
+  std::vector<uint64_t> subgroup_numel;
+  // fp32 state arrays per parameter besides the master copy. For a native
+  // optimizer: NumStateArrays(hp); for the generic path: whatever the wrapped
+  // optimizer keeps per parameter.
+  int num_state_arrays = 2;
+  DType grad_dtype = DType::kBFloat16;   // the model's gradient dtype
+  Techniques techniques;
+  int compute_threads = 2;
+  IoEngineOptions io;
+  // Subdirectory created under every tier path for this run's files.
+  std::string run_name = "mlp_offload_run";
+  int tier_lock_slots = 1;             // processes per tier at a time
+  bool verify_checksums = true;        // on every read
+  // Wrap each tier's I/O engine in a FaultInjectingEngine (tests).
+  bool fault_injection = false;
+  // 0: reuse state already on the tiers if its manifest matches (resume);
+  // else start fresh. See Engine::Create.
+  bool resume = false;
+};
+
+// One parameter (or a contiguous run of them) inside a subgroup: elements
+// [offset, offset + numel) of the subgroup's flat record.
+struct Segment {
+  uint64_t offset = 0;
+  uint64_t numel = 0;
+  const void* grad = nullptr;   // numel elements of EngineConfig::grad_dtype
+  void* param_out = nullptr;    // optional: the model's parameter to refresh
+};
+
+struct SubgroupStepInput {
+  OptimizerHyperparams hp;        // hp.step is ignored: the engine counts
+  std::vector<Segment> segments;  // cover the subgroup's elements once each
+};
+
+struct StepOptions {
+  DType param_out_dtype = DType::kBFloat16;
+  float grad_scale = 1.0f;        // 1/loss_scale (and clip coefficient)
+  // Check every gradient first; if one is NaN/Inf nothing is updated.
+  bool skip_if_nonfinite = false;
+};
+
+// Where the time of one step went and what crossed each tier.
+struct StepStats {
+  int64_t step = 0;
+  bool skipped = false;            // non-finite gradients: nothing updated
+  double seconds = 0;
+  double read_wait_seconds = 0;    // compute thread waiting on reads
+  double compute_seconds = 0;      // kernels (or the caller's generic step)
+  double write_wait_seconds = 0;   // waiting on writes at the end / for buffers
+  double grad_offload_seconds = 0; // baseline: eager grad conversion + writes
+  int cache_hits = 0;
+  std::vector<uint64_t> bytes_read;     // per tier
+  std::vector<uint64_t> bytes_written;  // per tier
+  uint64_t peak_host_bytes = 0;    // engine buffers in use, high-water mark
+};
+
+// A resident record handed to the caller (generic path, state access).
+struct SubgroupView {
+  int subgroup = -1;
+  uint64_t numel = 0;
+  float* master = nullptr;            // fp32 master parameters
+  std::vector<float*> state;          // num_state_arrays arrays
+  int64_t step = 0;                   // updates applied so far
+};
+
+class Engine {
+ public:
+  // Validates the config (errors name the problem: a missing or unwritable
+  // tier path, two tiers on one directory, a tier in use by another live run,
+  // a budget too small, a subgroup of size 0), plans, opens the tiers and
+  // creates the run directories. With config.resume and a matching manifest
+  // on the tiers, the existing state is used; otherwise the state is
+  // uninitialised until InitializeSubgroup is called for every subgroup.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config);
+  ~Engine();
+
+  const Plan& plan() const;
+  const EngineConfig& config() const;
+  int num_subgroups() const;
+  // Steps completed (the next Step is step() + 1).
+  int64_t step() const;
+  // Whether Create found and reused state on the tiers.
+  bool resumed() const;
+
+  // Sets subgroup `i`'s master parameters from `numel` values of `dtype` and
+  // its state arrays to `state_init` (or zeros when null), step count 0, and
+  // writes the record to its tier (or keeps it cached).
+  absl::Status InitializeSubgroup(int i, const void* params, DType dtype,
+                                  const OptimizerHyperparams* state_init = nullptr);
+
+  // Baseline (delayed_grad_conversion off): called as gradients become final
+  // during backward; converts them to fp32 and writes them to the subgroup's
+  // tier, as ZeRO-Infinity does. With delayed conversion on, it only checks
+  // its arguments (the gradient stays where it is until Step).
+  absl::Status OffloadGradients(int i, const std::vector<Segment>& segments);
+
+  // The native path: one update of every subgroup with its kernel.
+  // inputs[i] belongs to subgroup i.
+  absl::StatusOr<StepStats> Step(const std::vector<SubgroupStepInput>& inputs,
+                                 const StepOptions& options);
+
+  // The generic path: the caller updates each record itself.
+  //   BeginStep(); while ((v = Next()) valid) { update v; Done(); } EndStep();
+  // Next returns the subgroups in the plan's order, prefetched, with
+  // subgroup == -1 after the last one.
+  absl::Status BeginStep();
+  absl::StatusOr<SubgroupView> Next();
+  absl::Status Done();
+  absl::StatusOr<StepStats> EndStep();
+  // Aborts a generic step: nothing of it is committed.
+  void AbortStep();
+
+  // Copies subgroup `i`'s master parameters and state arrays out (fp32) or in,
+  // whichever tier (or cache) holds them. For state_dict / load_state_dict.
+  absl::Status ReadSubgroup(int i, float* master, const std::vector<float*>& state,
+                            int64_t* step);
+  absl::Status WriteSubgroup(int i, const float* master,
+                             const std::vector<const float*>& state, int64_t step);
+
+  // Writes the whole state (every tier, every cached record) to `dir`
+  // atomically: a crash mid-save leaves the previous checkpoint intact.
+  absl::Status SaveCheckpoint(const std::string& dir);
+  // Loads a checkpoint; FailedPrecondition naming the mismatch when it was
+  // written for other subgroup sizes or state layout.
+  absl::Status LoadCheckpoint(const std::string& dir);
+
+  // Per-tier fault injectors (config.fault_injection), else nullptr.
+  class FaultInjectingEngine* fault_injector(int tier) const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_MLP_OFFLOAD_ENGINE_H_

@@ -1,0 +1,327 @@
+// Header, manifest and commit-record formats; atomic small-file writes.
+#include "mlp_offload/state_store.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+namespace {
+
+constexpr uint64_t kHeaderMagic = 0x54534f504c4d0a31ull;  // "1\nMLPOST" (LE)
+constexpr uint64_t kCommitMagic = 0x54494d4d4f434c4dull;  // "MLCOMMIT"
+constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ull;
+constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4Full;
+constexpr uint64_t kPrime3 = 0x165667B19E3779F9ull;
+
+inline uint64_t Rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t Round(uint64_t acc, uint64_t v) {
+  acc += v * kPrime2;
+  acc = Rotl(acc, 31);
+  return acc * kPrime1;
+}
+inline uint64_t Mix(uint64_t h) {
+  h ^= h >> 33;
+  h *= kPrime2;
+  h ^= h >> 29;
+  h *= kPrime3;
+  h ^= h >> 32;
+  return h;
+}
+
+// Four independent lanes (so the multiplies pipeline), then the tail bytes.
+uint64_t HashChunk(const unsigned char* p, size_t n, uint64_t seed) {
+  uint64_t a = seed + kPrime1 + kPrime2, b = seed + kPrime2, c = seed, d = seed - kPrime1;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    uint64_t v[4];
+    std::memcpy(v, p + i, 32);
+    a = Round(a, v[0]);
+    b = Round(b, v[1]);
+    c = Round(c, v[2]);
+    d = Round(d, v[3]);
+  }
+  uint64_t h = Rotl(a, 1) + Rotl(b, 7) + Rotl(c, 12) + Rotl(d, 18) + n;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    h = Rotl(h ^ Round(0, v), 27) * kPrime1 + kPrime3;
+  }
+  for (; i < n; ++i) h = Rotl(h ^ (p[i] * kPrime3), 11) * kPrime1;
+  return Mix(h);
+}
+
+struct HeaderLayout {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t header_bytes;
+  uint64_t run_id;
+  uint32_t subgroup;
+  uint32_t num_arrays;
+  uint64_t numel;
+  int64_t step;
+  uint64_t payload_bytes;
+  uint64_t payload_checksum;
+  uint64_t header_checksum;  // of the bytes above
+};
+
+}  // namespace
+
+uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool) {
+  constexpr size_t kChunk = 1 << 20;
+  const size_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<uint64_t> parts(chunks);
+  auto body = [&](size_t c) {
+    size_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+    parts[c] = HashChunk(static_cast<const unsigned char*>(data) + begin, len, c);
+  };
+  if (pool != nullptr) {
+    pool->ParallelFor(chunks, body);
+  } else {
+    for (size_t c = 0; c < chunks; ++c) body(c);
+  }
+  return HashChunk(reinterpret_cast<const unsigned char*>(parts.data()),
+                   parts.size() * sizeof(uint64_t), n);
+}
+
+void EncodeRecordHeader(const RecordHeader& h, void* page) {
+  std::memset(page, 0, kRecordHeaderBytes);
+  HeaderLayout l{};
+  l.magic = kHeaderMagic;
+  l.version = kStateFormatVersion;
+  l.header_bytes = kRecordHeaderBytes;
+  l.run_id = h.run_id;
+  l.subgroup = h.subgroup;
+  l.num_arrays = h.num_arrays;
+  l.numel = h.numel;
+  l.step = h.step;
+  l.payload_bytes = h.payload_bytes;
+  l.payload_checksum = h.payload_checksum;
+  l.header_checksum = HashChunk(reinterpret_cast<const unsigned char*>(&l),
+                                offsetof(HeaderLayout, header_checksum), 0);
+  std::memcpy(page, &l, sizeof(l));
+}
+
+absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
+                                                absl::string_view where) {
+  if (size < sizeof(HeaderLayout)) {
+    return absl::DataLossError(absl::StrCat(where, ": header truncated (", size, " bytes)"));
+  }
+  HeaderLayout l;
+  std::memcpy(&l, page, sizeof(l));
+  if (l.magic != kHeaderMagic) {
+    return absl::DataLossError(absl::StrCat(where, ": not an MLP-Offload state record (bad magic)"));
+  }
+  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(&l),
+                           offsetof(HeaderLayout, header_checksum), 0);
+  if (sum != l.header_checksum) {
+    return absl::DataLossError(absl::StrCat(where, ": header checksum mismatch"));
+  }
+  if (l.version != kStateFormatVersion || l.header_bytes != kRecordHeaderBytes) {
+    return absl::DataLossError(absl::StrCat(where, ": unsupported state format version ",
+                                            l.version));
+  }
+  if (l.payload_bytes != l.numel * 4ull * l.num_arrays) {
+    return absl::DataLossError(absl::StrCat(where, ": inconsistent header sizes"));
+  }
+  RecordHeader h;
+  h.run_id = l.run_id;
+  h.subgroup = l.subgroup;
+  h.num_arrays = l.num_arrays;
+  h.numel = l.numel;
+  h.step = l.step;
+  h.payload_bytes = l.payload_bytes;
+  h.payload_checksum = l.payload_checksum;
+  return h;
+}
+
+std::string EncodeManifest(const Manifest& m) {
+  std::string out = absl::StrCat("mlp_offload_manifest ", m.format_version, "\n",
+                                 "run_id ", m.run_id, "\n",
+                                 "arrays_per_param ", m.arrays_per_param, "\n",
+                                 "subgroups ", m.subgroup_numel.size(), "\n");
+  for (size_t i = 0; i < m.subgroup_numel.size(); ++i) {
+    absl::StrAppend(&out, i, " ", m.subgroup_numel[i], " ", m.tier_of_subgroup[i], "\n");
+  }
+  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()), out.size(), 0);
+  absl::StrAppend(&out, "checksum ", sum, "\n");
+  return out;
+}
+
+absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view where) {
+  auto bad = [&](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat(where, ": corrupt manifest: ", why));
+  };
+  size_t cut = text.rfind("checksum ");
+  if (cut == absl::string_view::npos || (cut > 0 && text[cut - 1] != '\n')) {
+    return bad("no checksum line");
+  }
+  uint64_t want;
+  absl::string_view sum_text = absl::StripSuffix(text.substr(cut + 9), "\n");
+  if (!absl::SimpleAtoi(sum_text, &want)) return bad("bad checksum line");
+  if (HashChunk(reinterpret_cast<const unsigned char*>(text.data()), cut, 0) != want) {
+    return bad("checksum mismatch");
+  }
+  std::vector<absl::string_view> lines =
+      absl::StrSplit(text.substr(0, cut), '\n', absl::SkipEmpty());
+  Manifest m;
+  auto field = [&](size_t idx, absl::string_view key, auto* value) -> bool {
+    if (idx >= lines.size()) return false;
+    std::vector<absl::string_view> kv = absl::StrSplit(lines[idx], ' ');
+    return kv.size() == 2 && kv[0] == key && absl::SimpleAtoi(kv[1], value);
+  };
+  uint64_t count = 0;
+  if (!field(0, "mlp_offload_manifest", &m.format_version)) return bad("bad first line");
+  if (m.format_version != kStateFormatVersion) {
+    return absl::DataLossError(absl::StrCat(where, ": unsupported manifest version ",
+                                            m.format_version));
+  }
+  if (!field(1, "run_id", &m.run_id) || !field(2, "arrays_per_param", &m.arrays_per_param) ||
+      !field(3, "subgroups", &count)) {
+    return bad("missing header fields");
+  }
+  if (count != lines.size() - 4) return bad("subgroup count does not match the lines");
+  for (uint64_t i = 0; i < count; ++i) {
+    std::vector<absl::string_view> parts = absl::StrSplit(lines[4 + i], ' ');
+    uint64_t index, numel;
+    int tier;
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &index) || index != i ||
+        !absl::SimpleAtoi(parts[1], &numel) || !absl::SimpleAtoi(parts[2], &tier) || tier < 0) {
+      return bad(absl::StrCat("bad subgroup line ", i));
+    }
+    m.subgroup_numel.push_back(numel);
+    m.tier_of_subgroup.push_back(tier);
+  }
+  return m;
+}
+
+absl::Status CheckManifestMatches(const Manifest& expected, const Manifest& found,
+                                  absl::string_view where) {
+  if (expected.arrays_per_param != found.arrays_per_param) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, " holds state with ", found.arrays_per_param,
+        " arrays per parameter, this optimizer needs ", expected.arrays_per_param,
+        " (another optimizer?)"));
+  }
+  if (expected.subgroup_numel.size() != found.subgroup_numel.size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        where, " holds ", found.subgroup_numel.size(), " subgroups, this model has ",
+        expected.subgroup_numel.size(), " (another model?)"));
+  }
+  for (size_t i = 0; i < expected.subgroup_numel.size(); ++i) {
+    if (expected.subgroup_numel[i] != found.subgroup_numel[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, ": subgroup ", i, " has ", found.subgroup_numel[i],
+          " parameters, this model's has ", expected.subgroup_numel[i], " (another model?)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string EncodeCommitRecord(const CommitRecord& c) {
+  std::string out;
+  auto put = [&out](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+  uint64_t magic = kCommitMagic, count = c.subgroup_step.size();
+  put(&magic, 8);
+  put(&c.step, 8);
+  put(&count, 8);
+  put(c.subgroup_step.data(), count * 8);
+  put(c.subgroup_slot.data(), count);
+  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()), out.size(), 1);
+  put(&sum, 8);
+  return out;
+}
+
+absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes, absl::string_view where) {
+  auto bad = [&](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat(where, ": corrupt commit record: ", why));
+  };
+  if (bytes.size() < 32) return bad("truncated");
+  uint64_t magic, count, sum;
+  CommitRecord c;
+  std::memcpy(&magic, bytes.data(), 8);
+  std::memcpy(&c.step, bytes.data() + 8, 8);
+  std::memcpy(&count, bytes.data() + 16, 8);
+  if (magic != kCommitMagic) return bad("bad magic");
+  if (count > (bytes.size() - 32) / 9 || bytes.size() != 32 + count * 9) return bad("bad size");
+  std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
+  if (HashChunk(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size() - 8, 1) != sum) {
+    return bad("checksum mismatch");
+  }
+  c.subgroup_step.resize(count);
+  c.subgroup_slot.resize(count);
+  std::memcpy(c.subgroup_step.data(), bytes.data() + 24, count * 8);
+  std::memcpy(c.subgroup_slot.data(), bytes.data() + 24 + count * 8, count);
+  for (uint8_t s : c.subgroup_slot) {
+    if (s > 1) return bad("slot out of range");
+  }
+  return c;
+}
+
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+  std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoStatus(errno, "open", tmp);
+  size_t done = 0;
+  while (done < contents.size()) {
+    ssize_t w = write(fd, contents.data() + done, contents.size() - done);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      close(fd);
+      unlink(tmp.c_str());
+      return ErrnoStatus(e, "write", tmp);
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (fsync(fd) != 0) {
+    int e = errno;
+    close(fd);
+    unlink(tmp.c_str());
+    return ErrnoStatus(e, "fsync", tmp);
+  }
+  close(fd);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    int e = errno;
+    unlink(tmp.c_str());
+    return ErrnoStatus(e, "rename", absl::StrCat(tmp, " to ", path));
+  }
+  std::string dir = path.substr(0, path.find_last_of('/'));
+  if (dir.empty()) dir = "/";
+  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);
+    close(dfd);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "open", path);
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    ssize_t r = read(fd, buf, sizeof(buf));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      close(fd);
+      return ErrnoStatus(e, "read", path);
+    }
+    if (r == 0) break;
+    out.append(buf, static_cast<size_t>(r));
+  }
+  close(fd);
+  return out;
+}
+
+}  // namespace mlp_offload

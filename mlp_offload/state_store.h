@@ -1,0 +1,94 @@
+// The on-disk layout of the offloaded state, and its parsers.
+//
+// Each tier holds a run directory <tier>/<run_name>/ (mode 0700) with
+//   MANIFEST        text: format version, run id, subgroups (numel, tier),
+//                   arrays per parameter; refuses another model's state.
+//   COMMIT          binary, replaced atomically: the last durable step and,
+//                   for each subgroup on this tier, which slot holds it.
+//   sg_<i>.state    two slots, each [4 KiB header | record]; a write always
+//                   goes to the slot that does not hold the committed version,
+//                   so a torn write never destroys the last good copy.
+//   sg_<i>.grad     the baseline's fp32 gradient (eager conversion).
+// One file per subgroup keeps every request a single large sequential
+// transfer at an aligned offset (O_DIRECT), lets a subgroup move between
+// tiers by itself, and keeps a corrupt file's damage to one subgroup.
+#ifndef MLP_OFFLOAD_MLP_OFFLOAD_STATE_STORE_H_
+#define MLP_OFFLOAD_MLP_OFFLOAD_STATE_STORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "mlp_offload/base/thread_pool.h"
+
+namespace mlp_offload {
+
+inline constexpr uint64_t kRecordHeaderBytes = 4096;
+inline constexpr uint32_t kStateFormatVersion = 1;
+
+struct RecordHeader {
+  uint64_t run_id = 0;
+  uint32_t subgroup = 0;
+  uint32_t num_arrays = 0;   // fp32 arrays: master + optimizer state
+  uint64_t numel = 0;
+  int64_t step = 0;          // updates applied to this record
+  uint64_t payload_bytes = 0;
+  uint64_t payload_checksum = 0;
+};
+
+// Writes `header` into the first kRecordHeaderBytes of `page` (zero padded),
+// with a magic number, the format version and a checksum of the header.
+void EncodeRecordHeader(const RecordHeader& header, void* page);
+
+// Parses a header page. DataLoss naming `where` (file and slot) on a bad
+// magic, version or header checksum.
+absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
+                                                absl::string_view where);
+
+// A fast 64-bit checksum of `n` bytes, computed over fixed 1 MiB chunks in
+// parallel and combined in order (the same value for any thread count).
+uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool);
+
+struct Manifest {
+  uint32_t format_version = kStateFormatVersion;
+  uint64_t run_id = 0;
+  uint32_t arrays_per_param = 0;
+  std::vector<uint64_t> subgroup_numel;
+  std::vector<int> tier_of_subgroup;
+};
+
+std::string EncodeManifest(const Manifest& manifest);
+// DataLoss naming `where` for a malformed manifest.
+absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view where);
+// FailedPrecondition naming the first difference if `found` is not the state
+// of the model described by `expected` (subgroup sizes, state layout).
+absl::Status CheckManifestMatches(const Manifest& expected, const Manifest& found,
+                                  absl::string_view where);
+
+// Which slot holds each subgroup's durable version, as of `step`.
+struct CommitRecord {
+  int64_t step = 0;
+  std::vector<int64_t> subgroup_step;  // -1: not on this tier
+  std::vector<uint8_t> subgroup_slot;
+};
+std::string EncodeCommitRecord(const CommitRecord& commit);
+absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes, absl::string_view where);
+
+// Writes `contents` to `path` through a temporary file, fsync and rename, then
+// fsyncs the directory: readers see the old or the new file, never a mix.
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
+
+// Byte offset of `slot` (0 or 1) in a state file whose records are
+// `record_bytes` long (aligned).
+inline uint64_t SlotOffset(int slot, uint64_t aligned_record_bytes) {
+  return static_cast<uint64_t>(slot) * (kRecordHeaderBytes + aligned_record_bytes);
+}
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_MLP_OFFLOAD_STATE_STORE_H_

@@ -1,0 +1,116 @@
+#include "mlp_offload/state_store.h"
+
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace mlp_offload {
+namespace {
+
+TEST(StateStoreTest, HeaderRoundTripsAndDetectsEveryFlippedByte) {
+  RecordHeader h;
+  h.run_id = 0x1234567890ull;
+  h.subgroup = 7;
+  h.num_arrays = 3;
+  h.numel = 1000;
+  h.step = 42;
+  h.payload_bytes = 12000;
+  h.payload_checksum = 99;
+  std::vector<unsigned char> page(kRecordHeaderBytes);
+  EncodeRecordHeader(h, page.data());
+  auto back = DecodeRecordHeader(page.data(), page.size(), "sg_7.state slot 0");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->subgroup, 7u);
+  EXPECT_EQ(back->step, 42);
+  EXPECT_EQ(back->payload_checksum, 99u);
+  for (size_t i = 0; i < 72; ++i) {  // the encoded fields
+    auto copy = page;
+    copy[i] ^= 0x10;
+    auto bad = DecodeRecordHeader(copy.data(), copy.size(), "sg_7.state slot 0");
+    ASSERT_FALSE(bad.ok()) << "byte " << i;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(bad.status().message().find("sg_7.state slot 0"), std::string::npos);
+  }
+}
+
+TEST(StateStoreTest, ChecksumIsThreadCountIndependentAndSensitive) {
+  std::vector<float> data(3'000'001);
+  std::mt19937 rng(1);
+  for (auto& x : data) x = std::uniform_real_distribution<float>(-1, 1)(rng);
+  size_t bytes = data.size() * sizeof(float);
+  uint64_t one = PayloadChecksum(data.data(), bytes, nullptr);
+  ThreadPool pool(3);
+  EXPECT_EQ(PayloadChecksum(data.data(), bytes, &pool), one);
+  for (size_t pos : {size_t{0}, size_t{1 << 20}, bytes - 1}) {
+    reinterpret_cast<unsigned char*>(data.data())[pos] ^= 1;
+    EXPECT_NE(PayloadChecksum(data.data(), bytes, &pool), one) << pos;
+    reinterpret_cast<unsigned char*>(data.data())[pos] ^= 1;
+  }
+}
+
+TEST(StateStoreTest, ManifestRoundTripAndMismatchMessages) {
+  Manifest m;
+  m.run_id = 5;
+  m.arrays_per_param = 3;
+  m.subgroup_numel = {10, 20, 30};
+  m.tier_of_subgroup = {0, 1, 0};
+  std::string text = EncodeManifest(m);
+  auto back = ParseManifest(text, "MANIFEST");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->subgroup_numel, m.subgroup_numel);
+  EXPECT_EQ(back->tier_of_subgroup, m.tier_of_subgroup);
+  EXPECT_TRUE(CheckManifestMatches(m, *back, "x").ok());
+
+  Manifest other = m;
+  other.subgroup_numel[1] = 21;
+  absl::Status s = CheckManifestMatches(m, other, "/ckpt");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("subgroup 1 has 21 parameters"), std::string::npos) << s;
+  other = m;
+  other.arrays_per_param = 2;
+  EXPECT_NE(CheckManifestMatches(m, other, "/ckpt").message().find("arrays per parameter"),
+            std::string::npos);
+
+  std::string corrupt = text;
+  corrupt[text.find("20")] = '9';
+  EXPECT_EQ(ParseManifest(corrupt, "MANIFEST").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_FALSE(ParseManifest("", "MANIFEST").ok());
+  EXPECT_FALSE(ParseManifest("checksum 1\n", "MANIFEST").ok());
+}
+
+TEST(StateStoreTest, CommitRecordRoundTrip) {
+  CommitRecord c;
+  c.step = 9;
+  c.subgroup_step = {9, -1, 8};
+  c.subgroup_slot = {1, 0, 0};
+  std::string bytes = EncodeCommitRecord(c);
+  auto back = ParseCommitRecord(bytes, "COMMIT");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->step, 9);
+  EXPECT_EQ(back->subgroup_step, c.subgroup_step);
+  EXPECT_EQ(back->subgroup_slot, c.subgroup_slot);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    std::string copy = bytes;
+    copy[i] ^= 4;
+    EXPECT_FALSE(ParseCommitRecord(copy, "COMMIT").ok()) << i;
+  }
+  EXPECT_FALSE(ParseCommitRecord(bytes.substr(0, 20), "COMMIT").ok());
+}
+
+TEST(StateStoreTest, AtomicWriteReplacesWholeFile) {
+  std::string dir = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
+  std::string path = dir + "/atomic_file";
+  ASSERT_TRUE(WriteFileAtomically(path, "first version").ok());
+  ASSERT_TRUE(WriteFileAtomically(path, "second").ok());
+  auto read = ReadSmallFile(path);
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(*read, "second");
+  absl::Status s = WriteFileAtomically(dir + "/no/such/dir/f", "x");
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("/no/such/dir/f"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mlp_offload

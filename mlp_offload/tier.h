@@ -1,0 +1,28 @@
+// What the engine knows about a storage tier (one path of the multi-path
+// virtual tier of PAPER.md).
+#ifndef MLP_OFFLOAD_MLP_OFFLOAD_TIER_H_
+#define MLP_OFFLOAD_MLP_OFFLOAD_TIER_H_
+
+#include <cstdint>
+#include <string>
+
+namespace mlp_offload {
+
+struct TierSpec {
+  std::string path;           // directory; the run's files go in a subdirectory
+  std::string name;           // for messages and statistics ("nvme", "pfs"...)
+  double read_bytes_per_sec = 0;   // measured or given; 0: unknown (probe)
+  double write_bytes_per_sec = 0;
+  uint64_t capacity_bytes = 0;     // 0: the filesystem's free space
+  int shared_by = 1;               // processes of the node that use this tier
+  // Optional caps that emulate a slower tier (token bucket in io/); <= 0: none.
+  double throttle_read_bytes_per_sec = 0;
+  double throttle_write_bytes_per_sec = 0;
+  // Tiers with the same non-empty pool share one bandwidth (two directories
+  // on one device); the planner then splits the pool's bandwidth.
+  std::string bandwidth_pool;
+};
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_MLP_OFFLOAD_TIER_H_
