@@ -10,6 +10,16 @@
 
 namespace mlp_offload {
 
+// What a fault does to the request it hits:
+// - kError: the request fails with ErrnoStatus(error) naming the operation
+//   ("read (injected)"), the path and the offset; nothing is transferred.
+// - kShortTransfer: only the first half of the request (rounded down to
+//   kDirectIoAlignment for O_DIRECT files) is transferred by the inner engine,
+//   then the request fails with DataLoss naming the operation, path, offset
+//   and the byte counts: a transfer cut short that could not be completed. It
+//   never completes OK with fewer bytes.
+// - kDelay: the request reaches the inner engine `delay` later (the
+//   submitting thread is not blocked).
 struct FaultSpec {
   enum class Kind { kError, kShortTransfer, kDelay };
   Kind kind = Kind::kError;
@@ -25,6 +35,7 @@ struct FaultSpec {
 class FaultInjectingEngine : public IoEngine {
  public:
   explicit FaultInjectingEngine(std::unique_ptr<IoEngine> inner);
+  ~FaultInjectingEngine() override;  // Shutdown()
   // Thread-safe; may be called while requests are in flight.
   void AddFault(const FaultSpec& fault);
   void ClearFaults();
@@ -34,6 +45,7 @@ class FaultInjectingEngine : public IoEngine {
   std::string name() const override;
   void Submit(const IoRequest& request, IoCallback done) override;
   void Shutdown() override;
+  absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override;
   using IoEngine::Submit;
 
  private:
@@ -42,7 +54,10 @@ class FaultInjectingEngine : public IoEngine {
 };
 
 // Caps an engine's read and write bandwidth (bytes/s; <= 0: no cap) with a
-// token bucket, to emulate a slower tier on a fast disk.
+// token bucket, to emulate a slower tier on a fast disk. Requests are cut into
+// 1 MiB pieces released to `inner` at the capped rate (no burst allowance, so
+// the cap holds over any window longer than a piece), from a timer thread:
+// Submit never blocks.
 std::unique_ptr<IoEngine> MakeThrottledEngine(std::unique_ptr<IoEngine> inner,
                                               double read_bytes_per_sec,
                                               double write_bytes_per_sec);

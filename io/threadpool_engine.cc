@@ -63,28 +63,33 @@ class ThreadPoolEngine final : public IoEngine {
         done[i](std::move(valid));
         continue;
       }
+      bool stopping;
       {
         absl::MutexLock lock(&mu_);
-        if (stopping_) {
-          lock.Release();
-          done[i](Stopped());
-          continue;
-        }
+        stopping = stopping_;
+      }
+      if (stopping) {
+        done[i](Stopped());
+        continue;
       }
       std::vector<Piece> split =
           SplitRequest(requests[i], std::move(done[i]), block_size_);
       for (auto& p : split) pieces.push_back(std::move(p));
     }
     if (pieces.empty()) return;
-    absl::MutexLock lock(&mu_);
-    // Workers only exit once stopping_ is set and the queue is empty, and
-    // stopping_ was clear above; Shutdown drains what is queued before that.
-    if (workers_exited_ == static_cast<int>(workers_.size())) {
-      lock.Release();
-      for (auto& p : pieces) p.tracker->PieceDone(p.offset, Stopped());
-      return;
+    bool exited;
+    {
+      absl::MutexLock lock(&mu_);
+      // Shutdown may have begun since the check above; it drains what is
+      // queued, so refuse only if every worker has already gone.
+      exited = workers_exited_ == static_cast<int>(workers_.size());
+      if (!exited) {
+        for (auto& p : pieces) pending_.push_back(std::move(p));
+      }
     }
-    for (auto& p : pieces) pending_.push_back(std::move(p));
+    if (exited) {
+      for (auto& p : pieces) p.tracker->PieceDone(p.offset, Stopped());
+    }
   }
 
   void Shutdown() override {

@@ -82,13 +82,14 @@ class UringEngine final : public IoEngine {
       return;
     }
     std::vector<Piece> pieces;
+    bool stopping;
     {
       absl::MutexLock lock(&mu_);
-      if (stopping_) {
-        lock.Release();
-        for (auto& d : done) d(Stopped());
-        return;
-      }
+      stopping = stopping_;
+    }
+    if (stopping) {
+      for (auto& d : done) d(Stopped());
+      return;
     }
     for (size_t i = 0; i < requests.size(); ++i) {
       absl::Status valid = ValidateRequest(requests[i]);

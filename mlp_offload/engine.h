@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "io/fault_injection.h"
 #include "io/io_engine.h"
 #include "kernels/optimizer_kernels.h"
 #include "mlp_offload/planner.h"
@@ -42,9 +43,13 @@ struct EngineConfig {
   bool verify_checksums = true;        // on every read
   // Wrap each tier's I/O engine in a FaultInjectingEngine (tests).
   bool fault_injection = false;
-  // 0: reuse state already on the tiers if its manifest matches (resume);
-  // else start fresh. See Engine::Create.
+  // Reuse the state already on the tiers (the last committed step) instead
+  // of starting fresh. See Engine::Create.
   bool resume = false;
+  // Make the live state durable every this many steps (0: never): the
+  // records kept in host memory are written too, and a commit record names
+  // the slot of every subgroup, so a crash resumes from that step.
+  int commit_every = 0;
 };
 
 // One parameter (or a contiguous run of them) inside a subgroup: elements
@@ -89,6 +94,7 @@ struct SubgroupView {
   uint64_t numel = 0;
   float* master = nullptr;            // fp32 master parameters
   std::vector<float*> state;          // num_state_arrays arrays
+  float* grad32 = nullptr;            // baseline: the fp32 gradient read back
   int64_t step = 0;                   // updates applied so far
 };
 
@@ -154,7 +160,9 @@ class Engine {
   absl::Status LoadCheckpoint(const std::string& dir);
 
   // Per-tier fault injectors (config.fault_injection), else nullptr.
-  class FaultInjectingEngine* fault_injector(int tier) const;
+  FaultInjectingEngine* fault_injector(int tier) const;
+  // The step that the state on the tiers can be resumed from (-1: none).
+  int64_t committed_step() const;
 
  private:
   struct Impl;

@@ -12,16 +12,6 @@
 namespace mlp_offload {
 namespace internal_kernels {
 
-// Elements per task of the thread pool. Chunk boundaries depend only on this
-// constant, never on the thread count, so every element sees the same vector
-// width and the same tail handling whatever the pool size: results are
-// bit-identical for any number of threads.
-inline constexpr size_t kChunkElements = size_t{1} << 16;
-
-inline size_t NumChunks(size_t n) {
-  return (n + kChunkElements - 1) / kChunkElements;
-}
-
 // Per-call coefficients, all in fp32 as the vector code uses them. Fields a
 // kind does not use are left at neutral values.
 struct UpdateArgs {

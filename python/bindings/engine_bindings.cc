@@ -1,12 +1,612 @@
-// Python bindings of the engine layer (filled in by its owner).
+// Python bindings of the engine layer, in the submodule mlp_offload._C.engine.
+//
+// Thin by design: configuration crosses as plain dicts (checked key by key so
+// a typo is a ConfigError naming the key), tensors as integer data pointers
+// plus element counts, dtypes as names. Every blocking engine call runs with
+// the GIL released; every absl::Status goes through ThrowIfError.
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/optimizer_kernels.h"
+#include "mlp_offload/engine.h"
+#include "mlp_offload/planner.h"
+#include "mlp_offload/tier.h"
 #include "pybind11/pybind11.h"
+#include "pybind11/stl.h"
 #include "python/bindings/registry.h"
 #include "python/bindings/status.h"
 
 namespace mlp_offload {
 namespace python {
+namespace {
 
-void RegisterEngineBindings(pybind11::module_& m) {}
+namespace py = pybind11;
+
+// Reads typed fields out of a dict and rejects keys nobody asked for.
+class DictReader {
+ public:
+  DictReader(py::handle obj, std::string what) : what_(std::move(what)) {
+    if (!py::isinstance<py::dict>(obj)) {
+      ThrowIfError(absl::InvalidArgumentError(
+          absl::StrCat(what_, ": expected a dict, got ",
+                       std::string(py::str(obj.get_type().attr("__name__"))))));
+    }
+    dict_ = py::reinterpret_borrow<py::dict>(obj);
+  }
+
+  template <typename T>
+  void Read(const char* key, T* out) {
+    known_.push_back(key);
+    if (!dict_.contains(key)) return;
+    py::handle value = dict_[key];
+    try {
+      *out = value.cast<T>();
+    } catch (const py::cast_error&) {
+      ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+          what_, ": bad value for '", key, "': ", std::string(py::repr(value)))));
+    }
+  }
+
+  void Require(const char* key) {
+    if (!dict_.contains(key)) {
+      ThrowIfError(absl::InvalidArgumentError(
+          absl::StrCat(what_, ": missing required key '", key, "'")));
+    }
+  }
+
+  // Raises ConfigError naming the first key that no Read() asked for.
+  void Finish() {
+    std::set<std::string> known(known_.begin(), known_.end());
+    for (auto item : dict_) {
+      std::string key = py::str(item.first);
+      if (known.count(key) == 0) {
+        ThrowIfError(absl::InvalidArgumentError(
+            absl::StrCat(what_, ": unknown key '", key,
+                         "' (known: ", absl::StrJoin(known_, ", "), ")")));
+      }
+    }
+  }
+
+ private:
+  std::string what_;
+  py::dict dict_;
+  std::vector<std::string> known_;
+};
+
+DType DTypeFromName(const std::string& name) {
+  return ValueOrThrow(ParseDType(name));
+}
+
+TierSpec TierFromDict(py::handle obj, int index) {
+  TierSpec t;
+  DictReader r(obj, absl::StrCat("tier ", index));
+  r.Require("path");
+  r.Read("path", &t.path);
+  r.Read("name", &t.name);
+  r.Read("read_bytes_per_sec", &t.read_bytes_per_sec);
+  r.Read("write_bytes_per_sec", &t.write_bytes_per_sec);
+  r.Read("capacity_bytes", &t.capacity_bytes);
+  r.Read("shared_by", &t.shared_by);
+  r.Read("throttle_read_bytes_per_sec", &t.throttle_read_bytes_per_sec);
+  r.Read("throttle_write_bytes_per_sec", &t.throttle_write_bytes_per_sec);
+  r.Read("bandwidth_pool", &t.bandwidth_pool);
+  r.Finish();
+  return t;
+}
+
+std::vector<TierSpec> TiersFromList(const py::list& tiers) {
+  std::vector<TierSpec> out;
+  int i = 0;
+  for (py::handle t : tiers) out.push_back(TierFromDict(t, i++));
+  return out;
+}
+
+py::dict TierToDict(const TierSpec& t) {
+  py::dict d;
+  d["path"] = t.path;
+  d["name"] = t.name;
+  d["read_bytes_per_sec"] = t.read_bytes_per_sec;
+  d["write_bytes_per_sec"] = t.write_bytes_per_sec;
+  d["capacity_bytes"] = t.capacity_bytes;
+  d["shared_by"] = t.shared_by;
+  d["throttle_read_bytes_per_sec"] = t.throttle_read_bytes_per_sec;
+  d["throttle_write_bytes_per_sec"] = t.throttle_write_bytes_per_sec;
+  d["bandwidth_pool"] = t.bandwidth_pool;
+  return d;
+}
+
+Techniques TechniquesFromDict(py::handle obj) {
+  if (py::isinstance<py::str>(obj)) {
+    std::string mode = obj.cast<std::string>();
+    if (mode == "mlp") return Techniques::All();
+    if (mode == "baseline") return Techniques::Baseline();
+    ThrowIfError(absl::InvalidArgumentError(
+        absl::StrCat("techniques: unknown mode '", mode, "' (mlp or baseline)")));
+  }
+  Techniques t;
+  DictReader r(obj, "techniques");
+  r.Read("multipath", &t.multipath);
+  r.Read("cache_reuse", &t.cache_reuse);
+  r.Read("delayed_grad_conversion", &t.delayed_grad_conversion);
+  r.Read("tier_lock", &t.tier_lock);
+  r.Finish();
+  return t;
+}
+
+py::dict TechniquesToDict(const Techniques& t) {
+  py::dict d;
+  d["multipath"] = t.multipath;
+  d["cache_reuse"] = t.cache_reuse;
+  d["delayed_grad_conversion"] = t.delayed_grad_conversion;
+  d["tier_lock"] = t.tier_lock;
+  return d;
+}
+
+IoEngineOptions IoFromDict(py::handle obj) {
+  IoEngineOptions io;
+  if (obj.is_none()) return io;
+  DictReader r(obj, "io");
+  std::string kind = "auto";
+  r.Read("kind", &kind);
+  r.Read("queue_depth", &io.queue_depth);
+  r.Read("block_size", &io.block_size);
+  r.Read("num_threads", &io.num_threads);
+  r.Finish();
+  if (kind == "auto") {
+    io.kind = IoEngineOptions::Kind::kAuto;
+  } else if (kind == "uring" || kind == "io_uring") {
+    io.kind = IoEngineOptions::Kind::kUring;
+  } else if (kind == "threadpool" || kind == "threads") {
+    io.kind = IoEngineOptions::Kind::kThreadPool;
+  } else {
+    ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+        "io: unknown kind '", kind, "' (auto, uring or threadpool)")));
+  }
+  return io;
+}
+
+OptimizerHyperparams HyperparamsFromDict(py::handle obj) {
+  OptimizerHyperparams hp;
+  DictReader r(obj, "hyperparameters");
+  std::string kind = OptimizerKindName(hp.kind);
+  r.Require("kind");
+  r.Read("kind", &kind);
+  hp.kind = ValueOrThrow(ParseOptimizerKind(kind));
+  r.Read("lr", &hp.lr);
+  r.Read("weight_decay", &hp.weight_decay);
+  r.Read("maximize", &hp.maximize);
+  r.Read("beta1", &hp.beta1);
+  r.Read("beta2", &hp.beta2);
+  r.Read("eps", &hp.eps);
+  r.Read("amsgrad", &hp.amsgrad);
+  r.Read("bias_correction", &hp.bias_correction);
+  r.Read("momentum", &hp.momentum);
+  r.Read("dampening", &hp.dampening);
+  r.Read("nesterov", &hp.nesterov);
+  r.Read("lr_decay", &hp.lr_decay);
+  r.Read("initial_accumulator_value", &hp.initial_accumulator_value);
+  r.Read("step", &hp.step);
+  r.Finish();
+  return hp;
+}
+
+// (offset, numel, grad_ptr, param_out_ptr) tuples; pointers are ints, 0 = none.
+std::vector<Segment> SegmentsFromList(const py::list& list) {
+  std::vector<Segment> out;
+  out.reserve(list.size());
+  for (py::handle item : list) {
+    py::tuple t;
+    try {
+      t = item.cast<py::tuple>();
+    } catch (const py::cast_error&) {
+      t = py::tuple();
+    }
+    if (t.size() != 4) {
+      ThrowIfError(absl::InvalidArgumentError(
+          absl::StrCat("segment: expected (offset, numel, grad_ptr, param_out_ptr), got ",
+                       std::string(py::repr(item)))));
+    }
+    Segment s;
+    s.offset = t[0].cast<uint64_t>();
+    s.numel = t[1].cast<uint64_t>();
+    s.grad = reinterpret_cast<const void*>(t[2].cast<uintptr_t>());
+    s.param_out = reinterpret_cast<void*>(t[3].cast<uintptr_t>());
+    out.push_back(s);
+  }
+  return out;
+}
+
+py::dict StatsToDict(const StepStats& s) {
+  py::dict d;
+  d["step"] = s.step;
+  d["skipped"] = s.skipped;
+  d["seconds"] = s.seconds;
+  d["read_wait_seconds"] = s.read_wait_seconds;
+  d["compute_seconds"] = s.compute_seconds;
+  d["write_wait_seconds"] = s.write_wait_seconds;
+  d["grad_offload_seconds"] = s.grad_offload_seconds;
+  d["cache_hits"] = s.cache_hits;
+  d["bytes_read"] = s.bytes_read;
+  d["bytes_written"] = s.bytes_written;
+  d["peak_host_bytes"] = s.peak_host_bytes;
+  return d;
+}
+
+// The Python-side handle: owns the engine so that close() can destroy it
+// (flushing its I/O, releasing its tiers) without waiting for the GC.
+class PyEngine {
+ public:
+  explicit PyEngine(std::unique_ptr<Engine> engine) : engine_(std::move(engine)) {}
+  ~PyEngine() { Close(); }
+
+  Engine& get() {
+    if (engine_ == nullptr) {
+      ThrowIfError(absl::FailedPreconditionError("the engine is closed"));
+    }
+    return *engine_;
+  }
+
+  void Close() {
+    std::unique_ptr<Engine> engine = std::move(engine_);
+    if (engine != nullptr) {
+      py::gil_scoped_release release;
+      engine.reset();
+    }
+  }
+  bool closed() const { return engine_ == nullptr; }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
+std::vector<float*> FloatPointers(const std::vector<uintptr_t>& ptrs) {
+  std::vector<float*> out;
+  out.reserve(ptrs.size());
+  for (uintptr_t p : ptrs) out.push_back(reinterpret_cast<float*>(p));
+  return out;
+}
+
+}  // namespace
+
+void RegisterEngineBindings(py::module_& parent) {
+  py::module_ m = parent.def_submodule(
+      "engine", "The offload engine: planner, pipelined update phase, checkpoints.");
+
+  py::class_<Plan>(m, "Plan", "Placement, caching and predicted cost of one step.")
+      .def_readonly("tier_of_subgroup", &Plan::tier_of_subgroup)
+      .def_readonly("record_bytes", &Plan::record_bytes)
+      .def_readonly("num_cached", &Plan::num_cached)
+      .def_readonly("num_buffers", &Plan::num_buffers)
+      .def_readonly("prefetch_depth", &Plan::prefetch_depth)
+      .def_readonly("buffer_bytes", &Plan::buffer_bytes)
+      .def_readonly("host_bytes_used", &Plan::host_bytes_used)
+      .def_readonly("predicted_io_seconds", &Plan::predicted_io_seconds)
+      .def_readonly("predicted_compute_seconds", &Plan::predicted_compute_seconds)
+      .def_readonly("predicted_seconds", &Plan::predicted_seconds)
+      .def_property_readonly(
+          "traffic",
+          [](const Plan& p) {
+            py::list out;
+            for (const TierTraffic& t : p.traffic) {
+              py::dict d;
+              d["bytes_read"] = t.bytes_read;
+              d["bytes_written"] = t.bytes_written;
+              d["seconds"] = t.seconds;
+              out.append(d);
+            }
+            return out;
+          },
+          "Per tier: bytes read and written in a steady-state step, busy seconds.")
+      .def_property_readonly(
+          "techniques", [](const Plan& p) { return TechniquesToDict(p.techniques); })
+      .def_property_readonly(
+          "techniques_name", [](const Plan& p) { return p.techniques.ToString(); })
+      .def("order", &Plan::Order, py::arg("step"),
+           "Subgroup ids in the order step `step` (0-based) updates them.")
+      .def("kept_after_update", &Plan::KeptAfterUpdate, py::arg("step"),
+           py::arg("position"),
+           "Whether the subgroup at `position` of the step's order stays in memory.")
+      .def(
+          "to_string",
+          [](const Plan& p, const py::list& tiers) {
+            return p.ToString(TiersFromList(tiers));
+          },
+          py::arg("tiers"), "Human-readable summary of the plan for these tiers.");
+
+  m.def(
+      "make_plan",
+      [](const std::vector<uint64_t>& subgroup_numel, int arrays_per_param, int grad_bytes,
+         const py::list& tiers, uint64_t host_budget_bytes, py::object techniques,
+         double compute_params_per_sec, int ranks) {
+        PlannerInput in;
+        in.subgroup_numel = subgroup_numel;
+        in.arrays_per_param = arrays_per_param;
+        in.grad_bytes = grad_bytes;
+        in.tiers = TiersFromList(tiers);
+        in.host_budget_bytes = host_budget_bytes;
+        in.techniques = TechniquesFromDict(techniques);
+        in.compute_params_per_sec = compute_params_per_sec;
+        in.ranks = ranks;
+        return ValueOrThrow(MakePlan(in));
+      },
+      py::arg("subgroup_numel"), py::arg("arrays_per_param"), py::arg("grad_bytes"),
+      py::arg("tiers"), py::arg("host_budget_bytes"), py::arg("techniques") = "mlp",
+      py::arg("compute_params_per_sec") = 0.0, py::arg("ranks") = 1,
+      "Plans placement, caching and order (no I/O). Tiers are dicts with the "
+      "TierSpec fields; techniques is 'mlp', 'baseline' or a dict of switches.");
+
+  m.def("aligned_record_bytes", &AlignedRecordBytes, py::arg("numel"),
+        py::arg("arrays_per_param"),
+        "Bytes of a record of `numel` params with that many fp32 arrays, aligned.");
+
+  py::class_<SubgroupView>(m, "SubgroupView",
+                           "A resident record (valid until Done); pointers are ints.")
+      .def_readonly("subgroup", &SubgroupView::subgroup)
+      .def_readonly("numel", &SubgroupView::numel)
+      .def_readonly("step", &SubgroupView::step)
+      .def_property_readonly(
+          "master", [](const SubgroupView& v) { return reinterpret_cast<uintptr_t>(v.master); })
+      .def_property_readonly(
+          "grad32",
+          [](const SubgroupView& v) { return reinterpret_cast<uintptr_t>(v.grad32); },
+          "Baseline: the fp32 gradient read back from the tier (0 otherwise).")
+      .def_property_readonly("state", [](const SubgroupView& v) {
+        std::vector<uintptr_t> out;
+        for (float* p : v.state) out.push_back(reinterpret_cast<uintptr_t>(p));
+        return out;
+      });
+
+  py::class_<PyEngine>(m, "Engine", "One offload engine (see mlp_offload/engine.h).")
+      .def_static(
+          "create",
+          [](const py::list& tiers, uint64_t host_budget_bytes,
+             const std::vector<uint64_t>& subgroup_numel, int num_state_arrays,
+             const std::string& grad_dtype, py::object techniques, int compute_threads,
+             py::object io, const std::string& run_name, int tier_lock_slots,
+             bool verify_checksums, bool fault_injection, bool resume, int commit_every) {
+            EngineConfig config;
+            config.tiers = TiersFromList(tiers);
+            config.host_budget_bytes = host_budget_bytes;
+            config.subgroup_numel = subgroup_numel;
+            config.num_state_arrays = num_state_arrays;
+            config.grad_dtype = DTypeFromName(grad_dtype);
+            config.techniques = TechniquesFromDict(techniques);
+            config.compute_threads = compute_threads;
+            config.io = IoFromDict(io);
+            config.run_name = run_name;
+            config.tier_lock_slots = tier_lock_slots;
+            config.verify_checksums = verify_checksums;
+            config.fault_injection = fault_injection;
+            config.resume = resume;
+            config.commit_every = commit_every;
+            absl::StatusOr<std::unique_ptr<Engine>> engine;
+            {
+              py::gil_scoped_release release;
+              engine = Engine::Create(config);
+            }
+            return std::make_unique<PyEngine>(ValueOrThrow(std::move(engine)));
+          },
+          py::arg("tiers"), py::arg("host_budget_bytes"), py::arg("subgroup_numel"),
+          py::arg("num_state_arrays"), py::arg("grad_dtype"), py::arg("techniques") = "mlp",
+          py::arg("compute_threads") = 2, py::arg("io") = py::none(),
+          py::arg("run_name") = "mlp_offload_run", py::arg("tier_lock_slots") = 1,
+          py::arg("verify_checksums") = true, py::arg("fault_injection") = false,
+          py::arg("resume") = false, py::arg("commit_every") = 0,
+          "Validates the config, plans, opens the tiers, creates the run directories.")
+      .def("close", &PyEngine::Close,
+           "Flushes and destroys the engine (releases its tiers). Idempotent.")
+      .def_property_readonly("closed", &PyEngine::closed)
+      .def_property_readonly("plan", [](PyEngine& e) { return e.get().plan(); })
+      .def_property_readonly("num_subgroups",
+                             [](PyEngine& e) { return e.get().num_subgroups(); })
+      .def_property_readonly("steps", [](PyEngine& e) { return e.get().step(); },
+                             "Steps completed (the next step is steps + 1).")
+      .def_property_readonly("resumed", [](PyEngine& e) { return e.get().resumed(); })
+      .def_property_readonly("committed_step",
+                             [](PyEngine& e) { return e.get().committed_step(); })
+      .def_property_readonly(
+          "tiers",
+          [](PyEngine& e) {
+            py::list out;
+            for (const TierSpec& t : e.get().config().tiers) out.append(TierToDict(t));
+            return out;
+          })
+      .def(
+          "initialize_subgroup",
+          [](PyEngine& e, int i, uintptr_t params, const std::string& dtype,
+             py::object state_init) {
+            DType dt = DTypeFromName(dtype);
+            OptimizerHyperparams hp;
+            const bool has_init = !state_init.is_none();
+            if (has_init) hp = HyperparamsFromDict(state_init);
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.InitializeSubgroup(i, reinterpret_cast<const void*>(params), dt,
+                                                 has_init ? &hp : nullptr);
+            }
+            ThrowIfError(status);
+          },
+          py::arg("i"), py::arg("params"), py::arg("dtype"), py::arg("state_init") = py::none(),
+          "Sets subgroup i's master from `params` (a data pointer of its numel "
+          "elements of `dtype`), its state to the optimizer's initial values "
+          "(hyperparameter dict) or zeros, step 0.")
+      .def(
+          "offload_gradients",
+          [](PyEngine& e, int i, const py::list& segments) {
+            std::vector<Segment> segs = SegmentsFromList(segments);
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.OffloadGradients(i, segs);
+            }
+            ThrowIfError(status);
+          },
+          py::arg("i"), py::arg("segments"),
+          "Baseline: converts subgroup i's gradients to fp32 and writes them out now.")
+      .def(
+          "step",
+          [](PyEngine& e, const py::list& hyperparams, const py::list& inputs,
+             const std::string& param_out_dtype, float grad_scale, bool skip_if_nonfinite) {
+            std::vector<OptimizerHyperparams> hps;
+            for (py::handle h : hyperparams) hps.push_back(HyperparamsFromDict(h));
+            std::vector<SubgroupStepInput> in;
+            in.reserve(inputs.size());
+            for (py::handle item : inputs) {
+              auto t = item.cast<py::tuple>();
+              if (t.size() != 2) {
+                ThrowIfError(absl::InvalidArgumentError(
+                    "step: each input is (hyperparameter index, segments)"));
+              }
+              size_t h = t[0].cast<size_t>();
+              if (h >= hps.size()) {
+                ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+                    "step: hyperparameter index ", h, " out of range (", hps.size(), ")")));
+              }
+              SubgroupStepInput s;
+              s.hp = hps[h];
+              s.segments = SegmentsFromList(t[1].cast<py::list>());
+              in.push_back(std::move(s));
+            }
+            StepOptions options;
+            options.param_out_dtype = DTypeFromName(param_out_dtype);
+            options.grad_scale = grad_scale;
+            options.skip_if_nonfinite = skip_if_nonfinite;
+            Engine& engine = e.get();
+            absl::StatusOr<StepStats> stats;
+            {
+              py::gil_scoped_release release;
+              stats = engine.Step(in, options);
+            }
+            return StatsToDict(ValueOrThrow(std::move(stats)));
+          },
+          py::arg("hyperparams"), py::arg("inputs"), py::arg("param_out_dtype"),
+          py::arg("grad_scale") = 1.0f, py::arg("skip_if_nonfinite") = false,
+          "Native step. hyperparams: list of dicts; inputs[i] = (index into "
+          "hyperparams, segments) for subgroup i. Returns the step's stats dict.")
+      .def(
+          "begin_step",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.BeginStep();
+            }
+            ThrowIfError(status);
+          },
+          "Starts a generic step.")
+      .def(
+          "next",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            absl::StatusOr<SubgroupView> view;
+            {
+              py::gil_scoped_release release;
+              view = engine.Next();
+            }
+            return ValueOrThrow(std::move(view));
+          },
+          "The next resident record of a generic step (subgroup -1 after the last).")
+      .def(
+          "done",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.Done();
+            }
+            ThrowIfError(status);
+          },
+          "The record returned by next() is updated; the engine may write it back.")
+      .def(
+          "end_step",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            absl::StatusOr<StepStats> stats;
+            {
+              py::gil_scoped_release release;
+              stats = engine.EndStep();
+            }
+            return StatsToDict(ValueOrThrow(std::move(stats)));
+          },
+          "Finishes a generic step; returns its stats dict.")
+      .def(
+          "abort_step",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            py::gil_scoped_release release;
+            engine.AbortStep();
+          },
+          "Aborts a generic step: nothing of it is committed.")
+      .def(
+          "read_subgroup",
+          [](PyEngine& e, int i, uintptr_t master, const std::vector<uintptr_t>& state) {
+            std::vector<float*> st = FloatPointers(state);
+            Engine& engine = e.get();
+            int64_t step = 0;
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.ReadSubgroup(i, reinterpret_cast<float*>(master), st, &step);
+            }
+            ThrowIfError(status);
+            return step;
+          },
+          py::arg("i"), py::arg("master"), py::arg("state"),
+          "Copies subgroup i's master and state arrays into the given fp32 "
+          "buffers (data pointers); returns its step count.")
+      .def(
+          "write_subgroup",
+          [](PyEngine& e, int i, uintptr_t master, const std::vector<uintptr_t>& state,
+             int64_t step) {
+            std::vector<const float*> st;
+            for (uintptr_t p : state) st.push_back(reinterpret_cast<const float*>(p));
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.WriteSubgroup(i, reinterpret_cast<const float*>(master), st, step);
+            }
+            ThrowIfError(status);
+          },
+          py::arg("i"), py::arg("master"), py::arg("state"), py::arg("step"),
+          "Replaces subgroup i's master, state arrays and step count.")
+      .def(
+          "save_checkpoint",
+          [](PyEngine& e, const std::string& dir) {
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.SaveCheckpoint(dir);
+            }
+            ThrowIfError(status);
+          },
+          py::arg("dir"), "Writes the whole state to `dir` atomically.")
+      .def(
+          "load_checkpoint",
+          [](PyEngine& e, const std::string& dir) {
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.LoadCheckpoint(dir);
+            }
+            ThrowIfError(status);
+          },
+          py::arg("dir"), "Loads a checkpoint written by save_checkpoint.");
+}
 
 }  // namespace python
 }  // namespace mlp_offload

@@ -5,15 +5,21 @@ for LLM Pre-training to Break the GPU Memory Wall" (SC'25): the fp32 master
 weights and optimizer moments live across host memory and several storage
 paths, and the optimizer step runs on the CPU with SIMD kernels while
 asynchronous I/O streams the state in and out.
+
+    import torch, mlp_offload
+    opt = mlp_offload.MLPOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-4),
+        tiers=["/local/nvme/run1", "/lustre/me/run1"], host_cache_bytes=8 << 30)
 """
 
 import logging as _logging
 
 from mlp_offload import errors
 from mlp_offload._C import build_info
+from mlp_offload.optimizer import MLPOffloadOptimizer
 
 __version__ = build_info()["version"]
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-__all__ = ["build_info", "errors", "__version__"]
+__all__ = ["MLPOffloadOptimizer", "build_info", "errors", "__version__"]

@@ -1,1 +1,885 @@
-"""The optimizer wrapper (see issue: python)."""
+"""MLPOffloadOptimizer: any torch optimizer, its state offloaded.
+
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                              tiers=["/nvme/run", "/pfs/run"],
+                              host_cache_bytes=8 << 30)
+
+The wrapper is a real torch.optim.Optimizer: its `param_groups` are the
+wrapped optimizer's own list (so LR schedulers, GradScaler and
+clip_grad_norm_ work unchanged), step hooks fire, and state_dict() speaks
+torch's format. The parameters are packed into subgroups whose fp32 master
+copy and optimizer state live in the engine (host cache + storage tiers);
+after step() the model's parameters (fp32, bf16 or fp16) hold the new
+values.
+
+Adam, AdamW, SGD and Adagrad run on the engine's fused SIMD kernels (the
+native path); any other optimizer runs its own step on views of the
+offloaded state (the generic path, see generic.py). With a
+torch.distributed process group each rank owns every world-th subgroup
+(ZeRO-style partition of the optimizer state) and the owner broadcasts the
+updated parameters.
+"""
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import uuid
+import weakref
+
+import torch
+
+from mlp_offload import config as _config
+from mlp_offload import generic as _generic
+from mlp_offload import hyperparams as _hp
+from mlp_offload import layout as _layout
+from mlp_offload import _C
+from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
+                                StateMismatchError)
+
+_log = logging.getLogger(__name__)
+
+_CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
+_CHECKPOINT_VERSION = 1
+_NONFINITE = ("raise", "skip", "ignore")
+
+
+def _close_engine(engine, run_dirs):
+    """Closes the engine, then removes its run directory on every tier."""
+    if engine is not None and not engine.closed:
+        engine.close()
+    for d in run_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _atomic_write_bytes(path, data):
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MLPOffloadOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer`; offloads its state to host memory and storage tiers.
+
+    Args:
+      optimizer: a torch.optim.Optimizer over CPU parameters (fp32, bf16 or
+        fp16, all of one dtype, contiguous).
+      tiers: storage paths (str) or TierSpec dicts (path, name,
+        read/write_bytes_per_sec, capacity_bytes, throttle_*...), any number.
+      host_cache_bytes: host memory for subgroup records kept cached between
+        steps (the first level); the engine's streaming buffers come on top.
+      subgroup_numel: most parameters per subgroup (a larger parameter gets
+        a subgroup of its own).
+      mode: "mlp" (every technique on) or "baseline" (ZeRO-Infinity-like).
+      multipath, cache_reuse, delayed_grad_conversion, tier_lock: override
+        one technique of the mode (None: the mode's choice).
+      tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
+        dict does not say; unknown bandwidths are assumed equal.
+      nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
+        NonFiniteGradientError (nothing updated), "skip" the step, or
+        "ignore" (update anyway, as torch does).
+      process_group: torch.distributed group to shard the state over; None:
+        the default group if torch.distributed is initialized.
+      generic_state_keys: for the generic path, the per-parameter state
+        tensors to offload (default: found by probing the optimizer class).
+      compute_threads, io, verify_checksums, run_name: engine settings.
+    """
+
+    def __init__(self, optimizer, tiers, host_cache_bytes=0, subgroup_numel=100_000_000,
+                 mode="mlp", *, multipath=None, cache_reuse=None,
+                 delayed_grad_conversion=None, tier_lock=None, tier_bandwidths=None,
+                 nonfinite="raise", process_group=None, generic_state_keys=None,
+                 compute_threads=None, io=None, verify_checksums=True, run_name=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, MLPOffloadOptimizer):
+            raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
+        if not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
+            raise ConfigError(f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
+        if nonfinite not in _NONFINITE:
+            raise ConfigError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+        if compute_threads is None:
+            compute_threads = max(1, min(8, os.cpu_count() or 1))
+        if not isinstance(compute_threads, int) or compute_threads < 1:
+            raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
+
+        self.optimizer = optimizer
+        self._nonfinite = nonfinite
+        self._techniques = _config.techniques_for(
+            mode, multipath=multipath, cache_reuse=cache_reuse,
+            delayed_grad_conversion=delayed_grad_conversion, tier_lock=tier_lock)
+        self._mode = mode
+
+        # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
+        self._group = None
+        self._rank, self._world = 0, 1
+        dist = torch.distributed
+        if process_group is not None or (dist.is_available() and dist.is_initialized()):
+            self._group = process_group if process_group is not None else dist.group.WORLD
+            self._rank = dist.get_rank(self._group)
+            self._world = dist.get_world_size(self._group)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
+
+        self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
+        self._subgroup_numel = subgroup_numel
+        self._host_cache_bytes = host_cache_bytes
+        self._engine_settings = {
+            "compute_threads": compute_threads,
+            "io": io,
+            "verify_checksums": bool(verify_checksums),
+        }
+        self._run_prefix = run_name or "mlp_offload"
+        self._generation = 0
+        self._generic_state_keys = generic_state_keys
+
+        # torch.optim.Optimizer bookkeeping (hooks, zero_grad, step patching);
+        # then share the wrapped optimizer's param_groups list itself.
+        self._in_super_init = True
+        super().__init__([p for g in optimizer.param_groups for p in g["params"]],
+                         dict(optimizer.defaults))
+        self._in_super_init = False
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        # GradScaler: unscaling happens inside the kernel (or the fp32
+        # conversion of the generic path), not in place on the gradients.
+        self._step_supports_amp_scaling = True
+
+        self._engine = None
+        self._finalizer = None
+        self.last_step_stats = None
+        self._grad_hooks = []
+        self._build()
+
+        # State the wrapped optimizer already has (loaded, or created in its
+        # __init__ like Adagrad's) moves to the engine at initialisation.
+        self._pending_state = None
+        if len(optimizer.state) > 0:
+            self._pending_state = self._state_by_index(optimizer.state)
+            optimizer.state.clear()
+
+    # ----------------------------------------------------------------- setup
+
+    def _state_by_index(self, state):
+        out = {}
+        for sg in self._subgroups:
+            for p, pid, _, _ in sg.slices():
+                if p in state and len(state[p]) > 0:
+                    out[pid] = state[p]
+        return out
+
+    def _build(self):
+        """Packs the parameters and creates the engine for this rank's shard."""
+        groups = self.param_groups
+        params = [p for g in groups for p in g["params"]]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ConfigError(
+                f"all parameters must have one dtype, got {sorted(str(d) for d in dtypes)}")
+        self._dtype = params[0].dtype
+        if self._dtype not in _layout.DTYPE_NAMES:
+            raise ConfigError(f"parameter dtype {self._dtype} is not supported "
+                              f"(float32, bfloat16, float16)")
+        for i, p in enumerate(params):
+            if p.device.type != "cpu":
+                raise ConfigError(f"parameter {i} is on {p.device}: only CPU parameters "
+                                  f"are supported by this build")
+            if not p.is_contiguous():
+                raise ConfigError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
+                                  f"the engine writes updates in place")
+
+        self._family = _hp.native_family(self.optimizer)
+        if self._family is not None:
+            _hp.check_options(self.optimizer, self._family)
+            self._group_hps = [_hp.group_hyperparams(self._family, g) for g in groups]
+            self._num_arrays = self._uniform_arrays(self._group_hps)
+            self._keys = None
+        else:
+            if self._generic_state_keys is not None:
+                keys = [list(self._generic_state_keys)] * len(groups)
+            else:
+                keys = [_generic.discover_state_keys(self.optimizer, gi)
+                        for gi in range(len(groups))]
+            self._keys = keys
+            self._num_arrays = max(len(k) for k in keys)
+
+        self._subgroups = _layout.pack(groups, self._subgroup_numel)
+        self._param_shapes = [list(p.shape) for p in params]
+        self._owned = [sg.index for sg in self._subgroups
+                       if sg.index % self._world == self._rank]
+        self._local = {g: j for j, g in enumerate(self._owned)}
+        # Generic path: per-parameter Python-side state and existence flags.
+        self._py_state = {}
+        self._has_state = {pid: False for pid in range(len(params))}
+        self._initialized = False
+        self._grad_version = {}
+        self._create_engine()
+        self._install_grad_hooks()
+
+    def _create_engine(self):
+        if self._finalizer is not None:
+            self._finalizer()
+        self._engine = None
+        if not self._owned:
+            _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
+                         self._rank, len(self._subgroups), self._world)
+            return
+        numel = [self._subgroups[g].numel for g in self._owned]
+        arrays = 1 + self._num_arrays
+        grad_bytes = self._dtype.itemsize
+        # The host cache is on top of the streaming buffers the planner wants.
+        probe = _C.engine.make_plan(numel, arrays, grad_bytes, self._tiers, 1 << 62,
+                                  self._techniques)
+        budget = (self._host_cache_bytes // probe.buffer_bytes) * probe.buffer_bytes
+        budget += _config.streaming_buffers(self._techniques, len(self._tiers)) \
+            * probe.buffer_bytes
+        self._generation += 1
+        self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                          f"-g{self._generation}-r{self._rank}")
+        self._engine = _C.engine.Engine.create(
+            tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
+            num_state_arrays=self._num_arrays,
+            grad_dtype=_layout.DTYPE_NAMES[self._dtype], techniques=self._techniques,
+            compute_threads=self._engine_settings["compute_threads"],
+            io=self._engine_settings["io"], run_name=self._run_name,
+            verify_checksums=self._engine_settings["verify_checksums"])
+        run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
+        self._finalizer = weakref.finalize(self, _close_engine, self._engine, run_dirs)
+        _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
+                  len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+
+    def _install_grad_hooks(self):
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        self._grads_seen = {}
+        if self._techniques["delayed_grad_conversion"] or self._engine is None:
+            return
+        # Baseline: convert and write each subgroup's gradients as soon as the
+        # last of them is final, during backward (as ZeRO-Infinity does).
+        for g in self._owned:
+            sg = self._subgroups[g]
+            for p in sg.params:
+                if p.requires_grad:
+                    self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                        self._make_grad_hook(g)))
+
+    def _make_grad_hook(self, g):
+        ref = weakref.ref(self)
+
+        def hook(param):
+            opt = ref()
+            if opt is None or not opt._initialized:
+                return
+            seen = opt._grads_seen.setdefault(g, set())
+            seen.add(id(param))
+            if len(seen) == len(opt._subgroups[g].params):
+                opt._grads_seen[g] = set()
+                opt._offload_grads(g)
+        return hook
+
+    def _offload_grads(self, g):
+        sg = self._subgroups[g]
+        self._engine.offload_gradients(self._local[g], self._segments(sg))
+        self._grad_version[g] = [p.grad._version for p in sg.params]
+
+    def close(self):
+        """Flushes and releases the engine (and its tier directories)."""
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        if self._finalizer is not None:
+            self._finalizer()
+        self._engine = None
+
+    @property
+    def engine(self):
+        """The engine of this rank's shard (None if it owns no subgroup)."""
+        return self._engine
+
+    @property
+    def plan(self):
+        return None if self._engine is None else self._engine.plan
+
+    @property
+    def subgroups(self):
+        return list(self._subgroups)
+
+    def __getstate__(self):
+        raise TypeError("MLPOffloadOptimizer cannot be pickled: use state_dict() or "
+                        "save_checkpoint()")
+
+    # ------------------------------------------------------ param group API
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_in_super_init", False):
+            return super().add_param_group(param_group)
+        # Keep the state of the existing subgroups across the re-packing.
+        saved = self._read_all_states() if self._initialized else None
+        self.optimizer.add_param_group(param_group)
+        self.param_groups = self.optimizer.param_groups
+        self._build()
+        if saved is not None:
+            self._ensure_initialized()
+            self._write_states(saved)
+
+    # ----------------------------------------------------------------- step
+
+    def _segments(self, sg):
+        segs = []
+        for p, pid, off, n in sg.slices():
+            g = p.grad
+            if g is None:
+                raise OffloadError(f"parameter {pid} has no gradient")
+            if g.dtype != p.dtype or g.shape != p.shape or g.is_sparse \
+                    or not g.is_contiguous() or g.device != p.device:
+                raise ConfigError(
+                    f"the gradient of parameter {pid} must be a dense contiguous "
+                    f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}; got "
+                    f"{g.dtype} {tuple(g.shape)}{' sparse' if g.is_sparse else ''}"
+                    f"{'' if g.is_sparse or g.is_contiguous() else ' non-contiguous'}")
+            if not p.is_contiguous():
+                raise ConfigError(f"parameter {pid} is no longer contiguous")
+            segs.append((off, n, g.data_ptr(), p.data_ptr()))
+        return segs
+
+    def _grad_presence(self):
+        """True if every parameter has a gradient, False if none has one."""
+        have = [p.grad is not None for sg in self._subgroups for p in sg.params]
+        if all(have):
+            return True
+        if not any(have):
+            return False
+        missing = [i for i, h in enumerate(have) if not h]
+        raise OffloadError(
+            f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
+            f"gradient while others do; the offloaded state is updated per subgroup, "
+            f"so every parameter of the optimizer needs a gradient at each step (pass "
+            f"only trainable parameters, or zero_grad(set_to_none=False))")
+
+    def _ensure_initialized(self):
+        if self._initialized:
+            return
+        for g in self._owned:
+            sg = self._subgroups[g]
+            flat = _layout.flat_fp32(sg.params)
+            init = None
+            if self._family is not None:
+                init = dict(self._group_hps[sg.group])
+            self._engine.initialize_subgroup(self._local[g], flat.data_ptr(), "float32",
+                                             init)
+            del flat
+        self._initialized = True
+        if self._pending_state is not None:
+            pending, self._pending_state = self._pending_state, None
+            self._write_states(pending)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # GradScaler (via _step_supports_amp_scaling) sets these two.
+        found_inf = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        amp = found_inf is not None
+        if amp and float(found_inf.item()) > 0:
+            self.last_step_stats = {"skipped": True}
+            return loss
+        grad_scale = 1.0
+        if scale is not None:
+            grad_scale = 1.0 / float(scale.item() if isinstance(scale, torch.Tensor)
+                                     else scale)
+
+        if not self._grad_presence():
+            return loss  # torch skips parameters without gradients
+        self._refresh_hyperparams()
+        self._ensure_initialized()
+        skip_nonfinite = amp or self._nonfinite != "ignore"
+
+        stats = None
+        if self._engine is not None:
+            if not self._techniques["delayed_grad_conversion"]:
+                self._offload_stale_grads()
+            if self._family is not None:
+                stats = self._native_step(grad_scale, skip_nonfinite)
+            else:
+                stats = self._generic_step(grad_scale, skip_nonfinite)
+        skipped = bool(stats and stats.get("skipped"))
+        if self._group is not None:
+            skipped = self._any_rank(skipped)
+        if skipped and not amp and self._nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "gradients contain NaN or Inf: the step was skipped and nothing was "
+                "updated (use a GradScaler, or nonfinite='skip'/'ignore')")
+        if not skipped and self._group is not None:
+            self._broadcast_params()
+        self.last_step_stats = stats
+        return loss
+
+    @staticmethod
+    def _uniform_arrays(hps):
+        counts = [_hp.num_state_arrays(h) for h in hps]
+        if len(set(counts)) != 1:
+            raise ConfigError(
+                f"param groups keep different numbers of state arrays per parameter "
+                f"({counts}: e.g. amsgrad or SGD momentum in some groups only); the "
+                f"native path needs them equal")
+        return counts[0]
+
+    def _refresh_hyperparams(self):
+        if self._family is None:
+            return
+        self._group_hps = [_hp.group_hyperparams(self._family, g) for g in self.param_groups]
+        need = self._uniform_arrays(self._group_hps)
+        if need != self._num_arrays:
+            raise ConfigError(
+                f"the hyperparameters now need {need} state arrays per parameter, the "
+                f"engine was created with {self._num_arrays} (e.g. SGD momentum or amsgrad "
+                f"switched after construction)")
+
+    def _native_step(self, grad_scale, skip_nonfinite):
+        inputs = []
+        for g in self._owned:
+            sg = self._subgroups[g]
+            inputs.append((sg.group, self._segments(sg)))
+        return self._engine.step(self._group_hps, inputs, _layout.DTYPE_NAMES[self._dtype],
+                                 grad_scale, skip_nonfinite)
+
+    def _offload_stale_grads(self):
+        """Baseline: offloads gradients changed since backward offloaded them
+        (unscale_, clipping, accumulation) or never offloaded."""
+        for g in self._owned:
+            sg = self._subgroups[g]
+            versions = [p.grad._version for p in sg.params]
+            if self._grad_version.get(g) != versions:
+                self._offload_grads(g)
+        self._grad_version = {}
+        self._grads_seen = {}
+
+    def _generic_step(self, grad_scale, skip_nonfinite):
+        if skip_nonfinite:
+            for sg in (self._subgroups[g] for g in self._owned):
+                for p in sg.params:
+                    if not torch.isfinite(p.grad).all():
+                        return {"skipped": True}
+        engine = self._engine
+        engine.begin_step()
+        try:
+            while True:
+                view = engine.next()
+                if view.subgroup < 0:
+                    break
+                sg = self._subgroups[self._owned[view.subgroup]]
+                master = _layout.float_view(view.master, view.numel)
+                arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
+                keys = self._keys[sg.group]
+                grad32 = _layout.float_view(view.grad32, view.numel) if view.grad32 else None
+                _generic.update_subgroup(self.optimizer, sg, keys, master,
+                                         arrays[:len(keys)], self._py_state,
+                                         self._has_state, grad_scale, grad32)
+                for p, _, off, n in sg.slices():
+                    p.copy_(master[off:off + n].view(p.shape))
+                del master, arrays, grad32
+                engine.done()
+            return engine.end_step()
+        except BaseException:
+            # The engine keeps the subgroups already updated (and their
+            # parameters were refreshed): a retried step skips them.
+            engine.abort_step()
+            raise
+
+    # --------------------------------------------------------- distributed
+
+    def _owner(self, g):
+        return g % self._world
+
+    def _any_rank(self, flag):
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return bool(t.item())
+
+    def _broadcast_params(self):
+        dist = torch.distributed
+        for sg in self._subgroups:
+            src = dist.get_global_rank(self._group, self._owner(sg.index)) \
+                if self._group is not dist.group.WORLD else self._owner(sg.index)
+            flat = torch.cat([p.detach().reshape(-1) for p in sg.params])
+            dist.broadcast(flat, src=src, group=self._group)
+            if self._owner(sg.index) != self._rank:
+                for p, _, off, n in sg.slices():
+                    p.copy_(flat[off:off + n].view(p.shape))
+
+    def _broadcast_tensor(self, tensor, g):
+        dist = torch.distributed
+        src = dist.get_global_rank(self._group, self._owner(g)) \
+            if self._group is not dist.group.WORLD else self._owner(g)
+        dist.broadcast(tensor, src=src, group=self._group)
+
+    # ------------------------------------------------------------- state
+
+    def _read_subgroup(self, g):
+        """(master, [arrays], step) of subgroup g (owned by this rank)."""
+        sg = self._subgroups[g]
+        master = torch.empty(sg.numel, dtype=torch.float32)
+        arrays = [torch.empty(sg.numel, dtype=torch.float32) for _ in range(self._num_arrays)]
+        step = self._engine.read_subgroup(self._local[g], master.data_ptr(),
+                                          [a.data_ptr() for a in arrays])
+        return master, arrays, int(step)
+
+    def _subgroup_record(self, g):
+        """Like _read_subgroup, for any subgroup: the owner broadcasts it."""
+        sg = self._subgroups[g]
+        if self._group is None:
+            return self._read_subgroup(g)
+        k = self._num_arrays
+        flat = torch.empty((1 + k) * sg.numel, dtype=torch.float32)
+        step = torch.zeros(1, dtype=torch.int64)
+        if self._owner(g) == self._rank:
+            master, arrays, s = self._read_subgroup(g)
+            flat = torch.cat([master] + arrays)
+            step[0] = s
+        self._broadcast_tensor(flat, g)
+        self._broadcast_tensor(step, g)
+        parts = list(flat.split(sg.numel)) if k > 0 else [flat]
+        return parts[0], parts[1:1 + k], int(step.item())
+
+    def _param_state(self, sg, pid, p, off, n, arrays, step):
+        """torch's per-parameter state dict for one parameter."""
+        if self._family is not None:
+            hp = self._group_hps[sg.group]
+            if step == 0 and not _hp.state_exists_at_step0(hp):
+                return None
+            names = _hp.state_names(hp)
+            st = {}
+            if _hp.has_step_key(hp):
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+            for name, arr in zip(names, arrays):
+                st[name] = arr[off:off + n].view(p.shape).clone()
+            if hp["kind"] == "sgd" and not names:
+                return None
+            return st
+        if not self._has_state[pid]:
+            return None
+        st = dict(self._py_state.get(pid, {}))
+        for k, arr in zip(self._keys[sg.group], arrays):
+            st[k] = arr[off:off + n].view(p.shape).clone()
+        return st
+
+    def _read_all_states(self):
+        """{param index: torch-format state} for every parameter (all ranks)."""
+        self._refresh_hyperparams()
+        self._ensure_initialized()
+        out = {}
+        for sg in self._subgroups:
+            _, arrays, step = self._subgroup_record(sg.index)
+            for p, pid, off, n in sg.slices():
+                st = self._param_state(sg, pid, p, off, n, arrays, step)
+                if st is not None:
+                    out[pid] = st
+        if self._family is None and self._group is not None:
+            # Python-side state lives on the owner rank only.
+            objs = [None] * self._world
+            torch.distributed.all_gather_object(
+                objs, {pid: st for pid, st in out.items()
+                       if self._owner(self._subgroup_of(pid)) == self._rank},
+                group=self._group)
+            out = {}
+            for part in objs:
+                out.update(part)
+        return out
+
+    def _subgroup_of(self, pid):
+        if not hasattr(self, "_pid_to_sg"):
+            self._pid_to_sg = {}
+        if len(self._pid_to_sg) != len(self._param_shapes):
+            self._pid_to_sg = {pid: sg.index for sg in self._subgroups
+                               for pid in sg.param_ids}
+        return self._pid_to_sg[pid]
+
+    def _write_states(self, states):
+        """Writes {param index: torch-format state} into the engine.
+
+        Parameters of one subgroup must agree on their step count; a subgroup
+        none of whose parameters has state is reset to the initial state.
+        The master copy is taken from the current parameter values.
+        """
+        self._refresh_hyperparams()
+        for g in self._owned:
+            sg = self._subgroups[g]
+            present = [pid in states for pid in sg.param_ids]
+            if not any(present):
+                master = _layout.flat_fp32(sg.params)
+                init = None if self._family is None else dict(self._group_hps[sg.group])
+                self._engine.initialize_subgroup(self._local[g], master.data_ptr(),
+                                                 "float32", init)
+                for pid in sg.param_ids:
+                    self._has_state[pid] = False
+                    self._py_state.pop(pid, None)
+                continue
+            if not all(present):
+                missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
+                raise StateMismatchError(
+                    f"parameters {missing} have no state while others of their subgroup "
+                    f"{g} do; their state is stored together")
+            master = _layout.flat_fp32(sg.params)
+            arrays = [torch.zeros(sg.numel, dtype=torch.float32)
+                      for _ in range(self._num_arrays)]
+            steps = set()
+            for p, pid, off, n in sg.slices():
+                st = states[pid]
+                if self._family is not None:
+                    hp = self._group_hps[sg.group]
+                    names = _hp.state_names(hp)
+                    if _hp.has_step_key(hp):
+                        if "step" not in st:
+                            raise StateMismatchError(f"state of parameter {pid} has no 'step'")
+                        steps.add(int(float(st["step"])))
+                    else:
+                        steps.add(1 if any(st.get(k) is not None for k in names) else 0)
+                    keys = names
+                else:
+                    keys = self._keys[sg.group]
+                    self._py_state[pid] = {k: v for k, v in st.items() if k not in keys}
+                    self._has_state[pid] = True
+                for k, arr in zip(keys, arrays):
+                    value = st.get(k)
+                    if value is None:
+                        if self._family is not None and _hp.has_step_key(
+                                self._group_hps[sg.group]):
+                            raise StateMismatchError(
+                                f"state of parameter {pid} has no '{k}'")
+                        continue
+                    if not isinstance(value, torch.Tensor) or value.numel() != n:
+                        raise StateMismatchError(
+                            f"state '{k}' of parameter {pid} has "
+                            f"{getattr(value, 'numel', lambda: '?')()} elements, the "
+                            f"parameter {n}")
+                    arr[off:off + n].copy_(value.detach().reshape(-1))
+            if self._family is not None:
+                if len(steps) != 1:
+                    raise StateMismatchError(
+                        f"parameters {sg.param_ids} of subgroup {g} have different step "
+                        f"counts {sorted(steps)}; their state is stored together")
+                step = steps.pop()
+            else:
+                step = 1
+            self._engine.write_subgroup(self._local[g], master.data_ptr(),
+                                        [a.data_ptr() for a in arrays], step)
+
+    def state_dict(self):
+        """The state in torch's format (tensors on the host, fp32).
+
+        Read from the engine one subgroup at a time; in a process group every
+        rank gets the whole state.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        if len(self.optimizer.state) > 0:
+            raise OffloadError("the wrapped optimizer has state of its own: it must "
+                               "only be stepped through the MLPOffloadOptimizer")
+        sd = self.optimizer.state_dict()  # torch's param_groups, empty state
+        sd["state"] = self._read_all_states()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads torch-format state (from this wrapper or the plain optimizer).
+
+        The state stays on the host and moves into the engine; the master
+        copy is taken from the parameters' current values.
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for g, s in zip(self.param_groups, saved_groups):
+            if len(g["params"]) != len(s["params"]):
+                raise ValueError("loaded state dict contains a parameter group that "
+                                 "doesn't match the size of optimizer's group")
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in saved_groups))
+        shapes = self._param_shapes
+        states = {}
+        for pid, sid in enumerate(saved_ids):
+            st = state_dict["state"].get(sid)
+            if st is None or len(st) == 0:
+                continue
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and \
+                        list(v.shape) != shapes[pid] and v.numel() != 1:
+                    raise StateMismatchError(
+                        f"state '{k}' of parameter {pid} has shape {list(v.shape)}, the "
+                        f"parameter {shapes[pid]}")
+            states[pid] = st
+        # Hyperparameters through the wrapped optimizer (torch's own rules);
+        # its param_groups list is replaced, so re-share it.
+        self.optimizer.load_state_dict({"state": {}, "param_groups": saved_groups})
+        self.optimizer.state.clear()
+        self.param_groups = self.optimizer.param_groups
+        if self._family is not None:
+            _hp.check_options(self.optimizer, self._family)
+        self._refresh_hyperparams()
+        if not self._initialized:
+            self._ensure_initialized()
+        self._write_states(states)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ---------------------------------------------------------- checkpoints
+
+    def _manifest_path(self, directory):
+        return os.path.join(directory, f"manifest.rank{self._rank}.json")
+
+    def _layout_summary(self):
+        return {
+            "optimizer": type(self.optimizer).__name__,
+            "world_size": self._world,
+            "param_shapes": self._param_shapes,
+            "group_sizes": [len(g["params"]) for g in self.param_groups],
+            "subgroups": [sg.param_ids for sg in self._subgroups],
+            "dtype": _layout.DTYPE_NAMES[self._dtype],
+            "num_state_arrays": self._num_arrays,
+        }
+
+    def save_checkpoint(self, directory):
+        """Saves the offloaded state to `directory`, streamed tier by tier.
+
+        Atomic: the new state goes to fresh names and a manifest rename
+        commits it, so a crash mid-save leaves the previous checkpoint
+        intact. In a process group every rank writes its own shard.
+        """
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        self._refresh_hyperparams()
+        self._ensure_initialized()
+        old = self._read_manifest(directory, missing_ok=True)
+        tag = f"r{self._rank}-{uuid.uuid4().hex[:12]}"
+        engine_dir = f"engine-{tag}"
+        python_file = f"python-{tag}.pt"
+        if self._engine is not None:
+            self._engine.save_checkpoint(os.path.join(directory, engine_dir))
+        own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
+        python_state = {
+            "param_groups": self.optimizer.state_dict()["param_groups"],
+            "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
+            "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
+        }
+        buf_path = os.path.join(directory, python_file)
+        tmp = f"{buf_path}.tmp"
+        torch.save(python_state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, buf_path)
+        manifest = {
+            "format": _CHECKPOINT_FORMAT,
+            "version": _CHECKPOINT_VERSION,
+            "rank": self._rank,
+            "engine_dir": engine_dir if self._engine is not None else None,
+            "python_state": python_file,
+            "layout": self._layout_summary(),
+        }
+        _atomic_write_bytes(self._manifest_path(directory),
+                            json.dumps(manifest, indent=1).encode())
+        _fsync_dir(directory)
+        # The previous checkpoint is garbage only now.
+        if old is not None:
+            if old.get("engine_dir") and old["engine_dir"] != engine_dir:
+                shutil.rmtree(os.path.join(directory, old["engine_dir"]), ignore_errors=True)
+            if old.get("python_state") and old["python_state"] != python_file:
+                try:
+                    os.remove(os.path.join(directory, old["python_state"]))
+                except FileNotFoundError:
+                    pass
+        if self._group is not None:
+            torch.distributed.barrier(group=self._group)
+
+    def _read_manifest(self, directory, missing_ok=False):
+        path = self._manifest_path(directory)
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise StateMismatchError(f"no checkpoint for rank {self._rank} in {directory} "
+                                     f"({os.path.basename(path)} is missing)") from None
+        except json.JSONDecodeError as e:
+            from mlp_offload.errors import CorruptStateError
+            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
+        if manifest.get("format") != _CHECKPOINT_FORMAT:
+            raise StateMismatchError(f"{path} is not an MLP-Offload optimizer checkpoint")
+        if manifest.get("version") != _CHECKPOINT_VERSION:
+            raise StateMismatchError(f"{path} has checkpoint version "
+                                     f"{manifest.get('version')}, expected {_CHECKPOINT_VERSION}")
+        return manifest
+
+    def load_checkpoint(self, directory, restore_params=False):
+        """Loads a checkpoint written by save_checkpoint.
+
+        Refuses (StateMismatchError, naming the difference) a checkpoint of
+        another model, optimizer, dtype or rank count. With restore_params,
+        the model's parameters are set from the checkpoint's master copy.
+        """
+        directory = os.fspath(directory)
+        manifest = self._read_manifest(directory)
+        want, got = self._layout_summary(), manifest["layout"]
+        for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays"):
+            if want[key] != got.get(key):
+                raise StateMismatchError(
+                    f"checkpoint in {directory} was written for {key}={got.get(key)!r}, "
+                    f"this optimizer has {want[key]!r}")
+        if want["param_shapes"] != got["param_shapes"]:
+            for i, (a, b) in enumerate(zip(want["param_shapes"], got["param_shapes"])):
+                if a != b:
+                    raise StateMismatchError(
+                        f"checkpoint in {directory} is for another model: parameter {i} "
+                        f"has shape {b} there, {a} here")
+            raise StateMismatchError(
+                f"checkpoint in {directory} is for another model: "
+                f"{len(got['param_shapes'])} parameters there, {len(want['param_shapes'])} here")
+        if want["subgroups"] != got["subgroups"]:
+            raise StateMismatchError(
+                f"checkpoint in {directory} packs parameters into other subgroups "
+                f"(subgroup_numel differs)")
+        python_state = torch.load(os.path.join(directory, manifest["python_state"]),
+                                  weights_only=True)
+        self.optimizer.load_state_dict({"state": {},
+                                        "param_groups": python_state["param_groups"]})
+        self.optimizer.state.clear()
+        self.param_groups = self.optimizer.param_groups
+        self._refresh_hyperparams()
+        if self._engine is not None:
+            self._engine.load_checkpoint(os.path.join(directory, manifest["engine_dir"]))
+        self._initialized = True
+        self._pending_state = None
+        self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
+        self._has_state.update({int(k): v for k, v in python_state["has_state"].items()})
+        if restore_params:
+            with torch.no_grad():
+                for g in self._owned:
+                    master, _, _ = self._read_subgroup(g)
+                    for p, _, off, n in self._subgroups[g].slices():
+                        p.copy_(master[off:off + n].view(p.shape))
+                if self._group is not None:
+                    self._broadcast_params()

@@ -1,0 +1,219 @@
+// Sequential bandwidth probe of tier directories.
+#include "io/bandwidth_probe.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "io/aligned_buffer.h"
+#include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+
+absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
+                                              IoOp op, uint64_t bytes,
+                                              size_t block_size,
+                                              unsigned queue_depth, bool sync) {
+  if (block_size == 0 || queue_depth == 0) {
+    return absl::InvalidArgumentError("TimeSequentialTransfer: zero block size or queue depth");
+  }
+  MLP_ASSIGN_OR_RETURN(AlignedBuffer buffers,
+                       AlignedBuffer::Allocate(uint64_t{block_size} * queue_depth));
+  if (op == IoOp::kWrite) {
+    // Incompressible data, so a compressing or deduplicating device is not
+    // flattered.
+    std::mt19937_64 rng(42);
+    uint64_t* words = buffers.as<uint64_t>();
+    for (size_t i = 0; i < buffers.size() / sizeof(uint64_t); ++i) words[i] = rng();
+  }
+  struct Shared {
+    absl::Mutex mu;
+    std::vector<unsigned> free_slots ABSL_GUARDED_BY(mu);
+    unsigned in_flight ABSL_GUARDED_BY(mu) = 0;
+    absl::Status error ABSL_GUARDED_BY(mu);
+  } shared;
+  {
+    absl::MutexLock lock(&shared.mu);
+    for (unsigned i = 0; i < queue_depth; ++i) shared.free_slots.push_back(i);
+  }
+  const absl::Time start = absl::Now();
+  for (uint64_t offset = 0; offset < bytes; offset += block_size) {
+    unsigned slot;
+    {
+      absl::MutexLock lock(&shared.mu);
+      shared.mu.Await(absl::Condition(
+          +[](Shared* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+            return !s->free_slots.empty() || !s->error.ok();
+          },
+          &shared));
+      if (!shared.error.ok()) break;
+      slot = shared.free_slots.back();
+      shared.free_slots.pop_back();
+      ++shared.in_flight;
+    }
+    IoRequest request;
+    request.op = op;
+    request.file = &file;
+    request.offset = offset;
+    request.length = static_cast<size_t>(std::min<uint64_t>(block_size, bytes - offset));
+    request.buffer = buffers.as<char>() + uint64_t{slot} * block_size;
+    engine.Submit(request, [&shared, slot](absl::StatusOr<size_t> result) {
+      absl::MutexLock lock(&shared.mu);
+      if (!result.ok() && shared.error.ok()) shared.error = result.status();
+      shared.free_slots.push_back(slot);
+      --shared.in_flight;
+    });
+  }
+  {
+    absl::MutexLock lock(&shared.mu);
+    shared.mu.Await(absl::Condition(
+        +[](Shared* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->in_flight == 0; },
+        &shared));
+    MLP_RETURN_IF_ERROR(shared.error);
+  }
+  if (sync && op == IoOp::kWrite) MLP_RETURN_IF_ERROR(file.Sync());
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
+
+namespace {
+
+struct DirProbe {
+  std::string dir;
+  std::string path;
+  std::unique_ptr<File> file;
+  std::unique_ptr<IoEngine> engine;
+};
+
+std::atomic<int> g_probe_counter{0};
+
+// Bytes per second of one sequential pass over the directory's file.
+absl::StatusOr<double> Measure(DirProbe& p, IoOp op, const ProbeOptions& options) {
+  if (op == IoOp::kRead && !p.file->direct()) {
+    // Without O_DIRECT the read would come from the page cache.
+    (void)posix_fadvise(p.file->fd(), 0, 0, POSIX_FADV_DONTNEED);
+  }
+  MLP_ASSIGN_OR_RETURN(const double seconds,
+                       TimeSequentialTransfer(*p.engine, *p.file, op, options.bytes,
+                                              options.block_size, options.queue_depth,
+                                              /*sync=*/op == IoOp::kWrite));
+  return static_cast<double>(options.bytes) / std::max(seconds, 1e-9);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
+    const std::vector<std::string>& dirs, const ProbeOptions& options) {
+  if (dirs.empty()) return absl::InvalidArgumentError("ProbeBandwidth: no directories");
+  if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ProbeBandwidth: bytes (", options.bytes, ") must be a positive multiple of ",
+        kDirectIoAlignment));
+  }
+  std::vector<PathBandwidth> results(dirs.size());
+  std::vector<DirProbe> probes(dirs.size());
+  // Removes the temporary files whatever happens below.
+  struct Cleanup {
+    std::vector<DirProbe>* probes;
+    ~Cleanup() {
+      for (DirProbe& p : *probes) {
+        if (p.engine) p.engine->Shutdown();
+        p.file.reset();
+        if (!p.path.empty()) unlink(p.path.c_str());
+      }
+    }
+  } cleanup{&probes};
+
+  IoEngineOptions engine_options;
+  engine_options.kind = options.engine;
+  engine_options.block_size = options.block_size;
+  engine_options.queue_depth = options.queue_depth;
+  engine_options.num_threads = static_cast<int>(options.queue_depth);
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    DirProbe& p = probes[i];
+    PathBandwidth& r = results[i];
+    p.dir = r.dir = dirs[i];
+    struct stat st;
+    if (stat(dirs[i].c_str(), &st) < 0) return ErrnoStatus(errno, "stat", dirs[i]);
+    if (!S_ISDIR(st.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat("ProbeBandwidth: ", dirs[i],
+                                                     " is not a directory"));
+    }
+    r.device = st.st_dev;
+    p.path = absl::StrCat(dirs[i], "/.mlp_offload_probe.", getpid(), ".",
+                          g_probe_counter.fetch_add(1), ".tmp");
+    FileOptions file_options;
+    file_options.create = true;
+    file_options.truncate = true;
+    file_options.preallocate_bytes = options.bytes;
+    absl::StatusOr<std::unique_ptr<File>> file = File::Open(p.path, file_options);
+    if (!file.ok()) {
+      p.path.clear();  // not ours to remove if it could not be created
+      return Annotate(file.status(), absl::StrCat("probing ", dirs[i]));
+    }
+    p.file = std::move(*file);
+    r.direct = p.file->direct();
+    r.direct_fallback_reason = p.file->direct_fallback_reason();
+    MLP_ASSIGN_OR_RETURN(p.engine, CreateIoEngine(engine_options));
+  }
+
+  // Writes before reads: a read needs the data on the device (reading
+  // preallocated, never-written extents costs no I/O at all).
+  for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+    for (size_t i = 0; i < dirs.size(); ++i) {
+      absl::StatusOr<double> alone = Measure(probes[i], op, options);
+      if (!alone.ok()) return Annotate(alone.status(), absl::StrCat("probing ", dirs[i]));
+      (op == IoOp::kWrite ? results[i].write_alone : results[i].read_alone) = *alone;
+      (op == IoOp::kWrite ? results[i].write_together : results[i].read_together) = *alone;
+    }
+    if (!options.together || dirs.size() < 2) continue;
+    // All directories at once, started together.
+    std::vector<absl::StatusOr<double>> together(dirs.size(),
+                                                 absl::UnknownError("not run"));
+    absl::Notification go;
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < dirs.size(); ++i) {
+      threads.emplace_back([&, i] {
+        go.WaitForNotification();
+        together[i] = Measure(probes[i], op, options);
+      });
+    }
+    go.Notify();
+    for (auto& t : threads) t.join();
+    for (size_t i = 0; i < dirs.size(); ++i) {
+      if (!together[i].ok()) {
+        return Annotate(together[i].status(),
+                        absl::StrCat("probing ", dirs[i], " together with the others"));
+      }
+      (op == IoOp::kWrite ? results[i].write_together : results[i].read_together) =
+          *together[i];
+    }
+  }
+
+  // A drop of more than a quarter when run together is far beyond run-to-run
+  // noise of a sequential transfer, and two paths that both lose it are
+  // competing for one pool. Same st_dev is conclusive on its own.
+  auto dropped = [](const PathBandwidth& r) {
+    return r.write_together < 0.75 * r.write_alone || r.read_together < 0.75 * r.read_alone;
+  };
+  for (size_t i = 0; i < results.size(); ++i) {
+    for (size_t j = 0; j < results.size(); ++j) {
+      if (i == j) continue;
+      const bool same_dev = results[i].device == results[j].device;
+      const bool both_dropped = options.together && dropped(results[i]) && dropped(results[j]);
+      if (same_dev || both_dropped) results[i].shares_device_with.push_back(results[j].dir);
+    }
+  }
+  return results;
+}
+
+}  // namespace mlp_offload

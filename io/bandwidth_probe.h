@@ -1,0 +1,61 @@
+// Measures the sequential O_DIRECT bandwidth of tier directories, alone and
+// all at once, so that directories sharing one device (one bandwidth pool)
+// are told apart from independent paths. Used by the engine's tier probe, the
+// io_benchmark and `mlp-offload probe`.
+#ifndef MLP_OFFLOAD_IO_BANDWIDTH_PROBE_H_
+#define MLP_OFFLOAD_IO_BANDWIDTH_PROBE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "io/file.h"
+#include "io/io_engine.h"
+
+namespace mlp_offload {
+
+struct ProbeOptions {
+  uint64_t bytes = uint64_t{256} << 20;  // per directory and direction
+  size_t block_size = 1 << 20;
+  unsigned queue_depth = 32;
+  IoEngineOptions::Kind engine = IoEngineOptions::Kind::kAuto;
+  // Also run every directory at once (skipped for a single directory).
+  bool together = true;
+};
+
+struct PathBandwidth {
+  std::string dir;
+  uint64_t device = 0;  // st_dev of the directory
+  bool direct = false;  // O_DIRECT was in effect
+  std::string direct_fallback_reason;
+  // Bytes per second of sequential writes (fdatasync included) and reads.
+  double write_alone = 0;
+  double read_alone = 0;
+  // The same while every probed directory runs at once (== alone for one).
+  double write_together = 0;
+  double read_together = 0;
+  // Other probed directories that share this one's bandwidth: same st_dev, or
+  // both lost more than a quarter of their bandwidth when run together.
+  std::vector<std::string> shares_device_with;
+};
+
+// Writes then reads a temporary file of `options.bytes` in each directory,
+// first one directory at a time, then all together; the files are removed
+// afterwards (also on error). Errors name the directory and the operation.
+absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
+    const std::vector<std::string>& dirs, const ProbeOptions& options);
+
+// Transfers [0, bytes) of `file` sequentially in `block_size` requests with
+// `queue_depth` of them in flight (like fio's sequential job), and returns the
+// elapsed seconds. Writes send a fixed random pattern; `sync` adds an
+// fdatasync to the timed write. The first failed request's status is returned.
+absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
+                                              IoOp op, uint64_t bytes,
+                                              size_t block_size,
+                                              unsigned queue_depth, bool sync);
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_IO_BANDWIDTH_PROBE_H_

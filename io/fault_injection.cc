@@ -1,0 +1,247 @@
+// The fault-injecting and bandwidth-throttling engine wrappers.
+#include "io/fault_injection.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
+#include "absl/synchronization/mutex.h"
+#include "io/aligned_buffer.h"
+#include "io/internal/delay_queue.h"
+#include "io/internal/request.h"
+#include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+
+using internal_io::DelayQueue;
+using internal_io::OpName;
+using internal_io::Where;
+
+struct FaultInjectingEngine::Impl {
+  struct ActiveFault {
+    FaultSpec spec;
+    int seen = 0;  // matching requests so far
+  };
+
+  std::unique_ptr<IoEngine> inner;
+  absl::Mutex mu;
+  std::vector<ActiveFault> faults ABSL_GUARDED_BY(mu);
+  int fired ABSL_GUARDED_BY(mu) = 0;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  // Declared last: destroyed (drained) first, while `inner` still exists.
+  DelayQueue delays;
+
+  // The fault that hits `request`, if any. Every matching fault counts the
+  // request, so each fault's `nth` is independent of the others.
+  absl::optional<FaultSpec> Match(const IoRequest& request) {
+    absl::MutexLock lock(&mu);
+    absl::optional<FaultSpec> hit;
+    for (ActiveFault& f : faults) {
+      if (f.spec.op != request.op) continue;
+      if (!f.spec.path_substring.empty() &&
+          request.file->path().find(f.spec.path_substring) == std::string::npos) {
+        continue;
+      }
+      const int index = f.seen++;
+      if (!hit.has_value() && (f.spec.nth < 0 || f.spec.nth == index)) hit = f.spec;
+    }
+    if (hit.has_value()) ++fired;
+    return hit;
+  }
+};
+
+FaultInjectingEngine::FaultInjectingEngine(std::unique_ptr<IoEngine> inner)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->inner = std::move(inner);
+}
+
+FaultInjectingEngine::~FaultInjectingEngine() { Shutdown(); }
+
+void FaultInjectingEngine::AddFault(const FaultSpec& fault) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->faults.push_back({fault, 0});
+}
+
+void FaultInjectingEngine::ClearFaults() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->faults.clear();
+}
+
+int FaultInjectingEngine::fired() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->fired;
+}
+
+std::string FaultInjectingEngine::name() const {
+  return absl::StrCat("fault(", impl_->inner->name(), ")");
+}
+
+void FaultInjectingEngine::Submit(const IoRequest& request, IoCallback done) {
+  bool stopping;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    stopping = impl_->stopping;
+  }
+  if (stopping) {
+    done(absl::FailedPreconditionError("fault-injecting engine is shut down"));
+    return;
+  }
+  absl::Status valid = internal_io::ValidateRequest(request);
+  if (!valid.ok()) {
+    done(std::move(valid));
+    return;
+  }
+  absl::optional<FaultSpec> fault = impl_->Match(request);
+  IoEngine* inner = impl_->inner.get();
+  if (!fault.has_value()) {
+    inner->Submit(request, std::move(done));
+    return;
+  }
+  switch (fault->kind) {
+    case FaultSpec::Kind::kError:
+      done(ErrnoStatus(fault->error, absl::StrCat(OpName(request.op), " (injected)"),
+                       Where(*request.file, request.offset)));
+      return;
+    case FaultSpec::Kind::kShortTransfer: {
+      size_t half = request.length / 2;
+      if (request.file->direct()) half -= half % kDirectIoAlignment;
+      IoRequest partial = request;
+      partial.length = half;
+      inner->Submit(partial, [request, half, done = std::move(done)](
+                                 absl::StatusOr<size_t> result) {
+        if (!result.ok()) {
+          done(std::move(result));
+          return;
+        }
+        done(absl::DataLossError(absl::StrCat(
+            "short ", OpName(request.op), " (injected) ",
+            Where(*request.file, request.offset), ": ", half, " of ",
+            request.length, " bytes transferred")));
+      });
+      return;
+    }
+    case FaultSpec::Kind::kDelay:
+      impl_->delays.RunAt(absl::Now() + fault->delay,
+                          [inner, request, done = std::move(done)]() mutable {
+                            inner->Submit(request, std::move(done));
+                          });
+      return;
+  }
+}
+
+void FaultInjectingEngine::Shutdown() {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->stopping = true;
+  }
+  // Delayed requests still reach the inner engine, which then drains them.
+  impl_->delays.Drain();
+  impl_->inner->Shutdown();
+}
+
+absl::Status FaultInjectingEngine::RegisterBuffers(
+    absl::Span<const iovec> buffers) {
+  return impl_->inner->RegisterBuffers(buffers);
+}
+
+namespace {
+
+// Pieces the throttle releases one at a time: small enough that the cap holds
+// over short windows, large enough to keep the inner engine efficient.
+constexpr size_t kThrottleChunk = 1 << 20;
+
+class ThrottledEngine final : public IoEngine {
+ public:
+  ThrottledEngine(std::unique_ptr<IoEngine> inner, double read_bps,
+                  double write_bps)
+      : inner_(std::move(inner)), rate_{read_bps, write_bps} {}
+
+  ~ThrottledEngine() override { Shutdown(); }
+
+  std::string name() const override {
+    return absl::StrCat("throttle(", inner_->name(), ")");
+  }
+
+  void Submit(const IoRequest& request, IoCallback done) override {
+    bool stopping;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stopping_;
+    }
+    if (stopping) {
+      done(absl::FailedPreconditionError("throttled engine is shut down"));
+      return;
+    }
+    const double rate = rate_[static_cast<int>(request.op)];
+    if (rate <= 0) {
+      inner_->Submit(request, std::move(done));
+      return;
+    }
+    absl::Status valid = internal_io::ValidateRequest(request);
+    if (!valid.ok()) {
+      done(std::move(valid));
+      return;
+    }
+    std::vector<internal_io::Piece> pieces =
+        internal_io::SplitRequest(request, std::move(done), kThrottleChunk);
+    for (internal_io::Piece& piece : pieces) {
+      // Virtual scheduling (GCRA without burst): each piece is released when
+      // the bytes before it have had their time at the capped rate. An idle
+      // period does not bank credit, since `next` restarts from now.
+      absl::Time release;
+      {
+        absl::MutexLock lock(&mu_);
+        absl::Time& next = next_release_[static_cast<int>(request.op)];
+        release = std::max(next, absl::Now());
+        next = release + absl::Seconds(static_cast<double>(piece.length) / rate);
+      }
+      IoRequest part = request;
+      part.offset = piece.offset;
+      part.length = piece.length;
+      part.buffer = piece.buffer;
+      delays_.RunAt(release, [this, part, tracker = piece.tracker]() {
+        const uint64_t offset = part.offset;
+        inner_->Submit(part, [tracker, offset](absl::StatusOr<size_t> result) {
+          tracker->PieceDone(offset, result.status());
+        });
+      });
+    }
+  }
+
+  void Shutdown() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    delays_.Drain();
+    inner_->Shutdown();
+  }
+
+  absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override {
+    return inner_->RegisterBuffers(buffers);
+  }
+
+ private:
+  std::unique_ptr<IoEngine> inner_;
+  const double rate_[2];  // bytes/s, indexed by IoOp
+  absl::Mutex mu_;
+  absl::Time next_release_[2] ABSL_GUARDED_BY(mu_) = {absl::InfinitePast(),
+                                                      absl::InfinitePast()};
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Last: drained before inner_ goes away.
+  internal_io::DelayQueue delays_;
+};
+
+}  // namespace
+
+std::unique_ptr<IoEngine> MakeThrottledEngine(std::unique_ptr<IoEngine> inner,
+                                              double read_bytes_per_sec,
+                                              double write_bytes_per_sec) {
+  return std::make_unique<ThrottledEngine>(std::move(inner), read_bytes_per_sec,
+                                           write_bytes_per_sec);
+}
+
+}  // namespace mlp_offload

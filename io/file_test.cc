@@ -1,0 +1,110 @@
+#include "io/file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "gtest/gtest.h"
+#include "io/aligned_buffer.h"
+#include "io/internal/test_util.h"
+
+namespace mlp_offload {
+namespace {
+
+using internal_io::ScratchPath;
+
+TEST(FileTest, DirectOnExt4AndPreallocated) {
+  const std::string path = ScratchPath("file_direct");
+  FileOptions options;
+  options.create = true;
+  options.preallocate_bytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);
+  ASSERT_TRUE(file.ok()) << file.status();
+  // TEST_TMPDIR is on ext4 here, which supports O_DIRECT.
+  EXPECT_TRUE((*file)->direct()) << (*file)->direct_fallback_reason();
+  EXPECT_EQ(*(*file)->Size(), uint64_t{1} << 20);
+  EXPECT_TRUE((*file)->Sync().ok());
+  // O_DIRECT is really in effect: a misaligned transfer is refused.
+  char byte = 0;
+  EXPECT_LT(pwrite((*file)->fd(), &byte, 1, 1), 0);
+  EXPECT_TRUE((*file)->Allocate(2 << 20).ok());
+  EXPECT_EQ(*(*file)->Size(), uint64_t{2} << 20);
+  unlink(path.c_str());
+}
+
+TEST(FileTest, BufferedWhenNotRequestedSaysWhy) {
+  const std::string path = ScratchPath("file_buffered");
+  FileOptions options;
+  options.create = true;
+  options.try_direct = false;
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_FALSE((*file)->direct());
+  EXPECT_FALSE((*file)->direct_fallback_reason().empty());
+  char byte = 7;
+  EXPECT_EQ(pwrite((*file)->fd(), &byte, 1, 1), 1);
+  unlink(path.c_str());
+}
+
+TEST(FileTest, FallbackAlwaysHasAReason) {
+  // tmpfs accepts O_DIRECT on recent kernels and refuses it on older ones;
+  // either way the outcome is reported consistently.
+  if (access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "no /dev/shm";
+  const std::string path = "/dev/shm/mlp_offload_file_test." + std::to_string(getpid());
+  FileOptions options;
+  options.create = true;
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->direct(), (*file)->direct_fallback_reason().empty());
+  unlink(path.c_str());
+}
+
+TEST(FileTest, MissingFileIsNotFoundNamingThePath) {
+  const std::string path = ScratchPath("does_not_exist");
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, FileOptions());
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(file.status().message().find(path), std::string::npos);
+  EXPECT_NE(file.status().message().find("open"), std::string::npos);
+}
+
+TEST(FileTest, RefusesSymlink) {
+  const std::string target = ScratchPath("target");
+  const std::string link = ScratchPath("link");
+  FileOptions create;
+  create.create = true;
+  ASSERT_TRUE(File::Open(target, create).ok());
+  ASSERT_EQ(symlink(target.c_str(), link.c_str()), 0);
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(link, FileOptions());
+  EXPECT_FALSE(file.ok());
+  EXPECT_NE(file.status().message().find(link), std::string::npos);
+  FileOptions follow;
+  follow.no_follow = false;
+  EXPECT_TRUE(File::Open(link, follow).ok());
+  unlink(link.c_str());
+  unlink(target.c_str());
+}
+
+TEST(FileTest, TruncateAndReadOnly) {
+  const std::string path = ScratchPath("file_trunc");
+  FileOptions options;
+  options.create = true;
+  options.preallocate_bytes = 8192;
+  ASSERT_TRUE(File::Open(path, options).ok());
+  FileOptions trunc;
+  trunc.truncate = true;
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, trunc);
+  ASSERT_TRUE(file.ok());
+  EXPECT_EQ(*(*file)->Size(), 0u);
+  FileOptions ro;
+  ro.read_only = true;
+  absl::StatusOr<std::unique_ptr<File>> read_only = File::Open(path, ro);
+  ASSERT_TRUE(read_only.ok());
+  absl::Status allocate = (*read_only)->Allocate(4096);
+  EXPECT_FALSE(allocate.ok());
+  EXPECT_NE(allocate.message().find(path), std::string::npos);
+  unlink(path.c_str());
+}
+
+}  // namespace
+}  // namespace mlp_offload

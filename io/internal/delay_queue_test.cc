@@ -1,0 +1,44 @@
+#include "io/internal/delay_queue.h"
+
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace mlp_offload {
+namespace internal_io {
+namespace {
+
+TEST(DelayQueueTest, RunsInTimeOrderAndDrainWaitsForAll) {
+  DelayQueue queue;
+  absl::Mutex mu;
+  std::vector<int> order;
+  const absl::Time base = absl::Now();
+  for (int i : {3, 1, 2, 0}) {
+    queue.RunAt(base + absl::Milliseconds(10 * i), [&, i] {
+      absl::MutexLock lock(&mu);
+      order.push_back(i);
+    });
+  }
+  // Same time: FIFO.
+  queue.RunAt(base + absl::Milliseconds(30), [&] {
+    absl::MutexLock lock(&mu);
+    order.push_back(4);
+  });
+  queue.Drain();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
+TEST(DelayQueueTest, AfterDrainRunsInline) {
+  DelayQueue queue;
+  queue.Drain();
+  bool ran = false;
+  queue.RunAt(absl::Now() + absl::Hours(1), [&] { ran = true; });
+  EXPECT_TRUE(ran);
+}
+
+}  // namespace
+}  // namespace internal_io
+}  // namespace mlp_offload

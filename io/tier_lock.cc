@@ -1,0 +1,231 @@
+// Cross-process tier lock and run lock.
+//
+// TierLock design: a ticket lock built from open-file-description (OFD) byte
+// range locks on one file, `<lock_path>.tickets`.
+//  - Taking a ticket: under a write lock on byte 0 (a short critical section),
+//    read the counter stored in the file's first 8 bytes, write-lock byte
+//    kTicketBase + t for our ticket t, and store t + 1.
+//  - Waiting: ticket t may enter once ticket t - K has left, so it asks for a
+//    read lock on byte kTicketBase + t - K with F_OFD_SETLKW, which sleeps in
+//    the kernel until the holder of t - K unlocks it (Release, close or death)
+//    and is then dropped at once.
+//  - Releasing: unlock byte kTicketBase + t.
+// Why this gives the guarantees:
+//  - at most K holders: tickets with the same residue mod K form a chain in
+//    which each enters only after its predecessor left, so each residue has at
+//    most one holder at a time;
+//  - FIFO and no starvation: tickets are handed out in arrival order and each
+//    waits only for a finite chain of earlier tickets (K round-robin lanes; a
+//    lane does not lend its turn to another, which costs some utilisation when
+//    hold times differ widely but never starves anyone);
+//  - no busy waiting: the kernel's lock wait queue does the sleeping;
+//  - death: the kernel drops every lock of a process's OFDs when it dies, so a
+//    SIGKILLed holder (or waiter, or a process that died while taking a
+//    ticket) releases its byte and the chain moves on.
+// OFD locks rather than classic POSIX locks because those are per process:
+// two TierLock objects in one process would not exclude each other, and
+// closing any descriptor of the file would drop all of them. Every process
+// sharing a tier must use the same K. The file is never deleted: unlinking it
+// while another process has it open would split the queue in two.
+#include "io/tier_lock.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+namespace {
+
+// Byte 0 guards the ticket counter; ticket t is byte kTicketBase + t. Lock
+// ranges may lie far beyond EOF, so the file stays 8 bytes long.
+constexpr off_t kTicketBase = 4096;
+
+// Applies an OFD lock of `type` (F_RDLCK, F_WRLCK, F_UNLCK) to byte `offset`;
+// `wait` sleeps until it is granted. Returns errno (0 on success).
+int OfdLock(int fd, short type, off_t offset, bool wait) {
+  struct flock fl;
+  std::memset(&fl, 0, sizeof(fl));
+  fl.l_type = type;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = offset;
+  fl.l_len = 1;
+  fl.l_pid = 0;  // required for OFD locks
+  for (;;) {
+    if (fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) == 0) return 0;
+    if (errno != EINTR) return errno;
+  }
+}
+
+}  // namespace
+
+struct TierLock::Impl {
+  int fd = -1;
+  std::string path;
+  int max_holders = 1;
+  bool held = false;
+  int64_t ticket = -1;
+
+  ~Impl() {
+    // Closing the last descriptor of the OFD drops its locks.
+    if (fd >= 0) close(fd);
+  }
+
+  std::string Where(int64_t t) const {
+    return absl::StrCat(path, " at offset ", kTicketBase + t);
+  }
+
+  absl::StatusOr<int64_t> TakeTicket() {
+    if (int err = OfdLock(fd, F_WRLCK, 0, /*wait=*/true); err != 0) {
+      return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) on the ticket counter of",
+                         absl::StrCat(path, " at offset 0"));
+    }
+    int64_t counter = 0;
+    const ssize_t n = pread(fd, &counter, sizeof(counter), 0);
+    if (n < 0) {
+      const int err = errno;
+      OfdLock(fd, F_UNLCK, 0, false);
+      return ErrnoStatus(err, "pread of the ticket counter", absl::StrCat(path, " at offset 0"));
+    }
+    if (n != sizeof(counter) || counter < 0) counter = 0;  // new file
+    int64_t t = counter;
+    // The ticket byte is normally free; it is taken only if the counter went
+    // backwards (file truncated by hand), so skip over live tickets.
+    int err;
+    while ((err = OfdLock(fd, F_WRLCK, kTicketBase + t, false)) == EAGAIN ||
+           err == EACCES) {
+      ++t;
+    }
+    if (err != 0) {
+      OfdLock(fd, F_UNLCK, 0, false);
+      return ErrnoStatus(err, "fcntl(F_OFD_SETLK) of a ticket in", Where(t));
+    }
+    // Locked before the counter moves: dying here just leaves ticket t free
+    // for the next process, which takes it again.
+    const int64_t next = t + 1;
+    if (pwrite(fd, &next, sizeof(next), 0) != sizeof(next)) {
+      const int saved = errno;
+      OfdLock(fd, F_UNLCK, kTicketBase + t, false);
+      OfdLock(fd, F_UNLCK, 0, false);
+      return ErrnoStatus(saved == 0 ? EIO : saved, "pwrite of the ticket counter",
+                         absl::StrCat(path, " at offset 0"));
+    }
+    OfdLock(fd, F_UNLCK, 0, false);
+    return t;
+  }
+};
+
+TierLock::TierLock(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+TierLock::~TierLock() { Release(); }
+
+absl::StatusOr<std::unique_ptr<TierLock>> TierLock::Open(const std::string& lock_path,
+                                                         int max_holders) {
+  if (max_holders < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TierLock::Open ", lock_path, ": max_holders must be >= 1, got ", max_holders));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->path = lock_path + ".tickets";
+  impl->max_holders = max_holders;
+  do {
+    impl->fd = open(impl->path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  } while (impl->fd < 0 && errno == EINTR);
+  if (impl->fd < 0) return ErrnoStatus(errno, "open", impl->path);
+  return std::unique_ptr<TierLock>(new TierLock(std::move(impl)));
+}
+
+absl::Status TierLock::Acquire() {
+  if (impl_->held) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("TierLock::Acquire on ", impl_->path,
+                     ": already held by this object (not reentrant)"));
+  }
+  MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket());
+  const int64_t predecessor = t - impl_->max_holders;
+  if (predecessor >= 0) {
+    const off_t byte = kTicketBase + predecessor;
+    if (int err = OfdLock(impl_->fd, F_RDLCK, byte, /*wait=*/true); err != 0) {
+      OfdLock(impl_->fd, F_UNLCK, kTicketBase + t, false);
+      return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
+                         impl_->Where(predecessor));
+    }
+    OfdLock(impl_->fd, F_UNLCK, byte, false);
+  }
+  impl_->ticket = t;
+  impl_->held = true;
+  return absl::OkStatus();
+}
+
+void TierLock::Release() {
+  if (!impl_ || !impl_->held) return;
+  // Unlocking a lock we hold cannot fail short of a bad descriptor; closing
+  // the descriptor in ~Impl would release it in any case.
+  OfdLock(impl_->fd, F_UNLCK, kTicketBase + impl_->ticket, false);
+  impl_->held = false;
+  impl_->ticket = -1;
+}
+
+bool TierLock::held() const { return impl_->held; }
+
+RunLock::RunLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+
+RunLock::~RunLock() {
+  // Clear the pid so a later reader is not pointed at a finished process;
+  // the file stays (see the TierLock note on unlinking lock files).
+  if (ftruncate(fd_, 0) < 0) {
+    // Nothing to do: the flock is dropped by close either way.
+  }
+  close(fd_);
+}
+
+absl::StatusOr<std::unique_ptr<RunLock>> RunLock::Acquire(const std::string& path) {
+  int fd;
+  do {
+    fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return ErrnoStatus(errno, "open", path);
+  // flock belongs to the open file description: it is dropped when its holder
+  // dies (so a dead run is taken over silently) and two RunLocks in one
+  // process conflict like two processes.
+  int rc;
+  do {
+    rc = flock(fd, LOCK_EX | LOCK_NB);
+  } while (rc < 0 && errno == EINTR);
+  if (rc < 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) {
+      close(fd);
+      return ErrnoStatus(err, "flock", path);
+    }
+    char text[32] = {};
+    const ssize_t n = pread(fd, text, sizeof(text) - 1, 0);
+    close(fd);
+    int pid = 0;
+    std::string holder = "pid unknown";
+    if (n > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(text, n)), &pid)) {
+      holder = absl::StrCat("pid ", pid);
+    }
+    return absl::AlreadyExistsError(absl::StrCat(
+        "run lock ", path, " is held by another live process (", holder, ")"));
+  }
+  const std::string pid = absl::StrCat(getpid(), "\n");
+  if (ftruncate(fd, 0) < 0 || pwrite(fd, pid.data(), pid.size(), 0) !=
+                                  static_cast<ssize_t>(pid.size())) {
+    const int err = errno;
+    close(fd);
+    return ErrnoStatus(err == 0 ? EIO : err, "writing the pid into", path);
+  }
+  return std::unique_ptr<RunLock>(new RunLock(fd, path));
+}
+
+}  // namespace mlp_offload

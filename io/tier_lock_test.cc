@@ -1,0 +1,210 @@
+#include "io/tier_lock.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "io/internal/test_util.h"
+
+namespace mlp_offload {
+namespace {
+
+using internal_io::ScratchPath;
+
+// Counters shared by the forked processes.
+struct Shared {
+  std::atomic<int> inside{0};
+  std::atomic<int> max_inside{0};
+  std::atomic<int> errors{0};
+};
+
+Shared* MapShared() {
+  void* p = mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  return new (p) Shared;
+}
+
+// Runs `body` in a child process that exits 0 if it returns true.
+template <typename F>
+pid_t Spawn(F body) {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(body() ? 0 : 1);
+  return pid;
+}
+
+bool WaitOk(pid_t pid) {
+  int status = 0;
+  return waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// Reads one byte from `fd` within `ms`; -1 when nothing came.
+int ReadByte(int fd, int ms) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, ms) != 1) return -1;
+  char c;
+  return read(fd, &c, 1) == 1 ? c : -1;
+}
+
+void Contend(const std::string& path, int max_holders, Shared* shared) {
+  std::vector<pid_t> children;
+  for (int i = 0; i < 4; ++i) {
+    children.push_back(Spawn([&] {
+      absl::StatusOr<std::unique_ptr<TierLock>> lock = TierLock::Open(path, max_holders);
+      if (!lock.ok()) return false;
+      for (int iter = 0; iter < 25; ++iter) {
+        if (!(*lock)->Acquire().ok()) return false;
+        const int now = shared->inside.fetch_add(1) + 1;
+        int seen = shared->max_inside.load();
+        while (now > seen && !shared->max_inside.compare_exchange_weak(seen, now)) {
+        }
+        usleep(2000);  // hold it long enough for the others to pile up
+        shared->inside.fetch_sub(1);
+        (*lock)->Release();
+      }
+      return true;
+    }));
+  }
+  for (pid_t pid : children) EXPECT_TRUE(WaitOk(pid));
+}
+
+TEST(TierLockTest, FourProcessesMutuallyExclusive) {
+  Shared* shared = MapShared();
+  Contend(ScratchPath("tier1"), 1, shared);
+  EXPECT_EQ(shared->max_inside.load(), 1);
+}
+
+TEST(TierLockTest, TwoHoldersAllowsExactlyTwo) {
+  Shared* shared = MapShared();
+  Contend(ScratchPath("tier2"), 2, shared);
+  EXPECT_EQ(shared->max_inside.load(), 2);
+}
+
+TEST(TierLockTest, ThirdWaitsWhileTwoHoldThenEnters) {
+  const std::string path = ScratchPath("tier_k2");
+  // Two objects in this process are two holders.
+  auto a = *TierLock::Open(path, 2);
+  auto b = *TierLock::Open(path, 2);
+  ASSERT_TRUE(a->Acquire().ok());
+  ASSERT_TRUE(b->Acquire().ok());
+  EXPECT_EQ(a->Acquire().code(), absl::StatusCode::kFailedPrecondition);  // not reentrant
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t child = Spawn([&] {
+    auto c = *TierLock::Open(path, 2);
+    if (!c->Acquire().ok()) return false;
+    return write(fds[1], "c", 1) == 1;
+  });
+  EXPECT_EQ(ReadByte(fds[0], 300), -1) << "a third holder got in with K=2";
+  a->Release();
+  EXPECT_FALSE(a->held());
+  EXPECT_EQ(ReadByte(fds[0], 30000), 'c');
+  EXPECT_TRUE(WaitOk(child));
+}
+
+TEST(TierLockTest, RecoversAfterHolderIsKilled) {
+  const std::string path = ScratchPath("tier_kill");
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t holder = Spawn([&] {
+    auto lock = *TierLock::Open(path, 1);
+    if (!lock->Acquire().ok() || write(fds[1], "a", 1) != 1) return false;
+    for (;;) pause();
+  });
+  ASSERT_EQ(ReadByte(fds[0], 30000), 'a');
+  const pid_t waiter = Spawn([&] {
+    auto lock = *TierLock::Open(path, 1);
+    if (!lock->Acquire().ok()) return false;
+    return write(fds[1], "b", 1) == 1;
+  });
+  EXPECT_EQ(ReadByte(fds[0], 300), -1) << "waiter entered while the holder lived";
+  ASSERT_EQ(kill(holder, SIGKILL), 0);
+  int status;
+  ASSERT_EQ(waitpid(holder, &status, 0), holder);
+  EXPECT_EQ(ReadByte(fds[0], 30000), 'b');
+  EXPECT_TRUE(WaitOk(waiter));
+}
+
+// The ticket counter stored at the start of the lock file.
+int64_t Tickets(const std::string& path) {
+  const int fd = open((path + ".tickets").c_str(), O_RDONLY);
+  int64_t v = 0;
+  if (fd >= 0) {
+    if (pread(fd, &v, sizeof(v), 0) != sizeof(v)) v = 0;
+    close(fd);
+  }
+  return v;
+}
+
+TEST(TierLockTest, WaitersEnterInArrivalOrder) {
+  const std::string path = ScratchPath("tier_fifo");
+  auto mine = *TierLock::Open(path, 1);
+  ASSERT_TRUE(mine->Acquire().ok());
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  std::vector<pid_t> children;
+  for (char id : {'1', '2', '3'}) {
+    const int64_t before = Tickets(path);
+    children.push_back(Spawn([&, id] {
+      auto lock = *TierLock::Open(path, 1);
+      if (!lock->Acquire().ok()) return false;
+      usleep(1000);
+      return write(fds[1], &id, 1) == 1;
+    }));
+    // Arrival = taking a ticket; wait for it before starting the next one.
+    for (int i = 0; i < 30000 && Tickets(path) == before; ++i) usleep(1000);
+    ASSERT_EQ(Tickets(path), before + 1);
+  }
+  mine->Release();
+  EXPECT_EQ(ReadByte(fds[0], 30000), '1');
+  EXPECT_EQ(ReadByte(fds[0], 30000), '2');
+  EXPECT_EQ(ReadByte(fds[0], 30000), '3');
+  for (pid_t pid : children) EXPECT_TRUE(WaitOk(pid));
+}
+
+TEST(TierLockTest, RejectsZeroHolders) {
+  EXPECT_EQ(TierLock::Open(ScratchPath("tier0"), 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RunLockTest, SecondRunIsRefusedNamingPathAndPid) {
+  const std::string path = ScratchPath("run.lock");
+  absl::StatusOr<std::unique_ptr<RunLock>> first = RunLock::Acquire(path);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<std::unique_ptr<RunLock>> second = RunLock::Acquire(path);
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(second.status().message().find(path), std::string::npos);
+  EXPECT_NE(second.status().message().find(absl::StrCat("pid ", getpid())), std::string::npos)
+      << second.status();
+  first->reset();
+  EXPECT_TRUE(RunLock::Acquire(path).ok());
+}
+
+TEST(RunLockTest, DeadHolderIsTakenOver) {
+  const std::string path = ScratchPath("run_dead.lock");
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t holder = Spawn([&] {
+    auto lock = RunLock::Acquire(path);
+    if (!lock.ok() || write(fds[1], "a", 1) != 1) return false;
+    for (;;) pause();
+  });
+  ASSERT_EQ(ReadByte(fds[0], 30000), 'a');
+  EXPECT_EQ(RunLock::Acquire(path).status().code(), absl::StatusCode::kAlreadyExists);
+  kill(holder, SIGKILL);
+  int status;
+  waitpid(holder, &status, 0);
+  EXPECT_TRUE(RunLock::Acquire(path).ok());
+}
+
+}  // namespace
+}  // namespace mlp_offload

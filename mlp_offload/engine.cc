@@ -1,0 +1,1366 @@
+// The offload engine: tiers, buffers and the pipelined update phase.
+//
+// Memory: every host byte the engine uses is one of `num_cached +
+// num_buffers` equal buffers, allocated once at Create (the plan sizes them
+// within the budget), so the budget cannot be exceeded by construction; the
+// high-water mark of buffers in use is still measured and reported.
+//
+// A buffer is [4 KiB header | record | fp32 gradient (baseline only)]: one
+// aligned read brings a slot's header and payload, one write stores both.
+//
+// Threads: Step runs on the caller's thread; I/O completions arrive on the
+// tiers' engine threads and only touch buffer bookkeeping under mu_; the
+// kernels run on a ThreadPool owned by the engine.
+#include "mlp_offload/engine.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <dirent.h>
+
+#include <deque>
+#include <random>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "io/aligned_buffer.h"
+#include "io/file.h"
+#include "io/tier_lock.h"
+#include "mlp_offload/base/status_macros.h"
+#include "mlp_offload/base/thread_pool.h"
+#include "mlp_offload/state_store.h"
+
+namespace mlp_offload {
+namespace {
+
+constexpr uint64_t kAlign = kDirectIoAlignment;
+uint64_t RoundUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+// Sends a tier's requests through its engine, optionally taking the
+// cross-process tier lock around each burst of I/O (technique 4): a
+// dispatcher thread holds the lock while it has requests to issue and gives
+// it up when its queue runs dry or its turn (kTurnBytes) is used up, so the
+// processes sharing the tier take turns instead of thrashing it.
+class TierChannel {
+ public:
+  TierChannel(std::unique_ptr<IoEngine> engine, std::unique_ptr<TierLock> lock)
+      : engine_(std::move(engine)), lock_(std::move(lock)) {
+    if (lock_ != nullptr) dispatcher_ = std::thread([this] { Dispatch(); });
+  }
+  ~TierChannel() {
+    if (lock_ != nullptr) {
+      {
+        absl::MutexLock l(&mu_);
+        stop_ = true;
+      }
+      dispatcher_.join();
+    }
+    engine_->Shutdown();
+  }
+
+  IoEngine* engine() const { return engine_.get(); }
+
+  void Submit(const IoRequest& request, IoCallback done) {
+    if (lock_ == nullptr) {
+      engine_->Submit(request, std::move(done));
+      return;
+    }
+    absl::MutexLock l(&mu_);
+    queue_.push_back({request, std::move(done)});
+  }
+
+ private:
+  static constexpr uint64_t kTurnBytes = 256ull << 20;
+  struct Pending {
+    IoRequest request;
+    IoCallback done;
+  };
+
+  void Dispatch() {
+    for (;;) {
+      {
+        absl::MutexLock l(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || !queue_.empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty() && stop_) return;
+      }
+      absl::Status locked = lock_->Acquire();
+      uint64_t turn = 0;
+      for (;;) {
+        std::deque<Pending> batch;
+        {
+          absl::MutexLock l(&mu_);
+          auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return !queue_.empty() || in_flight_ == 0;
+          };
+          mu_.Await(absl::Condition(&ready));
+          if (queue_.empty() || turn >= kTurnBytes) {
+            // Drained (nothing in flight either) or the turn is over: let
+            // another process have the tier.
+            auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+            mu_.Await(absl::Condition(&idle));
+            break;
+          }
+          batch.swap(queue_);
+          in_flight_ += batch.size();
+        }
+        for (Pending& p : batch) {
+          turn += p.request.length;
+          if (!locked.ok()) {
+            p.done(Annotate(locked, "tier lock"));
+            Finished();
+            continue;
+          }
+          IoCallback done = std::move(p.done);
+          engine_->Submit(p.request, [this, done = std::move(done)](absl::StatusOr<size_t> r) {
+            done(std::move(r));
+            Finished();
+          });
+        }
+      }
+      if (locked.ok()) lock_->Release();
+    }
+  }
+
+  void Finished() {
+    absl::MutexLock l(&mu_);
+    --in_flight_;
+  }
+
+  std::unique_ptr<IoEngine> engine_;
+  std::unique_ptr<TierLock> lock_;
+  std::thread dispatcher_;
+  absl::Mutex mu_;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+enum class BufState { kFree, kReading, kReady, kInUse, kWriting, kCached };
+
+struct Buffer {
+  AlignedBuffer mem;
+  int subgroup = -1;
+  BufState state = BufState::kFree;
+  int pending = 0;          // I/O requests in flight on this buffer
+  absl::Status io_status;   // first error of those requests
+  bool from_disk = false;   // payload must be verified before use
+  int write_slot = -1;      // slot being written
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  EngineConfig config;
+  Plan plan;
+  uint64_t run_id = 0;
+  ThreadPool pool;
+
+  struct Tier {
+    std::string dir;  // <path>/<run_name>
+    std::unique_ptr<TierChannel> channel;
+    FaultInjectingEngine* faults = nullptr;
+    std::unique_ptr<RunLock> run_lock;
+  };
+  std::vector<Tier> tiers;
+
+  // Per subgroup.
+  std::vector<uint64_t> numel;
+  std::vector<uint64_t> payload_bytes;   // numel * 4 * arrays
+  std::vector<uint64_t> record_bytes;    // aligned payload
+  std::vector<std::unique_ptr<File>> state_files;
+  std::vector<std::unique_ptr<File>> grad_files;  // baseline only
+  std::vector<int> current_slot;         // slot with the latest on-disk version
+  std::vector<int> committed_slot;       // slot named by the last commit
+  std::vector<int64_t> disk_step;        // step of the latest on-disk version
+  std::vector<int64_t> sg_step;          // updates applied (latest version)
+  std::vector<bool> initialized;
+  std::vector<bool> grad_nonfinite;      // baseline: seen at offload time
+  std::vector<bool> grad_offloaded;      // baseline: fp32 grad on the tier
+  std::vector<bool> done_in_step;        // for a step resumed after a failure
+
+  absl::Mutex mu;
+  std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
+  std::vector<int> buffer_of ABSL_GUARDED_BY(mu);  // subgroup -> buffer or -1
+  int buffers_in_use ABSL_GUARDED_BY(mu) = 0;
+  absl::Status step_error ABSL_GUARDED_BY(mu);  // first I/O error of the step
+  int peak_in_use ABSL_GUARDED_BY(mu) = 0;
+
+  int64_t steps_done = 0;
+  int64_t committed = -1;
+  bool resumed = false;
+
+  // The step in progress.
+  bool in_step = false;
+  bool step_failed = false;  // an earlier attempt of this step failed
+  std::vector<int> order;
+  size_t pos = 0;
+  size_t next_read = 0;
+  StepStats stats;
+  absl::Time step_start;
+
+  explicit Impl(const EngineConfig& c) : config(c), pool(std::max(1, c.compute_threads)) {}
+
+  int arrays() const { return 1 + config.num_state_arrays; }
+  bool eager_grads() const { return !config.techniques.delayed_grad_conversion; }
+  int n() const { return static_cast<int>(numel.size()); }
+  uint64_t slot_bytes(int i) const { return kRecordHeaderBytes + record_bytes[i]; }
+  std::string where(int i, int slot) const {
+    return absl::StrCat(state_files[i]->path(), " (subgroup ", i, ", slot ", slot, ")");
+  }
+
+  // --- buffers ---------------------------------------------------------
+  int FindFreeBuffer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      if (buffers[b].state == BufState::kFree) return static_cast<int>(b);
+    }
+    return -1;
+  }
+  void Claim(int b, int subgroup, BufState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    buffers[b].subgroup = subgroup;
+    buffers[b].state = state;
+    buffers[b].io_status = absl::OkStatus();
+    buffer_of[subgroup] = b;
+    ++buffers_in_use;
+    peak_in_use = std::max(peak_in_use, buffers_in_use);
+  }
+  void Free(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (buffers[b].subgroup >= 0 && buffer_of[buffers[b].subgroup] == b) {
+      buffer_of[buffers[b].subgroup] = -1;
+    }
+    buffers[b].subgroup = -1;
+    buffers[b].state = BufState::kFree;
+    buffers[b].pending = 0;
+    --buffers_in_use;
+  }
+  // Blocks until a buffer is free (writes behind complete) and claims it;
+  // the I/O error that makes that impossible otherwise.
+  absl::StatusOr<int> WaitAndClaimFree(int subgroup, BufState state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return FindFreeBuffer() >= 0 || !step_error.ok();
+    };
+    mu.Await(absl::Condition(&any_free));
+    int b = FindFreeBuffer();
+    if (b < 0) return step_error;
+    Claim(b, subgroup, state);
+    return b;
+  }
+  float* Payload(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return reinterpret_cast<float*>(buffers[b].mem.as<char>() + kRecordHeaderBytes);
+  }
+  float* GradArea(int b, int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return reinterpret_cast<float*>(buffers[b].mem.as<char>() + kRecordHeaderBytes +
+                                    record_bytes[i]);
+  }
+
+  // --- I/O -------------------------------------------------------------
+  void OnIoDone(int b, uint64_t bytes, int tier, bool is_read, absl::StatusOr<size_t> r) {
+    absl::MutexLock l(&mu);
+    Buffer& buf = buffers[b];
+    if (!r.ok() && buf.io_status.ok()) buf.io_status = r.status();
+    if (r.ok()) {
+      if (is_read) {
+        stats.bytes_read[tier] += bytes;
+      } else {
+        stats.bytes_written[tier] += bytes;
+      }
+    }
+    --buf.pending;
+    if (!r.ok() && step_error.ok()) step_error = r.status();
+    if (buf.pending == 0 && buf.write_slot >= 0 && buf.io_status.ok()) {
+      // A write landed: it is now the subgroup's latest on-disk version, and
+      // a streaming buffer is free again.
+      WriteLanded(b);
+      if (buf.state == BufState::kWriting) Free(b);
+    }
+  }
+
+  // Issues the read of subgroup i's latest version (and its baseline
+  // gradient) into buffer b. Called with mu held; completions take mu.
+  void IssueRead(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Buffer& buf = buffers[b];
+    const int t = plan.tier_of_subgroup[i];
+    buf.from_disk = true;
+    IoRequest req;
+    req.op = IoOp::kRead;
+    req.file = state_files[i].get();
+    req.offset = SlotOffset(current_slot[i], record_bytes[i]);
+    req.length = slot_bytes(i);
+    req.buffer = buf.mem.data();
+    ++buf.pending;
+    uint64_t len = req.length;
+    tiers[t].channel->Submit(req, [this, b, len, t](absl::StatusOr<size_t> r) {
+      OnIoDone(b, len, t, true, std::move(r));
+    });
+    if (eager_grads() && in_step) {
+      IoRequest g;
+      g.op = IoOp::kRead;
+      g.file = grad_files[i].get();
+      g.offset = 0;
+      g.length = RoundUp(numel[i] * 4);
+      g.buffer = GradArea(b, i);
+      ++buf.pending;
+      uint64_t glen = g.length;
+      tiers[t].channel->Submit(g, [this, b, glen, t](absl::StatusOr<size_t> r) {
+        OnIoDone(b, glen, t, true, std::move(r));
+      });
+    }
+  }
+
+  int WriteSlotFor(int i) const {
+    if (committed_slot[i] >= 0) return 1 - committed_slot[i];
+    return current_slot[i] < 0 ? 0 : 1 - current_slot[i];
+  }
+
+  // Seals buffer b's header for subgroup i at its current step and issues
+  // the write to the slot that does not hold the committed version.
+  void IssueWrite(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Buffer& buf = buffers[b];
+    const int t = plan.tier_of_subgroup[i];
+    RecordHeader h;
+    h.run_id = run_id;
+    h.subgroup = static_cast<uint32_t>(i);
+    h.num_arrays = static_cast<uint32_t>(arrays());
+    h.numel = numel[i];
+    h.step = sg_step[i];
+    h.payload_bytes = payload_bytes[i];
+    h.payload_checksum = PayloadChecksum(Payload(b), payload_bytes[i], &pool);
+    EncodeRecordHeader(h, buf.mem.data());
+    buf.write_slot = WriteSlotFor(i);
+    IoRequest req;
+    req.op = IoOp::kWrite;
+    req.file = state_files[i].get();
+    req.offset = SlotOffset(buf.write_slot, record_bytes[i]);
+    req.length = slot_bytes(i);
+    req.buffer = buf.mem.data();
+    ++buf.pending;
+    uint64_t len = req.length;
+    tiers[t].channel->Submit(req, [this, b, len, t](absl::StatusOr<size_t> r) {
+      OnIoDone(b, len, t, false, std::move(r));
+    });
+  }
+
+  // Waits for buffer b's I/O; on success of a write, records the new slot.
+  absl::Status WaitIo(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto idle = [this, b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return buffers[b].pending == 0; };
+    mu.Await(absl::Condition(&idle));
+    return buffers[b].io_status;
+  }
+
+  // Makes the write of buffer b (complete, OK) the subgroup's latest version.
+  void WriteLanded(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    int i = buffers[b].subgroup;
+    current_slot[i] = buffers[b].write_slot;
+    disk_step[i] = sg_step[i];
+    buffers[b].write_slot = -1;
+  }
+
+  // Completes every request in flight. A failed write leaves its record
+  // cached (nothing is lost: the old slot on disk is intact, the new version
+  // is in memory); a failed read is dropped. Returns the first error.
+  absl::Status DrainWrites() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    absl::Status first = step_error;
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      absl::Status s = WaitIo(static_cast<int>(b));
+      Buffer& buf = buffers[b];
+      if (buf.write_slot >= 0) {  // a write that did not land
+        if (first.ok()) first = s;
+        buf.write_slot = -1;
+        buf.io_status = absl::OkStatus();
+        buf.state = BufState::kCached;
+      } else if (!s.ok() && buf.state == BufState::kReading) {
+        if (first.ok()) first = s;
+        Free(static_cast<int>(b));
+      }
+    }
+    step_error = absl::OkStatus();
+    return first;
+  }
+
+  // Verifies a record that came from disk: header fields and checksum.
+  absl::Status VerifyRecord(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Buffer& buf = buffers[b];
+    if (!buf.from_disk) return absl::OkStatus();
+    std::string w = where(i, current_slot[i]);
+    MLP_ASSIGN_OR_RETURN(RecordHeader h,
+                         DecodeRecordHeader(buf.mem.data(), kRecordHeaderBytes, w));
+    if (h.subgroup != static_cast<uint32_t>(i) || h.numel != numel[i] ||
+        h.num_arrays != static_cast<uint32_t>(arrays()) || h.run_id != run_id) {
+      return absl::DataLossError(absl::StrCat(w, ": record belongs to another subgroup or run"));
+    }
+    if (config.verify_checksums &&
+        PayloadChecksum(Payload(b), payload_bytes[i], &pool) != h.payload_checksum) {
+      return absl::DataLossError(absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));
+    }
+    buf.from_disk = false;
+    sg_step[i] = h.step;
+    return absl::OkStatus();
+  }
+
+  // Brings subgroup i into a buffer outside a step (state access,
+  // checkpoints). Returns the buffer; `claimed` says whether the caller must
+  // free it afterwards (it was not cached).
+  absl::StatusOr<int> Resident(int i, bool* claimed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!initialized[i]) {
+      return absl::FailedPreconditionError(absl::StrCat("subgroup ", i, " is not initialised"));
+    }
+    int b = buffer_of[i];
+    if (b >= 0) {
+      MLP_RETURN_IF_ERROR(WaitIo(b));
+      *claimed = false;
+      return b;
+    }
+    MLP_ASSIGN_OR_RETURN(b, WaitAndClaimFree(i, BufState::kReading));
+    IssueRead(i, b);
+    absl::Status s = WaitIo(b);
+    if (s.ok()) s = VerifyRecord(i, b);
+    if (!s.ok()) {
+      Free(b);
+      return s;
+    }
+    *claimed = true;
+    return b;
+  }
+
+  // Writes buffer b (subgroup i) synchronously to its tier.
+  absl::Status WriteNow(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    IssueWrite(i, b);
+    absl::Status s = WaitIo(b);  // the completion marks the new slot
+    buffers[b].write_slot = -1;
+    buffers[b].io_status = absl::OkStatus();
+    step_error = absl::OkStatus();
+    return s;
+  }
+
+  void ResetStats() {
+    stats = StepStats();
+    stats.bytes_read.assign(tiers.size(), 0);
+    stats.bytes_written.assign(tiers.size(), 0);
+  }
+
+  absl::Status WriteCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status OpenTiers();
+  absl::Status LoadCommitted();
+
+  // --- step pipeline ----------------------------------------------------
+  void IssueReads() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const size_t limit = std::min(order.size(), pos + 1 + plan.prefetch_depth);
+    while (next_read < limit) {
+      int i = order[next_read];
+      if (done_in_step[i] || buffer_of[i] >= 0) {  // resident: a cache hit
+        ++next_read;
+        continue;
+      }
+      int b = FindFreeBuffer();
+      if (b < 0) return;
+      Claim(b, i, BufState::kReading);
+      IssueRead(i, b);
+      ++next_read;
+    }
+  }
+};
+
+absl::Status Engine::Impl::WriteCommit() {
+  // Per tier: the slot of each of its subgroups. Every subgroup must have
+  // its latest version on disk (the caller flushed the cached ones).
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    CommitRecord c;
+    c.step = steps_done;
+    c.subgroup_step.assign(n(), -1);
+    c.subgroup_slot.assign(n(), 0);
+    for (int i = 0; i < n(); ++i) {
+      if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
+      c.subgroup_step[i] = disk_step[i];
+      c.subgroup_slot[i] = static_cast<uint8_t>(current_slot[i]);
+    }
+    MLP_RETURN_IF_ERROR(WriteFileAtomically(tiers[t].dir + "/COMMIT", EncodeCommitRecord(c)));
+  }
+  for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
+  committed = steps_done;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::OpenTiers() {
+  const int num_tiers = static_cast<int>(config.tiers.size());
+  std::vector<std::string> real(num_tiers);
+  for (int t = 0; t < num_tiers; ++t) {
+    const std::string& path = config.tiers[t].path;
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("tier ", t, ": stat"), path);
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat("tier ", t, ": ", path, " is not a directory"));
+    }
+    if (access(path.c_str(), W_OK | X_OK) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("tier ", t, ": not writable:"), path);
+    }
+    char buf[PATH_MAX];
+    if (realpath(path.c_str(), buf) == nullptr) return ErrnoStatus(errno, "realpath", path);
+    real[t] = buf;
+    for (int u = 0; u < t; ++u) {
+      if (real[u] == real[t]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tiers ", u, " and ", t, " are the same directory (", real[t],
+            "): give each tier its own path"));
+      }
+    }
+  }
+  tiers.resize(num_tiers);
+  for (int t = 0; t < num_tiers; ++t) {
+    Tier& tier = tiers[t];
+    tier.dir = absl::StrCat(real[t], "/", config.run_name);
+    if (mkdir(tier.dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("tier ", t, ": mkdir"), tier.dir);
+    }
+    struct stat st;
+    if (lstat(tier.dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tier ", t, ": ", tier.dir, " is not a directory (a planted symlink?)"));
+    }
+    MLP_ASSIGN_OR_RETURN(tier.run_lock, RunLock::Acquire(tier.dir + "/LOCK"));
+    MLP_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io, CreateIoEngine(config.io));
+    const TierSpec& spec = config.tiers[t];
+    if (spec.throttle_read_bytes_per_sec > 0 || spec.throttle_write_bytes_per_sec > 0) {
+      io = MakeThrottledEngine(std::move(io), spec.throttle_read_bytes_per_sec,
+                               spec.throttle_write_bytes_per_sec);
+    }
+    if (config.fault_injection) {
+      auto fi = std::make_unique<FaultInjectingEngine>(std::move(io));
+      tier.faults = fi.get();
+      io = std::move(fi);
+    }
+    std::unique_ptr<TierLock> lock;
+    if (config.techniques.tier_lock) {
+      // The lock lives in the tier's root, shared by every run on it.
+      MLP_ASSIGN_OR_RETURN(lock, TierLock::Open(real[t] + "/.mlp_offload_tier_lock",
+                                                std::max(1, config.tier_lock_slots)));
+    }
+    tier.channel = std::make_unique<TierChannel>(std::move(io), std::move(lock));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::LoadCommitted() {
+  // The manifest must describe this model; the commit records name slots.
+  Manifest expected;
+  expected.arrays_per_param = arrays();
+  expected.subgroup_numel = numel;
+  int64_t step = -1;
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    std::string mpath = tiers[t].dir + "/MANIFEST";
+    MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
+    MLP_ASSIGN_OR_RETURN(Manifest m, ParseManifest(text, mpath));
+    MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, mpath));
+    if (t == 0) {
+      run_id = m.run_id;
+      plan.tier_of_subgroup = m.tier_of_subgroup;
+    } else if (m.run_id != run_id || m.tier_of_subgroup != plan.tier_of_subgroup) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          mpath, " belongs to another run than ", tiers[0].dir, "/MANIFEST"));
+    }
+    std::string cpath = tiers[t].dir + "/COMMIT";
+    auto bytes = ReadSmallFile(cpath);
+    if (!bytes.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no committed step on ", tiers[t].dir, " (", bytes.status().message(), ")"));
+    }
+    MLP_ASSIGN_OR_RETURN(CommitRecord c, ParseCommitRecord(*bytes, cpath));
+    if (c.subgroup_step.size() != numel.size()) {
+      return absl::DataLossError(absl::StrCat(cpath, ": subgroup count mismatch"));
+    }
+    if (step >= 0 && c.step != step) {
+      // A crash between the tiers' commit writes: the older step is the one
+      // every tier has (both slots are kept until the next commit).
+      return absl::DataLossError(absl::StrCat(
+          "tiers disagree on the committed step (", step, " vs ", c.step, " in ", cpath, ")"));
+    }
+    step = c.step;
+    for (int i = 0; i < n(); ++i) {
+      if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
+      current_slot[i] = committed_slot[i] = c.subgroup_slot[i];
+      disk_step[i] = sg_step[i] = c.subgroup_step[i];
+      initialized[i] = true;
+    }
+  }
+  for (int t : plan.tier_of_subgroup) {
+    if (t < 0 || t >= static_cast<int>(tiers.size())) {
+      return absl::DataLossError("manifest names a tier that is not configured");
+    }
+  }
+  steps_done = committed = step;
+  resumed = true;
+  return absl::OkStatus();
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() {
+  if (impl_ == nullptr) return;
+  {
+    absl::MutexLock l(&impl_->mu);
+    (void)impl_->DrainWrites();
+  }
+  impl_->tiers.clear();  // channels drain and shut their engines down
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config) {
+  if (config.num_state_arrays < 0 || config.num_state_arrays > 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_state_arrays must be in [0, 8], got ", config.num_state_arrays));
+  }
+  if (config.run_name.empty() || config.run_name.find('/') != std::string::npos ||
+      config.run_name == "." || config.run_name == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("run_name must be a plain directory name, got '", config.run_name, "'"));
+  }
+  if (config.commit_every < 0) {
+    return absl::InvalidArgumentError("commit_every must be >= 0");
+  }
+  auto impl = std::make_unique<Impl>(config);
+  PlannerInput in;
+  in.subgroup_numel = config.subgroup_numel;
+  in.arrays_per_param = 1 + config.num_state_arrays;
+  in.grad_bytes = static_cast<int>(DTypeSize(config.grad_dtype));
+  in.tiers = config.tiers;
+  for (TierSpec& t : in.tiers) {
+    // Unknown bandwidths: treat the tiers as equal (the CLI's probe measures).
+    if (t.read_bytes_per_sec <= 0 && t.throttle_read_bytes_per_sec <= 0) t.read_bytes_per_sec = 1e9;
+    if (t.write_bytes_per_sec <= 0 && t.throttle_write_bytes_per_sec <= 0) t.write_bytes_per_sec = 1e9;
+  }
+  in.host_budget_bytes = config.host_budget_bytes;
+  in.techniques = config.techniques;
+  // Capacity: what the filesystem has free, unless given.
+  for (TierSpec& t : in.tiers) {
+    if (t.capacity_bytes == 0) {
+      struct statvfs vfs;
+      if (statvfs(t.path.c_str(), &vfs) == 0) {
+        t.capacity_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      }
+    }
+  }
+  Impl& e = *impl;
+  const int n = static_cast<int>(config.subgroup_numel.size());
+  // Check the tiers before planning so a bad path is named as such.
+  MLP_RETURN_IF_ERROR(e.OpenTiers());
+  MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
+  e.numel = config.subgroup_numel;
+  e.payload_bytes.resize(n);
+  e.record_bytes.resize(n);
+  for (int i = 0; i < n; ++i) {
+    e.payload_bytes[i] = e.numel[i] * 4ull * e.arrays();
+    e.record_bytes[i] = RoundUp(e.payload_bytes[i]);
+  }
+  e.current_slot.assign(n, -1);
+  e.committed_slot.assign(n, -1);
+  e.disk_step.assign(n, 0);
+  e.sg_step.assign(n, 0);
+  e.initialized.assign(n, false);
+  e.grad_nonfinite.assign(n, false);
+  e.grad_offloaded.assign(n, false);
+  e.done_in_step.assign(n, false);
+
+  if (config.resume) {
+    MLP_RETURN_IF_ERROR(e.LoadCommitted());
+  } else {
+    std::random_device rd;
+    e.run_id = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
+    Manifest m;
+    m.run_id = e.run_id;
+    m.arrays_per_param = e.arrays();
+    m.subgroup_numel = e.numel;
+    m.tier_of_subgroup = e.plan.tier_of_subgroup;
+    for (auto& tier : e.tiers) {
+      // A fresh run: an old commit record must not be resumed against it.
+      unlink((tier.dir + "/COMMIT").c_str());
+      MLP_RETURN_IF_ERROR(WriteFileAtomically(tier.dir + "/MANIFEST", EncodeManifest(m)));
+    }
+  }
+
+  e.state_files.resize(n);
+  if (e.eager_grads()) e.grad_files.resize(n);
+  for (int i = 0; i < n; ++i) {
+    const std::string& dir = e.tiers[e.plan.tier_of_subgroup[i]].dir;
+    FileOptions fo;
+    fo.create = true;
+    fo.preallocate_bytes = config.resume ? 0 : 2 * e.slot_bytes(i);
+    MLP_ASSIGN_OR_RETURN(e.state_files[i],
+                         File::Open(absl::StrCat(dir, "/sg_", i, ".state"), fo));
+    if (e.eager_grads()) {
+      fo.preallocate_bytes = RoundUp(e.numel[i] * 4);
+      MLP_ASSIGN_OR_RETURN(e.grad_files[i], File::Open(absl::StrCat(dir, "/sg_", i, ".grad"), fo));
+    }
+  }
+
+  e.ResetStats();
+  const int num_buffers = e.plan.num_buffers + e.plan.num_cached;
+  {
+    absl::MutexLock l(&e.mu);
+    e.buffers.resize(num_buffers);
+    e.buffer_of.assign(n, -1);
+    for (int b = 0; b < num_buffers; ++b) {
+      MLP_ASSIGN_OR_RETURN(e.buffers[b].mem, AlignedBuffer::Allocate(e.plan.buffer_bytes));
+    }
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+const Plan& Engine::plan() const { return impl_->plan; }
+const EngineConfig& Engine::config() const { return impl_->config; }
+int Engine::num_subgroups() const { return impl_->n(); }
+int64_t Engine::step() const { return impl_->steps_done; }
+bool Engine::resumed() const { return impl_->resumed; }
+int64_t Engine::committed_step() const { return impl_->committed; }
+FaultInjectingEngine* Engine::fault_injector(int tier) const {
+  if (tier < 0 || tier >= static_cast<int>(impl_->tiers.size())) return nullptr;
+  return impl_->tiers[tier].faults;
+}
+
+absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
+                                        const OptimizerHyperparams* state_init) {
+  Impl& e = *impl_;
+  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step) return absl::FailedPreconditionError("InitializeSubgroup during a step");
+  if (params == nullptr) return absl::InvalidArgumentError("InitializeSubgroup: null params");
+  absl::MutexLock l(&e.mu);
+  int b = e.buffer_of[i];
+  if (b >= 0) {
+    MLP_RETURN_IF_ERROR(e.WaitIo(b));
+  } else {
+    MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(i, BufState::kInUse));
+  }
+  float* rec = e.Payload(b);
+  const uint64_t n = e.numel[i];
+  ConvertToFloat32(params, dtype, rec, n, &e.pool);
+  float* state[3] = {nullptr, nullptr, nullptr};
+  for (int k = 0; k < e.config.num_state_arrays; ++k) {
+    float* s = rec + (k + 1) * n;
+    if (k < 3) state[k] = s;
+    std::memset(s, 0, n * sizeof(float));
+  }
+  if (state_init != nullptr && e.config.num_state_arrays <= 3) {
+    InitState(*state_init, state, n, &e.pool);
+  }
+  e.sg_step[i] = 0;
+  e.initialized[i] = true;
+  e.buffers[b].from_disk = false;
+  absl::Status s = e.WriteNow(i, b);
+  // Keep the records that step 0 starts with (cache reuse) in memory.
+  const int k = e.plan.num_cached;
+  bool keep = e.config.techniques.cache_reuse && i < k;
+  if (keep && s.ok()) {
+    e.buffers[b].state = BufState::kCached;
+  } else {
+    e.Free(b);
+  }
+  return s;
+}
+
+absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segments) {
+  Impl& e = *impl_;
+  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  uint64_t covered = 0;
+  for (const Segment& s : segments) {
+    if (s.grad == nullptr || s.offset + s.numel > e.numel[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "OffloadGradients: bad segment for subgroup ", i, " (offset ", s.offset, ", numel ",
+          s.numel, ", subgroup size ", e.numel[i], ")"));
+    }
+    covered += s.numel;
+  }
+  if (covered != e.numel[i]) {
+    return absl::InvalidArgumentError(absl::StrCat("OffloadGradients: segments cover ", covered,
+                                                   " of subgroup ", i, "'s ", e.numel[i],
+                                                   " elements"));
+  }
+  if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
+  absl::Time start = absl::Now();
+  absl::MutexLock l(&e.mu);
+  // The baseline converts to fp32 at once and swaps the result out, as
+  // ZeRO-Infinity does during backward.
+  MLP_ASSIGN_OR_RETURN(int b, e.WaitAndClaimFree(i, BufState::kInUse));
+  float* g32 = e.GradArea(b, i);
+  bool nonfinite = false;
+  for (const Segment& s : segments) {
+    ConvertToFloat32(s.grad, e.config.grad_dtype, g32 + s.offset, s.numel, &e.pool);
+    nonfinite |= ComputeGradStats(g32 + s.offset, DType::kFloat32, s.numel, 1.0f, &e.pool).nonfinite;
+  }
+  const int t = e.plan.tier_of_subgroup[i];
+  IoRequest req;
+  req.op = IoOp::kWrite;
+  req.file = e.grad_files[i].get();
+  req.offset = 0;
+  req.length = RoundUp(e.numel[i] * 4);
+  req.buffer = g32;
+  ++e.buffers[b].pending;
+  uint64_t len = req.length;
+  e.tiers[t].channel->Submit(req, [&e, b, len, t](absl::StatusOr<size_t> r) {
+    e.OnIoDone(b, len, t, false, std::move(r));
+  });
+  absl::Status s = e.WaitIo(b);
+  e.step_error = absl::OkStatus();
+  e.Free(b);
+  if (!s.ok()) return s;
+  e.grad_nonfinite[i] = nonfinite;
+  e.grad_offloaded[i] = true;
+  e.stats.grad_offload_seconds += Seconds(start);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::BeginStep() {
+  Impl& e = *impl_;
+  if (e.in_step) return absl::FailedPreconditionError("BeginStep: a step is already running");
+  for (int i = 0; i < e.n(); ++i) {
+    if (!e.initialized[i]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("subgroup ", i, " was never initialised (InitializeSubgroup)"));
+    }
+    if (e.eager_grads() && !e.grad_offloaded[i] && !e.done_in_step[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "baseline mode: the gradient of subgroup ", i, " was not offloaded (OffloadGradients)"));
+    }
+  }
+  absl::MutexLock l(&e.mu);
+  if (e.step_failed) {
+    // Retrying a step that failed part-way: records it already updated are
+    // not updated again; write back the ones held in memory (failed writes)
+    // so the buffers are free for streaming.
+    for (size_t b = 0; b < e.buffers.size(); ++b) {
+      int i = e.buffers[b].subgroup;
+      if (e.buffers[b].state == BufState::kCached && i >= 0 && e.done_in_step[i]) {
+        MLP_RETURN_IF_ERROR(e.WriteNow(i, static_cast<int>(b)));
+        e.Free(static_cast<int>(b));
+      }
+    }
+  }
+  e.in_step = true;
+  e.order = e.plan.Order(e.steps_done);
+  e.pos = 0;
+  e.next_read = 0;
+  e.stats.step = e.steps_done + 1;
+  e.step_start = absl::Now();
+  e.peak_in_use = e.buffers_in_use;
+  e.IssueReads();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SubgroupView> Engine::Next() {
+  Impl& e = *impl_;
+  if (!e.in_step) return absl::FailedPreconditionError("Next: no step running (BeginStep)");
+  absl::MutexLock l(&e.mu);
+  // Skip what an earlier, failed attempt of this step already updated.
+  while (e.pos < e.order.size() && e.done_in_step[e.order[e.pos]]) ++e.pos;
+  if (e.pos >= e.order.size()) return SubgroupView{};
+  const int i = e.order[e.pos];
+  e.IssueReads();
+  absl::Time wait_start = absl::Now();
+  int b = e.buffer_of[i];
+  if (b < 0) {
+    // Not yet issued (all buffers were busy): wait for one, then read.
+    auto claimed = e.WaitAndClaimFree(i, BufState::kReading);
+    if (!claimed.ok()) {
+      return Annotate(claimed.status(), absl::StrCat("step ", e.steps_done + 1));
+    }
+    b = *claimed;
+    e.IssueRead(i, b);
+    e.next_read = std::max(e.next_read, e.pos + 1);
+  } else if (e.buffers[b].state == BufState::kCached && !e.buffers[b].from_disk &&
+             e.buffers[b].pending == 0) {
+    ++e.stats.cache_hits;
+  }
+  absl::Status s = e.WaitIo(b);
+  if (s.ok()) s = e.VerifyRecord(i, b);
+  e.stats.read_wait_seconds += Seconds(wait_start);
+  if (!s.ok()) {
+    e.Free(b);
+    return Annotate(s, absl::StrCat("step ", e.steps_done + 1, ", subgroup ", i, ", tier ",
+                                    e.plan.tier_of_subgroup[i]));
+  }
+  e.buffers[b].state = BufState::kInUse;
+  SubgroupView v;
+  v.subgroup = i;
+  v.numel = e.numel[i];
+  v.master = e.Payload(b);
+  for (int k = 0; k < e.config.num_state_arrays; ++k) {
+    v.state.push_back(v.master + (k + 1) * e.numel[i]);
+  }
+  if (e.eager_grads()) v.grad32 = e.GradArea(b, i);
+  v.step = e.sg_step[i];
+  return v;
+}
+
+absl::Status Engine::Done() {
+  Impl& e = *impl_;
+  if (!e.in_step || e.pos >= e.order.size()) {
+    return absl::FailedPreconditionError("Done: no subgroup is being updated");
+  }
+  absl::MutexLock l(&e.mu);
+  const int i = e.order[e.pos];
+  const int b = e.buffer_of[i];
+  ++e.sg_step[i];
+  e.done_in_step[i] = true;
+  const bool commit = e.config.commit_every > 0 &&
+                      (e.steps_done + 1) % e.config.commit_every == 0;
+  if (e.plan.KeptAfterUpdate(e.steps_done, static_cast<int>(e.pos))) {
+    e.buffers[b].state = BufState::kCached;
+    if (commit) e.IssueWrite(i, b);  // durable too, and still cached
+  } else {
+    e.buffers[b].state = BufState::kWriting;
+    e.IssueWrite(i, b);
+  }
+  ++e.pos;
+  e.IssueReads();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> Engine::EndStep() {
+  Impl& e = *impl_;
+  if (!e.in_step) return absl::FailedPreconditionError("EndStep: no step running");
+  absl::Time wait_start = absl::Now();
+  absl::Status s;
+  {
+    absl::MutexLock l(&e.mu);
+    s = e.DrainWrites();
+    e.stats.write_wait_seconds += Seconds(wait_start);
+    e.stats.peak_host_bytes = static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
+  }
+  if (!s.ok()) {
+    e.in_step = false;
+    e.step_failed = true;
+    return Annotate(s, absl::StrCat("step ", e.steps_done + 1));
+  }
+  for (int i = 0; i < e.n(); ++i) {
+    if (!e.done_in_step[i]) {
+      e.in_step = false;
+      e.step_failed = true;
+      return absl::FailedPreconditionError(
+          absl::StrCat("EndStep: subgroup ", i, " was not updated"));
+    }
+  }
+  ++e.steps_done;
+  e.in_step = false;
+  e.step_failed = false;
+  std::fill(e.done_in_step.begin(), e.done_in_step.end(), false);
+  std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+  if (e.config.commit_every > 0 && e.steps_done % e.config.commit_every == 0) {
+    absl::MutexLock l(&e.mu);
+    MLP_RETURN_IF_ERROR(e.WriteCommit());
+  }
+  e.stats.seconds = Seconds(e.step_start) + e.stats.grad_offload_seconds;
+  StepStats out = e.stats;
+  e.ResetStats();
+  return out;
+}
+
+void Engine::AbortStep() {
+  Impl& e = *impl_;
+  if (!e.in_step) return;
+  absl::MutexLock l(&e.mu);
+  (void)e.DrainWrites();
+  // Reads in flight or done for records not yet updated: drop them.
+  for (size_t b = 0; b < e.buffers.size(); ++b) {
+    Buffer& buf = e.buffers[b];
+    if (buf.state == BufState::kReading || buf.state == BufState::kReady) {
+      (void)e.WaitIo(static_cast<int>(b));
+      e.Free(static_cast<int>(b));
+    } else if (buf.state == BufState::kInUse) {
+      // Being updated when the step failed: keep it as the latest version.
+      buf.state = BufState::kCached;
+    }
+  }
+  e.in_step = false;
+  e.step_failed = true;
+}
+
+absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inputs,
+                                       const StepOptions& options) {
+  Impl& e = *impl_;
+  if (static_cast<int>(inputs.size()) != e.n()) {
+    return absl::InvalidArgumentError(absl::StrCat("Step: ", inputs.size(),
+                                                   " inputs for ", e.n(), " subgroups"));
+  }
+  const int s_arrays = e.config.num_state_arrays;
+  for (int i = 0; i < e.n(); ++i) {
+    const SubgroupStepInput& in = inputs[i];
+    if (NumStateArrays(in.hp) != s_arrays) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Step: subgroup ", i, "'s optimizer keeps ", NumStateArrays(in.hp),
+          " state arrays, the engine was created for ", s_arrays));
+    }
+    OptimizerHyperparams check = in.hp;
+    check.step = 1;
+    MLP_RETURN_IF_ERROR(Annotate(ValidateHyperparams(check), absl::StrCat("subgroup ", i)));
+    uint64_t covered = 0;
+    for (const Segment& seg : in.segments) {
+      if (seg.offset + seg.numel > e.numel[i] || (!e.eager_grads() && seg.grad == nullptr)) {
+        return absl::InvalidArgumentError(absl::StrCat("Step: bad segment in subgroup ", i));
+      }
+      covered += seg.numel;
+    }
+    if (covered != e.numel[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("Step: segments cover ", covered, " of ",
+                                                     e.numel[i], " elements of subgroup ", i));
+    }
+  }
+  // Gradient check before anything is touched (GradScaler semantics).
+  if (options.skip_if_nonfinite) {
+    bool bad = false;
+    for (int i = 0; i < e.n() && !bad; ++i) {
+      if (e.eager_grads()) {
+        bad = e.grad_nonfinite[i];
+        continue;
+      }
+      for (const Segment& seg : inputs[i].segments) {
+        if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel, options.grad_scale,
+                             &e.pool).nonfinite) {
+          bad = true;
+          break;
+        }
+      }
+    }
+    if (bad) {
+      StepStats skipped = e.stats;
+      skipped.step = e.steps_done;
+      skipped.skipped = true;
+      std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+      e.ResetStats();
+      return skipped;
+    }
+  }
+  MLP_RETURN_IF_ERROR(BeginStep());
+  GradTransform transform;
+  transform.grad_scale = options.grad_scale;
+  for (;;) {
+    auto view = Next();
+    if (!view.ok()) {
+      AbortStep();
+      return view.status();
+    }
+    if (view->subgroup < 0) break;
+    const int i = view->subgroup;
+    absl::Time start = absl::Now();
+    OptimizerHyperparams hp = inputs[i].hp;
+    hp.step = view->step + 1;
+    const float* g32 = nullptr;
+    if (e.eager_grads()) {
+      absl::MutexLock l(&e.mu);
+      g32 = e.GradArea(e.buffer_of[i], i);
+    }
+    for (const Segment& seg : inputs[i].segments) {
+      UpdateSpans spans;
+      spans.n = seg.numel;
+      spans.param = view->master + seg.offset;
+      for (int k = 0; k < s_arrays && k < 3; ++k) spans.state[k] = view->state[k] + seg.offset;
+      if (g32 != nullptr) {
+        spans.grad = g32 + seg.offset;
+        spans.grad_dtype = DType::kFloat32;
+      } else {
+        spans.grad = seg.grad;
+        spans.grad_dtype = e.config.grad_dtype;
+      }
+      spans.param_out = seg.param_out;
+      spans.param_out_dtype = options.param_out_dtype;
+      auto r = ApplyOptimizer(hp, spans, transform, &e.pool);
+      if (!r.ok()) {
+        AbortStep();
+        return Annotate(r.status(), absl::StrCat("subgroup ", i));
+      }
+    }
+    e.stats.compute_seconds += Seconds(start);
+    MLP_RETURN_IF_ERROR(Done());
+  }
+  return EndStep();
+}
+
+absl::Status Engine::ReadSubgroup(int i, float* master, const std::vector<float*>& state,
+                                  int64_t* step) {
+  Impl& e = *impl_;
+  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step) return absl::FailedPreconditionError("ReadSubgroup during a step");
+  if (static_cast<int>(state.size()) != e.config.num_state_arrays) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadSubgroup: ", state.size(),
+                                                   " state arrays given, engine has ",
+                                                   e.config.num_state_arrays));
+  }
+  absl::MutexLock l(&e.mu);
+  bool claimed = false;
+  MLP_ASSIGN_OR_RETURN(int b, e.Resident(i, &claimed));
+  const float* rec = e.Payload(b);
+  const uint64_t n = e.numel[i];
+  if (master != nullptr) std::memcpy(master, rec, n * 4);
+  for (size_t k = 0; k < state.size(); ++k) {
+    if (state[k] != nullptr) std::memcpy(state[k], rec + (k + 1) * n, n * 4);
+  }
+  if (step != nullptr) *step = e.sg_step[i];
+  if (claimed) e.Free(b);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::WriteSubgroup(int i, const float* master,
+                                   const std::vector<const float*>& state, int64_t step) {
+  Impl& e = *impl_;
+  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step) return absl::FailedPreconditionError("WriteSubgroup during a step");
+  if (static_cast<int>(state.size()) != e.config.num_state_arrays || master == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "WriteSubgroup: need the master and ", e.config.num_state_arrays, " state arrays"));
+  }
+  if (step < 0) return absl::InvalidArgumentError("WriteSubgroup: negative step");
+  absl::MutexLock l(&e.mu);
+  int b = e.buffer_of[i];
+  bool cached = b >= 0;
+  if (cached) {
+    MLP_RETURN_IF_ERROR(e.WaitIo(b));
+  } else {
+    MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(i, BufState::kInUse));
+  }
+  float* rec = e.Payload(b);
+  const uint64_t n = e.numel[i];
+  std::memcpy(rec, master, n * 4);
+  for (size_t k = 0; k < state.size(); ++k) {
+    if (state[k] == nullptr) {
+      std::memset(rec + (k + 1) * n, 0, n * 4);
+    } else {
+      std::memcpy(rec + (k + 1) * n, state[k], n * 4);
+    }
+  }
+  e.sg_step[i] = step;
+  e.initialized[i] = true;
+  e.buffers[b].from_disk = false;
+  if (cached) return absl::OkStatus();  // written back when evicted
+  absl::Status s = e.WriteNow(i, b);
+  e.Free(b);
+  return s;
+}
+
+namespace {
+
+absl::Status MakeDir(const std::string& dir) {
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoStatus(errno, "mkdir", dir);
+  return absl::OkStatus();
+}
+
+absl::Status RemoveTree(const std::string& dir) {
+  // Checkpoint directories are flat: files only.
+  std::string cmd_dir = dir;
+  DIR* d = opendir(cmd_dir.c_str());
+  if (d == nullptr) return errno == ENOENT ? absl::OkStatus() : ErrnoStatus(errno, "opendir", dir);
+  std::vector<std::string> names;
+  while (struct dirent* ent = readdir(d)) {
+    std::string name = ent->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  closedir(d);
+  for (const std::string& name : names) {
+    std::string p = dir + "/" + name;
+    if (unlink(p.c_str()) != 0) return ErrnoStatus(errno, "unlink", p);
+  }
+  if (rmdir(dir.c_str()) != 0) return ErrnoStatus(errno, "rmdir", dir);
+  return absl::OkStatus();
+}
+
+bool Exists(const std::string& p) {
+  struct stat st;
+  return lstat(p.c_str(), &st) == 0;
+}
+
+absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = pwrite(fd, p + done, n - done, static_cast<off_t>(done));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("pwrite at offset ", done), path);
+    }
+    if (w == 0) return absl::DataLossError(absl::StrCat("pwrite wrote nothing to ", path));
+    done += static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadAll(int fd, void* data, size_t n, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = pread(fd, p + done, n - done, static_cast<off_t>(done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("pread at offset ", done), path);
+    }
+    if (r == 0) return absl::DataLossError(absl::StrCat(path, " is truncated"));
+    done += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Engine::SaveCheckpoint(const std::string& dir) {
+  Impl& e = *impl_;
+  if (e.in_step) return absl::FailedPreconditionError("SaveCheckpoint during a step");
+  if (dir.empty()) return absl::InvalidArgumentError("SaveCheckpoint: empty directory");
+  // Written to a temporary sibling, then swapped in with renames: a crash at
+  // any point leaves `dir` (or `dir.old`, which LoadCheckpoint also accepts)
+  // holding a complete checkpoint.
+  const std::string tmp = absl::StrCat(dir, ".tmp.", getpid());
+  const std::string old = dir + ".old";
+  MLP_RETURN_IF_ERROR(RemoveTree(tmp));
+  MLP_RETURN_IF_ERROR(MakeDir(tmp));
+  Manifest m;
+  m.run_id = e.run_id;
+  m.arrays_per_param = e.arrays();
+  m.subgroup_numel = e.numel;
+  m.tier_of_subgroup = e.plan.tier_of_subgroup;
+  {
+    absl::MutexLock l(&e.mu);
+    // Tier by tier, so each tier streams its own subgroups in turn.
+    for (size_t t = 0; t < e.tiers.size(); ++t) {
+      for (int i = 0; i < e.n(); ++i) {
+        if (e.plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
+        bool claimed = false;
+        MLP_ASSIGN_OR_RETURN(int b, e.Resident(i, &claimed));
+        RecordHeader h;
+        h.run_id = e.run_id;
+        h.subgroup = static_cast<uint32_t>(i);
+        h.num_arrays = static_cast<uint32_t>(e.arrays());
+        h.numel = e.numel[i];
+        h.step = e.sg_step[i];
+        h.payload_bytes = e.payload_bytes[i];
+        h.payload_checksum = PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
+        std::vector<char> page(kRecordHeaderBytes);
+        EncodeRecordHeader(h, page.data());
+        std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
+        int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+        absl::Status s = fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
+        if (s.ok()) s = WriteAll(fd, page.data(), page.size(), path);
+        if (s.ok()) {
+          // Header page first, then the payload right after it.
+          const char* payload = reinterpret_cast<const char*>(e.Payload(b));
+          size_t done = 0;
+          while (s.ok() && done < e.payload_bytes[i]) {
+            ssize_t w = pwrite(fd, payload + done, e.payload_bytes[i] - done,
+                               static_cast<off_t>(kRecordHeaderBytes + done));
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) {
+              s = ErrnoStatus(w < 0 ? errno : EIO, "pwrite", path);
+              break;
+            }
+            done += static_cast<size_t>(w);
+          }
+        }
+        if (s.ok() && fsync(fd) != 0) s = ErrnoStatus(errno, "fsync", path);
+        if (fd >= 0) close(fd);
+        if (claimed) e.Free(b);
+        MLP_RETURN_IF_ERROR(s);
+      }
+    }
+  }
+  MLP_RETURN_IF_ERROR(WriteFileAtomically(tmp + "/MANIFEST", EncodeManifest(m)));
+  if (Exists(dir)) {
+    MLP_RETURN_IF_ERROR(RemoveTree(old));
+    if (rename(dir.c_str(), old.c_str()) != 0) {
+      return ErrnoStatus(errno, "rename", absl::StrCat(dir, " to ", old));
+    }
+  }
+  if (rename(tmp.c_str(), dir.c_str()) != 0) {
+    return ErrnoStatus(errno, "rename", absl::StrCat(tmp, " to ", dir));
+  }
+  return RemoveTree(old);
+}
+
+absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
+  Impl& e = *impl_;
+  if (e.in_step) return absl::FailedPreconditionError("LoadCheckpoint during a step");
+  std::string dir = dir_in;
+  if (!Exists(dir) && Exists(dir + ".old")) dir += ".old";  // crash mid-swap
+  const std::string mpath = dir + "/MANIFEST";
+  MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
+  MLP_ASSIGN_OR_RETURN(Manifest m, ParseManifest(text, mpath));
+  Manifest expected;
+  expected.arrays_per_param = e.arrays();
+  expected.subgroup_numel = e.numel;
+  MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, dir));
+  absl::MutexLock l(&e.mu);
+  for (int i = 0; i < e.n(); ++i) {
+    std::string path = absl::StrCat(dir, "/sg_", i, ".ckpt");
+    int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus(errno, "open", path);
+    int b = e.buffer_of[i];
+    bool cached = b >= 0;
+    if (cached) {
+      absl::Status s = e.WaitIo(b);
+      if (!s.ok()) {
+        close(fd);
+        return s;
+      }
+    } else {
+      auto claimed = e.WaitAndClaimFree(i, BufState::kInUse);
+      if (!claimed.ok()) {
+        close(fd);
+        return claimed.status();
+      }
+      b = *claimed;
+    }
+    absl::Status s = ReadAll(fd, e.buffers[b].mem.data(), kRecordHeaderBytes + e.payload_bytes[i],
+                             path);
+    close(fd);
+    RecordHeader h;
+    if (s.ok()) {
+      auto hs = DecodeRecordHeader(e.buffers[b].mem.data(), kRecordHeaderBytes, path);
+      if (!hs.ok()) {
+        s = hs.status();
+      } else {
+        h = *hs;
+        if (h.subgroup != static_cast<uint32_t>(i) || h.numel != e.numel[i] ||
+            h.num_arrays != static_cast<uint32_t>(e.arrays())) {
+          s = absl::FailedPreconditionError(absl::StrCat(path, ": record of another subgroup"));
+        } else if (PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool) !=
+                   h.payload_checksum) {
+          s = absl::DataLossError(absl::StrCat(path, ": payload checksum mismatch (subgroup ", i,
+                                               ")"));
+        }
+      }
+    }
+    if (!s.ok()) {
+      if (!cached) {
+        e.Free(b);
+      } else {
+        // The cached copy was overwritten by a partial read: reload it.
+        e.Free(b);
+        e.initialized[i] = e.current_slot[i] >= 0;
+      }
+      return s;
+    }
+    e.sg_step[i] = h.step;
+    e.initialized[i] = true;
+    e.buffers[b].from_disk = false;
+    if (!cached) {
+      s = e.WriteNow(i, b);
+      e.Free(b);
+      MLP_RETURN_IF_ERROR(s);
+    }
+  }
+  int64_t max_step = 0;
+  for (int64_t s : e.sg_step) max_step = std::max(max_step, s);
+  e.steps_done = max_step;
+  return absl::OkStatus();
+}
+
+}  // namespace mlp_offload

@@ -1,0 +1,487 @@
+#include "mlp_offload/engine.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "io/fault_injection.h"
+
+namespace mlp_offload {
+namespace {
+
+std::string TempDir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string dir = absl::StrCat(base ? base : "/tmp", "/", name, "_", getpid(), "_",
+                                 std::rand());
+  mkdir(dir.c_str(), 0700);
+  return dir;
+}
+
+uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// A model: subgroups of given sizes, two params per subgroup (segments), bf16
+// gradients and bf16 model params.
+struct Model {
+  std::vector<uint64_t> sizes;
+  std::vector<std::vector<float>> init;            // fp32 initial params
+  std::vector<std::vector<uint16_t>> params_bf16;  // the model's copy
+  std::vector<std::vector<uint16_t>> grads;        // this step's grads
+
+  explicit Model(std::vector<uint64_t> s, uint32_t seed) : sizes(std::move(s)) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> d(0, 1);
+    for (uint64_t n : sizes) {
+      init.emplace_back(n);
+      for (float& x : init.back()) x = d(rng);
+      params_bf16.emplace_back(n, 0);
+      grads.emplace_back(n, 0);
+    }
+  }
+  void NewGrads(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> d(0, 0.1f);
+    for (auto& g : grads) {
+      for (auto& x : g) x = ToBf16(d(rng));
+    }
+  }
+  std::vector<Segment> Segments(int i) {
+    uint64_t n = sizes[i], half = n / 2;
+    std::vector<Segment> segs(2);
+    segs[0] = {0, half, grads[i].data(), params_bf16[i].data()};
+    segs[1] = {half, n - half, grads[i].data() + half, params_bf16[i].data() + half};
+    if (half == 0) segs.erase(segs.begin());
+    return segs;
+  }
+};
+
+OptimizerHyperparams AdamW() {
+  OptimizerHyperparams hp;
+  hp.kind = OptimizerKind::kAdamW;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  return hp;
+}
+
+// Reference: the same kernel over the whole state in memory.
+struct Reference {
+  std::vector<std::vector<float>> master, m, v;
+  std::vector<std::vector<uint16_t>> out;
+  explicit Reference(const Model& model) {
+    for (size_t i = 0; i < model.sizes.size(); ++i) {
+      master.push_back(model.init[i]);
+      m.emplace_back(model.sizes[i], 0.0f);
+      v.emplace_back(model.sizes[i], 0.0f);
+      out.emplace_back(model.sizes[i], 0);
+    }
+  }
+  void Step(Model& model, int64_t step, float grad_scale) {
+    for (size_t i = 0; i < master.size(); ++i) {
+      OptimizerHyperparams hp = AdamW();
+      hp.step = step;
+      for (const Segment& s : model.Segments(static_cast<int>(i))) {
+        UpdateSpans sp;
+        sp.n = s.numel;
+        sp.param = master[i].data() + s.offset;
+        sp.state[0] = m[i].data() + s.offset;
+        sp.state[1] = v[i].data() + s.offset;
+        sp.grad = s.grad;
+        sp.grad_dtype = DType::kBFloat16;
+        sp.param_out = out[i].data() + s.offset;
+        sp.param_out_dtype = DType::kBFloat16;
+        GradTransform t;
+        t.grad_scale = grad_scale;
+        ASSERT_TRUE(ApplyOptimizer(hp, sp, t, nullptr).ok());
+      }
+    }
+  }
+};
+
+struct Case {
+  int tiers;
+  double budget_records;  // host budget in units of one buffer
+  Techniques techniques;
+  bool throttled;
+};
+
+class EngineParityTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EngineParityTest, MatchesInMemoryKernelBitForBit) {
+  const Case c = GetParam();
+  Model model({5000, 7000, 3000, 6000, 4096, 1, 5555}, 7);
+  EngineConfig cfg;
+  for (int t = 0; t < c.tiers; ++t) {
+    TierSpec spec;
+    spec.path = TempDir(absl::StrCat("tier", t));
+    spec.read_bytes_per_sec = spec.write_bytes_per_sec = (t + 1) * 1e9;
+    if (c.throttled) {
+      spec.throttle_read_bytes_per_sec = spec.throttle_write_bytes_per_sec = 200e6;
+    }
+    cfg.tiers.push_back(spec);
+  }
+  cfg.subgroup_numel = model.sizes;
+  cfg.num_state_arrays = 2;
+  cfg.grad_dtype = DType::kBFloat16;
+  cfg.techniques = c.techniques;
+  uint64_t buffer = 4096 + AlignedRecordBytes(7000, 3) +
+                    (c.techniques.delayed_grad_conversion ? 0 : AlignedRecordBytes(7000, 1));
+  cfg.host_budget_bytes = static_cast<uint64_t>(c.budget_records * buffer);
+  cfg.compute_threads = 2;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  }
+  Reference ref(model);
+  const int steps = 5;
+  for (int step = 1; step <= steps; ++step) {
+    model.NewGrads(100 + step);
+    ref.Step(model, step, 0.5f);
+    std::vector<SubgroupStepInput> inputs(e.num_subgroups());
+    for (int i = 0; i < e.num_subgroups(); ++i) {
+      inputs[i].hp = AdamW();
+      inputs[i].segments = model.Segments(i);
+      ASSERT_TRUE(e.OffloadGradients(i, inputs[i].segments).ok());
+    }
+    StepOptions opts;
+    opts.grad_scale = 0.5f;
+    auto stats = e.Step(inputs, opts);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_FALSE(stats->skipped);
+    EXPECT_LE(stats->peak_host_bytes, cfg.host_budget_bytes);
+    if (step >= 3) {
+      // Steady state: exactly the plan's traffic on every tier.
+      const Plan& plan = e.plan();
+      for (int t = 0; t < c.tiers; ++t) {
+        // The plan counts payload bytes; the engine moves whole slots
+        // (header page + aligned record) and aligned gradients.
+        uint64_t want_r = 0, want_w = 0;
+        std::vector<int> order = plan.Order(step - 1), prev = plan.Order(step - 2);
+        std::vector<bool> hit(model.sizes.size(), false);
+        for (int p = static_cast<int>(order.size()) - plan.num_cached; p < static_cast<int>(order.size()); ++p) {
+          if (c.techniques.cache_reuse) hit[prev[p]] = true;
+        }
+        for (size_t p = 0; p < order.size(); ++p) {
+          int i = order[p];
+          if (plan.tier_of_subgroup[i] != t) continue;
+          uint64_t slot = 4096 + AlignedRecordBytes(model.sizes[i], 3);
+          uint64_t g = c.techniques.delayed_grad_conversion ? 0 : AlignedRecordBytes(model.sizes[i], 1);
+          if (!hit[i]) want_r += slot;
+          want_r += g;
+          if (!plan.KeptAfterUpdate(step - 1, static_cast<int>(p))) want_w += slot;
+          want_w += g;
+        }
+        EXPECT_EQ(stats->bytes_read[t], want_r) << "tier " << t << " step " << step;
+        EXPECT_EQ(stats->bytes_written[t], want_w) << "tier " << t << " step " << step;
+      }
+    }
+    for (size_t i = 0; i < model.sizes.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(model.params_bf16[i].data(), ref.out[i].data(),
+                               model.sizes[i] * 2)) << "subgroup " << i << " step " << step;
+    }
+  }
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    std::vector<float> master(model.sizes[i]), m(model.sizes[i]), v(model.sizes[i]);
+    int64_t got_step = 0;
+    ASSERT_TRUE(e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &got_step).ok());
+    EXPECT_EQ(got_step, steps);
+    EXPECT_EQ(0, std::memcmp(master.data(), ref.master[i].data(), master.size() * 4)) << i;
+    EXPECT_EQ(0, std::memcmp(m.data(), ref.m[i].data(), m.size() * 4)) << i;
+    EXPECT_EQ(0, std::memcmp(v.data(), ref.v[i].data(), v.size() * 4)) << i;
+  }
+}
+
+Techniques Only(bool mp, bool cache, bool delayed, bool lock) {
+  return Techniques{mp, cache, delayed, lock};
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configs, EngineParityTest,
+    ::testing::Values(Case{1, 2, Techniques::Baseline(), false},
+                      Case{1, 3, Techniques::All(), false},
+                      Case{2, 4, Techniques::All(), false},
+                      Case{3, 5, Techniques::All(), true},
+                      Case{3, 100, Techniques::All(), false},   // everything cached
+                      Case{2, 6, Only(true, true, false, false), false},
+                      Case{2, 4, Only(false, true, true, true), false},
+                      Case{3, 3, Only(true, false, true, false), true},
+                      Case{2, 7.5, Techniques::Baseline(), false}));
+
+EngineConfig SmallConfig(int tiers) {
+  EngineConfig cfg;
+  for (int t = 0; t < tiers; ++t) {
+    TierSpec spec;
+    spec.path = TempDir(absl::StrCat("small", t));
+    cfg.tiers.push_back(spec);
+  }
+  cfg.subgroup_numel = {1000, 2000, 3000, 1500};
+  cfg.num_state_arrays = 2;
+  cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(3000, 3));
+  return cfg;
+}
+
+TEST(EngineTest, RefusesBadTiers) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.tiers[0].path = "/nonexistent/tier";
+  auto e = Engine::Create(cfg);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(e.status().message().find("/nonexistent/tier"), std::string::npos) << e.status();
+
+  cfg = SmallConfig(2);
+  cfg.tiers[1].path = cfg.tiers[0].path + "/.";
+  e = Engine::Create(cfg);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("same directory"), std::string::npos) << e.status();
+
+  cfg = SmallConfig(1);
+  cfg.host_budget_bytes = 100;
+  e = Engine::Create(cfg);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted);
+
+  cfg = SmallConfig(1);
+  cfg.subgroup_numel[2] = 0;
+  e = Engine::Create(cfg);
+  EXPECT_NE(e.status().message().find("size 0"), std::string::npos) << e.status();
+
+  if (geteuid() != 0) {  // root writes anywhere
+    cfg = SmallConfig(1);
+    chmod(cfg.tiers[0].path.c_str(), 0500);
+    e = Engine::Create(cfg);
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kPermissionDenied) << e.status();
+  }
+}
+
+TEST(EngineTest, TierInUseByAnotherLiveRunIsRefused) {
+  EngineConfig cfg = SmallConfig(1);
+  auto first = Engine::Create(cfg);
+  ASSERT_TRUE(first.ok()) << first.status();
+  pid_t pid = fork();
+  if (pid == 0) {
+    auto second = Engine::Create(cfg);
+    _exit(!second.ok() && second.status().code() == absl::StatusCode::kAlreadyExists ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+Engine& Initialized(std::unique_ptr<Engine>& e, const EngineConfig& cfg, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < cfg.subgroup_numel.size(); ++i) {
+    std::vector<float> p(cfg.subgroup_numel[i]);
+    for (float& x : p) x = std::uniform_real_distribution<float>(-1, 1)(rng);
+    EXPECT_TRUE(e->InitializeSubgroup(static_cast<int>(i), p.data(), DType::kFloat32).ok());
+  }
+  return *e;
+}
+
+TEST(EngineTest, GenericPathHandsRecordsToTheCaller) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.num_state_arrays = 1;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 3);
+  std::vector<std::vector<float>> before(4);
+  for (int i = 0; i < 4; ++i) {
+    before[i].resize(cfg.subgroup_numel[i]);
+    std::vector<float> s(cfg.subgroup_numel[i]);
+    ASSERT_TRUE(e.ReadSubgroup(i, before[i].data(), {s.data()}, nullptr).ok());
+  }
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(e.BeginStep().ok());
+    std::vector<int> seen;
+    for (;;) {
+      auto v = e.Next();
+      ASSERT_TRUE(v.ok()) << v.status();
+      if (v->subgroup < 0) break;
+      seen.push_back(v->subgroup);
+      for (uint64_t k = 0; k < v->numel; ++k) {
+        v->state[0][k] += 1.0f;           // a "momentum" that counts steps
+        v->master[k] -= 0.5f * v->state[0][k];
+      }
+      ASSERT_TRUE(e.Done().ok());
+    }
+    EXPECT_EQ(seen, e.plan().Order(step));
+    ASSERT_TRUE(e.EndStep().ok());
+  }
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> master(cfg.subgroup_numel[i]), s(cfg.subgroup_numel[i]);
+    int64_t step = 0;
+    ASSERT_TRUE(e.ReadSubgroup(i, master.data(), {s.data()}, &step).ok());
+    EXPECT_EQ(step, 3);
+    for (size_t k = 0; k < master.size(); ++k) {
+      ASSERT_EQ(s[k], 3.0f);
+      ASSERT_EQ(master[k], before[i][k] - 0.5f * (1 + 2 + 3));
+    }
+  }
+}
+
+TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
+  EngineConfig cfg = SmallConfig(2);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = Initialized(*engine, cfg, 5);
+  std::string ckpt = TempDir("ckpt") + "/c";
+  ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
+  ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());  // replaces the previous one
+  std::vector<float> want(1000), m(1000), v(1000);
+  ASSERT_TRUE(e.ReadSubgroup(0, want.data(), {m.data(), v.data()}, nullptr).ok());
+
+  EngineConfig cfg2 = SmallConfig(1);
+  auto other = Engine::Create(cfg2);
+  ASSERT_TRUE(other.ok());
+  Initialized(*other, cfg2, 9);
+  ASSERT_TRUE((*other)->LoadCheckpoint(ckpt).ok());
+  std::vector<float> got(1000);
+  ASSERT_TRUE((*other)->ReadSubgroup(0, got.data(), {m.data(), v.data()}, nullptr).ok());
+  EXPECT_EQ(got, want);
+
+  EngineConfig cfg3 = SmallConfig(1);
+  cfg3.subgroup_numel[1] = 2001;
+  auto third = Engine::Create(cfg3);
+  ASSERT_TRUE(third.ok());
+  absl::Status s = (*third)->LoadCheckpoint(ckpt);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("subgroup 1 has 2000 parameters"), std::string::npos) << s;
+}
+
+TEST(EngineTest, ResumesFromTheLastCommittedStep) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 1;
+  cfg.run_name = "resume_run";
+  Model model(cfg.subgroup_numel, 11);
+  std::vector<float> want(1000);
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+    for (int step = 1; step <= 3; ++step) {
+      model.NewGrads(step);
+      std::vector<SubgroupStepInput> in(4);
+      for (int i = 0; i < 4; ++i) {
+        in[i].hp = AdamW();
+        in[i].segments = model.Segments(i);
+      }
+      ASSERT_TRUE(e.Step(in, StepOptions()).ok());
+    }
+    EXPECT_EQ(e.committed_step(), 3);
+    std::vector<float> m(1000), v(1000);
+    ASSERT_TRUE(e.ReadSubgroup(0, want.data(), {m.data(), v.data()}, nullptr).ok());
+  }
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_TRUE((*engine)->resumed());
+  EXPECT_EQ((*engine)->step(), 3);
+  std::vector<float> got(1000), m(1000), v(1000);
+  int64_t step = 0;
+  ASSERT_TRUE((*engine)->ReadSubgroup(0, got.data(), {m.data(), v.data()}, &step).ok());
+  EXPECT_EQ(step, 3);
+  EXPECT_EQ(got, want);
+}
+
+TEST(EngineTest, CorruptRecordIsAnErrorNamingFileAndSubgroup) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));  // nothing cached
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = Initialized(*engine, cfg, 1);
+  // Flip one payload byte of subgroup 2 in whichever slot holds it.
+  std::string path = cfg.tiers[0].path + "/mlp_offload_run/sg_2.state";
+  FILE* f = fopen(path.c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  fseek(f, 4096 + 100, SEEK_SET);
+  int ch = fgetc(f);
+  fseek(f, 4096 + 100, SEEK_SET);
+  fputc(ch ^ 0x40, f);
+  fclose(f);
+  std::vector<float> p(3000), m(3000), v(3000);
+  absl::Status s = e.ReadSubgroup(2, p.data(), {m.data(), v.data()}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("sg_2.state"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("subgroup 2"), std::string::npos) << s;
+}
+
+TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.fault_injection = true;
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  Model model(cfg.subgroup_numel, 2);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  Reference ref(model);
+  model.NewGrads(1);
+  ref.Step(model, 1, 1.0f);
+  std::vector<SubgroupStepInput> in(4);
+  for (int i = 0; i < 4; ++i) {
+    in[i].hp = AdamW();
+    in[i].segments = model.Segments(i);
+  }
+  FaultSpec fault;
+  fault.kind = FaultSpec::Kind::kError;
+  fault.op = IoOp::kWrite;
+  fault.error = 28;  // ENOSPC
+  fault.nth = 0;
+  e.fault_injector(1)->AddFault(fault);
+  auto stats = e.Step(in, StepOptions());
+  ASSERT_FALSE(stats.ok());
+  EXPECT_EQ(stats.status().code(), absl::StatusCode::kResourceExhausted) << stats.status();
+  e.fault_injector(1)->ClearFaults();
+  stats = e.Step(in, StepOptions());  // the fault is gone: finish the step
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(e.step(), 1);
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()), v(master.size());
+    int64_t step = 0;
+    ASSERT_TRUE(e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
+    EXPECT_EQ(step, 1);
+    EXPECT_EQ(master, ref.master[i]) << i;
+  }
+}
+
+TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
+  EngineConfig cfg = SmallConfig(1);
+  Model model(cfg.subgroup_numel, 4);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  model.NewGrads(3);
+  model.grads[3][17] = 0x7FC0;  // bf16 NaN in the last subgroup
+  std::vector<SubgroupStepInput> in(4);
+  for (int i = 0; i < 4; ++i) {
+    in[i].hp = AdamW();
+    in[i].segments = model.Segments(i);
+  }
+  StepOptions opts;
+  opts.skip_if_nonfinite = true;
+  auto stats = e.Step(in, opts);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_TRUE(stats->skipped);
+  EXPECT_EQ(e.step(), 0);
+  std::vector<float> master(1000), m(1000), v(1000);
+  int64_t step = -1;
+  ASSERT_TRUE(e.ReadSubgroup(0, master.data(), {m.data(), v.data()}, &step).ok());
+  EXPECT_EQ(step, 0);
+  EXPECT_EQ(master, model.init[0]);
+}
+
+}  // namespace
+}  // namespace mlp_offload

@@ -1,0 +1,150 @@
+"""The generic path: any torch.optim.Optimizer, its state offloaded.
+
+The wrapped optimizer keeps doing its own math. For each subgroup the
+engine makes resident, the parameters and state tensors handed to it are
+views of the engine's fp32 record (the master copy and one array per
+per-parameter state tensor), so its in-place updates land directly in
+offloaded memory. State that is not shaped like the parameter (a step
+counter, a scalar product, a factored moment) stays in Python, per
+parameter.
+
+Which state tensors are shaped like the parameter is found once by running
+a throwaway instance of the optimizer's class on a small probe parameter.
+"""
+
+import contextlib
+import inspect
+import logging
+
+import torch
+
+from mlp_offload.errors import ConfigError, OffloadError
+
+_log = logging.getLogger(__name__)
+
+_PROBE_SHAPE = (5, 3)
+_PROBE_STEPS = 3
+
+
+def _constructor_kwargs(cls, group):
+    hp = {k: v for k, v in group.items() if k != "params"}
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return hp
+    params = sig.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return hp
+    return {k: v for k, v in hp.items() if k in params}
+
+
+def discover_state_keys(optimizer, group_index):
+    """Names of the per-parameter state tensors shaped like the parameter.
+
+    Runs a throwaway instance of type(optimizer) with param group
+    `group_index`'s hyperparameters for a few steps on a probe parameter.
+    """
+    cls = type(optimizer)
+    group = optimizer.param_groups[group_index]
+    kwargs = _constructor_kwargs(cls, group)
+    gen = torch.Generator().manual_seed(1234)
+    probe = torch.nn.Parameter(torch.randn(_PROBE_SHAPE, generator=gen))
+    try:
+        throwaway = cls([probe], **kwargs)
+    except Exception as e:  # any failure of user code: say what to do
+        raise ConfigError(
+            f"cannot construct a probe instance of {cls.__name__} with the "
+            f"hyperparameters of param group {group_index} ({e}); pass "
+            f"generic_state_keys=[...] naming its per-parameter state tensors"
+        ) from e
+    keys = []
+    for _ in range(_PROBE_STEPS):
+        probe.grad = torch.randn(_PROBE_SHAPE, generator=gen)
+        throwaway.step()
+        for key, value in throwaway.state.get(probe, {}).items():
+            if (isinstance(value, torch.Tensor) and tuple(value.shape) == _PROBE_SHAPE
+                    and value.is_floating_point() and key not in keys):
+                keys.append(key)
+    _log.debug("%s (group %d): offloaded state keys %s", cls.__name__, group_index, keys)
+    return keys
+
+
+@contextlib.contextmanager
+def only_params(optimizer, group_index, params):
+    """Makes `optimizer` see `params` in group `group_index` and nothing else."""
+    saved = [g["params"] for g in optimizer.param_groups]
+    try:
+        for gi, g in enumerate(optimizer.param_groups):
+            g["params"] = params if gi == group_index else []
+        yield
+    finally:
+        for g, p in zip(optimizer.param_groups, saved):
+            g["params"] = p
+
+
+def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_state,
+                    grad_scale, grad32=None):
+    """Runs `optimizer`'s own step on one resident subgroup.
+
+    master: fp32 tensor over the record's master copy; arrays: one fp32
+    tensor per state key over the record's arrays. py_state[pid] holds the
+    non-offloaded state of parameter pid (updated here); has_state[pid] says
+    whether its state exists (else the optimizer initialises it). grad32:
+    the engine's fp32 copy of the gradients (baseline mode), else None.
+    """
+    temps = []
+    for p, pid, off, n in subgroup.slices():
+        if p.grad is None:
+            raise OffloadError(f"parameter {pid} has no gradient")
+        t = master[off:off + n].view(p.shape)
+        if grad32 is not None:
+            grad = grad32[off:off + n] * grad_scale
+        else:
+            grad = p.grad.detach().to(torch.float32)
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            elif grad.data_ptr() == p.grad.data_ptr():
+                # Never hand the model's own gradient to code that may modify it.
+                grad = grad.clone()
+        t.grad = grad.view(p.shape)
+        if has_state[pid]:
+            st = dict(py_state.get(pid, {}))
+            for k, arr in zip(keys, arrays):
+                st[k] = arr[off:off + n].view(p.shape)
+            optimizer.state[t] = st
+        temps.append(t)
+    try:
+        with only_params(optimizer, subgroup.group, temps), torch.no_grad():
+            optimizer.step()
+        for t, (p, pid, off, n) in zip(temps, subgroup.slices()):
+            st = optimizer.state.get(t, {})
+            target = master[off:off + n].view(p.shape)
+            if t.data_ptr() != target.data_ptr():  # the step rebound .data
+                target.copy_(t)
+            for k, arr in zip(keys, arrays):
+                value = st.get(k)
+                if value is None:
+                    raise OffloadError(
+                        f"{type(optimizer).__name__} did not keep state '{k}' for "
+                        f"parameter {pid}: the probe saw it (state keys must not "
+                        f"change between steps)")
+                view = arr[off:off + n].view(p.shape)
+                if value.data_ptr() != view.data_ptr():  # replaced, not updated
+                    view.copy_(value)
+            extra = {}
+            for k, v in st.items():
+                if k in keys:
+                    continue
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+                        and v.numel() > 1:
+                    raise OffloadError(
+                        f"{type(optimizer).__name__} created state '{k}' for parameter "
+                        f"{pid} that the probe did not see; pass generic_state_keys "
+                        f"naming all its per-parameter state tensors")
+                extra[k] = v
+            py_state[pid] = extra
+            has_state[pid] = True
+    finally:
+        for t in temps:
+            optimizer.state.pop(t, None)
+            t.grad = None

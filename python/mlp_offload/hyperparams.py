@@ -1,0 +1,144 @@
+"""Maps torch.optim optimizers onto the native kernels of kernels/.
+
+An optimizer takes the native path when its class is exactly one the
+kernels implement and every option it is configured with can be honoured;
+an option that cannot (`capturable`, `differentiable`, `fused`, or one that
+a newer torch added and this mapping does not know) is a ConfigError naming
+it, never silently ignored.
+"""
+
+import torch
+
+from mlp_offload.errors import ConfigError
+
+# Options that change how torch computes, not what: any value is fine.
+_IGNORED = ("foreach",)
+# Options that must be off: the state lives on the host, in the engine.
+_MUST_BE_OFF = ("capturable", "differentiable", "fused")
+
+# Per kind: the group keys the mapping reads.
+_KNOWN = {
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+             "decoupled_weight_decay"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "adagrad": ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value",
+                "maximize"),
+}
+
+# torch's state-dict keys of the state arrays, in the engine's array order.
+_STATE_NAMES = {
+    "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "sgd": ("momentum_buffer",),
+    "adagrad": ("sum",),
+}
+
+
+def native_family(optimizer):
+    """'adam', 'sgd' or 'adagrad' if `optimizer`'s class has a native kernel.
+
+    Only the exact torch classes qualify: a subclass may override step().
+    """
+    cls = type(optimizer)
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        return "adam"
+    if cls is torch.optim.SGD:
+        return "sgd"
+    if cls is torch.optim.Adagrad:
+        return "adagrad"
+    return None
+
+
+def check_options(optimizer, family):
+    """Raises ConfigError for an option the native path cannot honour."""
+    known = set(_KNOWN[family]) | set(_IGNORED) | set(_MUST_BE_OFF)
+    name = type(optimizer).__name__
+    for gi, group in enumerate(optimizer.param_groups):
+        for key in _MUST_BE_OFF:
+            if group.get(key):
+                raise ConfigError(
+                    f"{name}({key}={group[key]!r}) in param group {gi} is not supported: "
+                    f"the optimizer state is offloaded and updated on the host by "
+                    f"MLP-Offload's own fused kernel; construct it with {key}=False/None"
+                )
+        # Options of a newer torch this mapping does not know: refuse any
+        # non-default value rather than ignore it.
+        for key in optimizer.defaults:
+            if key not in known and key in group and group[key] not in (None, False, 0):
+                raise ConfigError(
+                    f"{name} option {key}={group[key]!r} (param group {gi}) is not "
+                    f"supported by the native kernel"
+                )
+
+
+def _scalar(value, what):
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(f"{what} must be a scalar, got a tensor of shape "
+                              f"{tuple(value.shape)}")
+        return float(value.item())
+    return float(value)
+
+
+def group_hyperparams(family, group):
+    """The kernel's hyperparameter dict for one param group, read live."""
+    if family == "adam":
+        beta1, beta2 = group["betas"]
+        return {
+            "kind": "adamw" if group.get("decoupled_weight_decay", False) else "adam",
+            "lr": _scalar(group["lr"], "lr"),
+            "beta1": _scalar(beta1, "betas[0]"),
+            "beta2": _scalar(beta2, "betas[1]"),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "amsgrad": bool(group["amsgrad"]),
+            "maximize": bool(group.get("maximize", False)),
+        }
+    if family == "sgd":
+        return {
+            "kind": "sgd",
+            "lr": _scalar(group["lr"], "lr"),
+            "momentum": float(group["momentum"]),
+            "dampening": float(group["dampening"]),
+            "weight_decay": float(group["weight_decay"]),
+            "nesterov": bool(group["nesterov"]),
+            "maximize": bool(group.get("maximize", False)),
+        }
+    if family == "adagrad":
+        return {
+            "kind": "adagrad",
+            "lr": _scalar(group["lr"], "lr"),
+            "lr_decay": float(group["lr_decay"]),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "initial_accumulator_value": float(group["initial_accumulator_value"]),
+            "maximize": bool(group.get("maximize", False)),
+        }
+    raise ConfigError(f"no native kernel family {family!r}")
+
+
+def num_state_arrays(hp):
+    """fp32 state arrays per parameter (kernels/optimizer_kernels.h)."""
+    kind = hp["kind"]
+    if kind in ("adam", "adamw"):
+        return 3 if hp.get("amsgrad") else 2
+    if kind == "sgd":
+        return 1 if hp.get("momentum", 0.0) != 0.0 else 0
+    if kind == "adagrad":
+        return 1
+    raise ConfigError(f"unknown kernel kind {kind!r}")
+
+
+def state_names(hp):
+    """torch's state keys of the arrays the kernel keeps for `hp`."""
+    return _STATE_NAMES[hp["kind"]][: num_state_arrays(hp)]
+
+
+def has_step_key(hp):
+    """Whether torch keeps state['step'] for this optimizer (SGD does not)."""
+    return hp["kind"] != "sgd"
+
+
+def state_exists_at_step0(hp):
+    """Adagrad creates its state in __init__, before any step."""
+    return hp["kind"] == "adagrad"

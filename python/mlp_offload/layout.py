@@ -1,0 +1,79 @@
+"""Packing of parameters into subgroups, and tensors over engine memory.
+
+A subgroup is the unit the engine stores, streams and updates: a flat fp32
+record of at most `subgroup_numel` parameters of one param group, in the
+group's order. A parameter larger than that gets a subgroup of its own;
+parameters are never split.
+"""
+
+import ctypes
+import dataclasses
+
+import torch
+
+from mlp_offload.errors import ConfigError
+
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+
+
+@dataclasses.dataclass
+class Subgroup:
+    index: int                 # global subgroup id
+    group: int                 # param group it belongs to
+    params: list               # the model's parameters, in order
+    param_ids: list            # their global indices (state_dict numbering)
+    offsets: list              # element offset of each inside the record
+    numel: int                 # record length (elements)
+
+    def slices(self):
+        """(param, global index, offset, numel) for every parameter."""
+        for p, pid, off in zip(self.params, self.param_ids, self.offsets):
+            yield p, pid, off, p.numel()
+
+
+def pack(param_groups, subgroup_numel):
+    """Packs the groups' parameters into subgroups (a list of Subgroup)."""
+    if not isinstance(subgroup_numel, int) or subgroup_numel <= 0:
+        raise ConfigError(f"subgroup_numel must be a positive int, got {subgroup_numel!r}")
+    subgroups = []
+    pid = 0
+    for gi, group in enumerate(param_groups):
+        current = None
+        for p in group["params"]:
+            n = p.numel()
+            if n == 0:
+                raise ConfigError(
+                    f"parameter {pid} (group {gi}) has no elements; remove it from "
+                    f"the optimizer")
+            if current is None or current.numel + n > subgroup_numel:
+                current = Subgroup(len(subgroups), gi, [], [], [], 0)
+                subgroups.append(current)
+            current.params.append(p)
+            current.param_ids.append(pid)
+            current.offsets.append(current.numel)
+            current.numel += n
+            pid += 1
+    if not subgroups:
+        raise ConfigError("the optimizer has no parameters")
+    return subgroups
+
+
+def float_view(ptr, numel):
+    """A float32 tensor over `numel` floats at address `ptr` (no copy).
+
+    Valid only as long as the engine keeps that memory (until Done()).
+    """
+    if numel == 0:
+        return torch.empty(0, dtype=torch.float32)
+    buf = (ctypes.c_float * numel).from_address(ptr)
+    return torch.frombuffer(buf, dtype=torch.float32, count=numel)
+
+
+def flat_fp32(params):
+    """The parameters' values as one new fp32 vector."""
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
