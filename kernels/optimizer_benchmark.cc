@@ -1,7 +1,7 @@
 // Throughput of the fused optimizer kernels next to a STREAM-like probe of
 // the same access pattern on this machine:
-//   bazel run -c opt //kernels:optimizer_benchmark -- --threads=1,2 \
-//       --grad_dtype=float32,bfloat16 --param_out_dtype=none,bfloat16 [--json]
+//   bazel run -c opt //kernels:optimizer_benchmark -- --threads=1,2
+//       --grad_dtype=float32,bfloat16 --param_out_dtype=none,bfloat16 --json
 // Every list flag takes comma-separated values; every combination is run.
 #include <chrono>
 #include <cstdint>

@@ -235,7 +235,7 @@ struct Engine::Impl {
     buffers[b].subgroup = subgroup;
     buffers[b].state = state;
     buffers[b].io_status = absl::OkStatus();
-    buffer_of[subgroup] = b;
+    if (subgroup >= 0) buffer_of[subgroup] = b;
     ++buffers_in_use;
     peak_in_use = std::max(peak_in_use, buffers_in_use);
   }
@@ -308,7 +308,14 @@ struct Engine::Impl {
     tiers[t].channel->Submit(req, [this, b, len, t](absl::StatusOr<size_t> r) {
       OnIoDone(b, len, t, true, std::move(r));
     });
-    if (eager_grads() && in_step) {
+    if (eager_grads() && in_step) IssueGradRead(i, b);
+  }
+
+  // The baseline's fp32 gradient of subgroup i, into buffer b's grad area.
+  void IssueGradRead(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Buffer& buf = buffers[b];
+    const int t = plan.tier_of_subgroup[i];
+    {
       IoRequest g;
       g.op = IoOp::kRead;
       g.file = grad_files[i].get();
@@ -463,7 +470,13 @@ struct Engine::Impl {
     const size_t limit = std::min(order.size(), pos + 1 + plan.prefetch_depth);
     while (next_read < limit) {
       int i = order[next_read];
-      if (done_in_step[i] || buffer_of[i] >= 0) {  // resident: a cache hit
+      if (done_in_step[i]) {
+        ++next_read;
+        continue;
+      }
+      if (buffer_of[i] >= 0) {  // resident: a cache hit
+        ++stats.cache_hits;
+        if (eager_grads()) IssueGradRead(i, buffer_of[i]);
         ++next_read;
         continue;
       }
@@ -794,7 +807,15 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
   absl::MutexLock l(&e.mu);
   // The baseline converts to fp32 at once and swaps the result out, as
   // ZeRO-Infinity does during backward.
-  MLP_ASSIGN_OR_RETURN(int b, e.WaitAndClaimFree(i, BufState::kInUse));
+  // The grad area of the subgroup's own buffer if it is cached, else of a
+  // scratch buffer (claimed without binding it to the subgroup).
+  int b = e.buffer_of[i];
+  const bool scratch = b < 0;
+  if (scratch) {
+    MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(-1, BufState::kInUse));
+  } else {
+    MLP_RETURN_IF_ERROR(e.WaitIo(b));
+  }
   float* g32 = e.GradArea(b, i);
   bool nonfinite = false;
   for (const Segment& s : segments) {
@@ -815,7 +836,8 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
   });
   absl::Status s = e.WaitIo(b);
   e.step_error = absl::OkStatus();
-  e.Free(b);
+  e.buffers[b].io_status = absl::OkStatus();
+  if (scratch) e.Free(b);
   if (!s.ok()) return s;
   e.grad_nonfinite[i] = nonfinite;
   e.grad_offloaded[i] = true;
@@ -880,9 +902,6 @@ absl::StatusOr<SubgroupView> Engine::Next() {
     b = *claimed;
     e.IssueRead(i, b);
     e.next_read = std::max(e.next_read, e.pos + 1);
-  } else if (e.buffers[b].state == BufState::kCached && !e.buffers[b].from_disk &&
-             e.buffers[b].pending == 0) {
-    ++e.stats.cache_hits;
   }
   absl::Status s = e.WaitIo(b);
   if (s.ok()) s = e.VerifyRecord(i, b);
