@@ -5,29 +5,36 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/base/attributes.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "io/internal/mutex.h"
 
 namespace mlp_offload {
 namespace {
 
-ABSL_CONST_INIT absl::Mutex g_hooks_mu(absl::kConstInit);
-HostPinningHooks g_hooks ABSL_GUARDED_BY(g_hooks_mu);
+// Function-local statics: initialised on first use, whatever the order of
+// static initialisers that allocate buffers.
+internal_io::Mutex& HooksMutex() {
+  static auto* mu = new internal_io::Mutex;
+  return *mu;
+}
+HostPinningHooks& Hooks() {
+  static auto* hooks = new HostPinningHooks;
+  return *hooks;
+}
 
 bool IsPowerOfTwo(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
 }  // namespace
 
 void SetHostPinningHooks(const HostPinningHooks& hooks) {
-  absl::MutexLock lock(&g_hooks_mu);
-  g_hooks = hooks;
+  internal_io::MutexLock lock(&HooksMutex());
+  Hooks() = hooks;
 }
 
 bool HostPinningAvailable() {
-  absl::MutexLock lock(&g_hooks_mu);
-  return g_hooks.pin != nullptr && g_hooks.unpin != nullptr;
+  internal_io::MutexLock lock(&HooksMutex());
+  return Hooks().pin != nullptr && Hooks().unpin != nullptr;
 }
 
 absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes,
@@ -66,8 +73,8 @@ absl::StatusOr<AlignedBuffer> AlignedBuffer::AllocatePinned(size_t bytes,
   if (!buffer.ok() || buffer->empty()) return buffer;
   HostPinningHooks hooks;
   {
-    absl::MutexLock lock(&g_hooks_mu);
-    hooks = g_hooks;
+    internal_io::MutexLock lock(&HooksMutex());
+    hooks = Hooks();
   }
   if (hooks.pin == nullptr || hooks.unpin == nullptr) return buffer;
   absl::Status pinned = hooks.pin(buffer->data_, buffer->size_);

@@ -12,8 +12,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include "io/internal/mutex.h"
+#include "io/internal/mutex.h"
 #include "absl/time/clock.h"
 #include "io/aligned_buffer.h"
 #include "mlp_offload/base/status_macros.h"
@@ -37,25 +37,23 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     for (size_t i = 0; i < buffers.size() / sizeof(uint64_t); ++i) words[i] = rng();
   }
   struct Shared {
-    absl::Mutex mu;
+    internal_io::Mutex mu;
     std::vector<unsigned> free_slots ABSL_GUARDED_BY(mu);
     unsigned in_flight ABSL_GUARDED_BY(mu) = 0;
     absl::Status error ABSL_GUARDED_BY(mu);
   } shared;
   {
-    absl::MutexLock lock(&shared.mu);
+    internal_io::MutexLock lock(&shared.mu);
     for (unsigned i = 0; i < queue_depth; ++i) shared.free_slots.push_back(i);
   }
   const absl::Time start = absl::Now();
   for (uint64_t offset = 0; offset < bytes; offset += block_size) {
     unsigned slot;
     {
-      absl::MutexLock lock(&shared.mu);
-      shared.mu.Await(absl::Condition(
-          +[](Shared* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
-            return !s->free_slots.empty() || !s->error.ok();
-          },
-          &shared));
+      internal_io::MutexLock lock(&shared.mu);
+      shared.mu.Await([&shared]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared.mu) {
+        return !shared.free_slots.empty() || !shared.error.ok();
+      });
       if (!shared.error.ok()) break;
       slot = shared.free_slots.back();
       shared.free_slots.pop_back();
@@ -68,17 +66,16 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     request.length = static_cast<size_t>(std::min<uint64_t>(block_size, bytes - offset));
     request.buffer = buffers.as<char>() + uint64_t{slot} * block_size;
     engine.Submit(request, [&shared, slot](absl::StatusOr<size_t> result) {
-      absl::MutexLock lock(&shared.mu);
+      internal_io::MutexLock lock(&shared.mu);
       if (!result.ok() && shared.error.ok()) shared.error = result.status();
       shared.free_slots.push_back(slot);
       --shared.in_flight;
     });
   }
   {
-    absl::MutexLock lock(&shared.mu);
-    shared.mu.Await(absl::Condition(
-        +[](Shared* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->in_flight == 0; },
-        &shared));
+    internal_io::MutexLock lock(&shared.mu);
+    shared.mu.Await(
+        [&shared]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared.mu) { return shared.in_flight == 0; });
     MLP_RETURN_IF_ERROR(shared.error);
   }
   if (sync && op == IoOp::kWrite) MLP_RETURN_IF_ERROR(file.Sync());
@@ -179,7 +176,7 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     // All directories at once, started together.
     std::vector<absl::StatusOr<double>> together(dirs.size(),
                                                  absl::UnknownError("not run"));
-    absl::Notification go;
+    internal_io::Notification go;
     std::vector<std::thread> threads;
     for (size_t i = 0; i < dirs.size(); ++i) {
       threads.emplace_back([&, i] {

@@ -491,7 +491,16 @@ struct Engine::Impl {
 
 absl::Status Engine::Impl::WriteCommit() {
   // Per tier: the slot of each of its subgroups. Every subgroup must have
-  // its latest version on disk (the caller flushed the cached ones).
+  // its latest version on disk (the caller flushed the cached ones), and
+  // durably so before a commit record names it.
+  for (int i = 0; i < n(); ++i) {
+    if (disk_step[i] != sg_step[i]) {
+      return absl::InternalError(absl::StrCat("commit: subgroup ", i, " is not on disk"));
+    }
+    MLP_RETURN_IF_ERROR(state_files[i]->Sync());
+  }
+  // A crash between two tiers' records leaves them one step apart; Create
+  // then resumes from the older step, whose slots this step did not touch.
   for (size_t t = 0; t < tiers.size(); ++t) {
     CommitRecord c;
     c.step = steps_done;
@@ -575,7 +584,7 @@ absl::Status Engine::Impl::LoadCommitted() {
   Manifest expected;
   expected.arrays_per_param = arrays();
   expected.subgroup_numel = numel;
-  int64_t step = -1;
+  std::vector<CommitRecord> commits;
   for (size_t t = 0; t < tiers.size(); ++t) {
     std::string mpath = tiers[t].dir + "/MANIFEST";
     MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
@@ -598,17 +607,24 @@ absl::Status Engine::Impl::LoadCommitted() {
     if (c.subgroup_step.size() != numel.size()) {
       return absl::DataLossError(absl::StrCat(cpath, ": subgroup count mismatch"));
     }
-    if (step >= 0 && c.step != step) {
-      // A crash between the tiers' commit writes: the older step is the one
-      // every tier has (both slots are kept until the next commit).
-      return absl::DataLossError(absl::StrCat(
-          "tiers disagree on the committed step (", step, " vs ", c.step, " in ", cpath, ")"));
+    commits.push_back(std::move(c));
+  }
+  int64_t step = commits[0].step;
+  for (const CommitRecord& c : commits) step = std::min(step, c.step);
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    const CommitRecord& c = commits[t];
+    // A tier one step ahead (crash between the tiers' commit records) still
+    // holds the older step in its other slots.
+    const bool ahead = c.step == step + 1;
+    if (c.step != step && !ahead) {
+      return absl::DataLossError(absl::StrCat("tiers disagree on the committed step (", step,
+                                              " vs ", c.step, " in ", tiers[t].dir, ")"));
     }
-    step = c.step;
     for (int i = 0; i < n(); ++i) {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
-      current_slot[i] = committed_slot[i] = c.subgroup_slot[i];
-      disk_step[i] = sg_step[i] = c.subgroup_step[i];
+      int slot = ahead ? 1 - c.subgroup_slot[i] : c.subgroup_slot[i];
+      current_slot[i] = committed_slot[i] = slot;
+      disk_step[i] = sg_step[i] = ahead ? c.subgroup_step[i] - 1 : c.subgroup_step[i];
       initialized[i] = true;
     }
   }
@@ -774,6 +790,10 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   e.initialized[i] = true;
   e.buffers[b].from_disk = false;
   absl::Status s = e.WriteNow(i, b);
+  if (s.ok() && e.config.commit_every > 0 &&
+      std::all_of(e.initialized.begin(), e.initialized.end(), [](bool x) { return x; })) {
+    s = e.WriteCommit();  // the initial state is resumable too
+  }
   // Keep the records that step 0 starts with (cache reuse) in memory.
   const int k = e.plan.num_cached;
   bool keep = e.config.techniques.cache_reuse && i < k;

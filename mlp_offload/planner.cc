@@ -274,7 +274,7 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
 
   // Steady-state traffic, averaged over a forward and a reversed step.
   plan.traffic.assign(num_tiers, TierTraffic{});
-  std::vector<double> reads(num_tiers, 0), writes(num_tiers, 0);
+  std::vector<double> reads(num_tiers, 0), writes(num_tiers, 0), grad_writes(num_tiers, 0);
   for (int64_t step = 2; step < 4; ++step) {
     std::vector<int> order = plan.Order(step);
     std::vector<int> prev = plan.Order(step - 1);
@@ -290,19 +290,25 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
       if (!plan.KeptAfterUpdate(step, p)) writes[t] += rec;
       if (eager_grads) {  // fp32 gradient written in backward, read in update
         reads[t] += in.subgroup_numel[i] * 4.0;
-        writes[t] += in.subgroup_numel[i] * 4.0;
+        grad_writes[t] += in.subgroup_numel[i] * 4.0;
       }
     }
   }
+  // The baseline's gradient writes happen in backward, before the update
+  // phase can start: they add to the step instead of overlapping it.
   plan.predicted_io_seconds = 0;
+  double grad_seconds = 0;
   for (int t = 0; t < num_tiers; ++t) {
     plan.traffic[t].bytes_read = static_cast<uint64_t>(reads[t] / 2);
-    plan.traffic[t].bytes_written = static_cast<uint64_t>(writes[t] / 2);
+    plan.traffic[t].bytes_written = static_cast<uint64_t>((writes[t] + grad_writes[t]) / 2);
     if (t < active) {
-      plan.traffic[t].seconds =
-          eff[t].Seconds(plan.traffic[t].bytes_read, plan.traffic[t].bytes_written);
+      double update = eff[t].Seconds(static_cast<uint64_t>(reads[t] / 2),
+                                     static_cast<uint64_t>(writes[t] / 2));
+      double grads = grad_writes[t] / 2 / eff[t].write_bw;
+      plan.traffic[t].seconds = update + grads;
+      plan.predicted_io_seconds = std::max(plan.predicted_io_seconds, update);
+      grad_seconds = std::max(grad_seconds, grads);
     }
-    plan.predicted_io_seconds = std::max(plan.predicted_io_seconds, plan.traffic[t].seconds);
   }
   uint64_t total_numel = std::accumulate(in.subgroup_numel.begin(), in.subgroup_numel.end(),
                                          uint64_t{0});
@@ -322,7 +328,8 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
     fill /= std::max(1, active);
   }
   plan.predicted_seconds =
-      std::max(plan.predicted_io_seconds, plan.predicted_compute_seconds) + fill;
+      std::max(plan.predicted_io_seconds, plan.predicted_compute_seconds) + fill + grad_seconds;
+  plan.predicted_io_seconds += grad_seconds;
   return plan;
 }
 

@@ -7,7 +7,7 @@ namespace mlp_offload {
 namespace internal_io {
 
 DelayQueue::DelayQueue() {
-  absl::MutexLock lock(&join_mu_);
+  internal_io::MutexLock lock(&join_mu_);
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -15,7 +15,7 @@ DelayQueue::~DelayQueue() { Drain(); }
 
 void DelayQueue::RunAt(absl::Time when, std::function<void()> fn) {
   {
-    absl::MutexLock lock(&mu_);
+    internal_io::MutexLock lock(&mu_);
     if (!stopped_) {
       queue_.emplace(std::make_pair(when, next_seq_++), std::move(fn));
       changed_ = true;
@@ -27,11 +27,11 @@ void DelayQueue::RunAt(absl::Time when, std::function<void()> fn) {
 
 void DelayQueue::Drain() {
   {
-    absl::MutexLock lock(&mu_);
+    internal_io::MutexLock lock(&mu_);
     stopping_ = true;
     changed_ = true;
   }
-  absl::MutexLock lock(&join_mu_);
+  internal_io::MutexLock lock(&join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -39,7 +39,7 @@ void DelayQueue::Loop() {
   for (;;) {
     std::vector<std::function<void()>> due;
     {
-      absl::MutexLock lock(&mu_);
+      internal_io::MutexLock lock(&mu_);
       for (;;) {
         if (queue_.empty()) {
           if (stopping_) {
@@ -47,7 +47,7 @@ void DelayQueue::Loop() {
             return;
           }
           changed_ = false;
-          mu_.Await(absl::Condition(&changed_));
+          mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changed_; });
           continue;
         }
         const absl::Time now = absl::Now();
@@ -55,7 +55,9 @@ void DelayQueue::Loop() {
         if (it->first.first <= now) break;
         // Sleep until the earliest deadline or until RunAt adds an earlier one.
         changed_ = false;
-        mu_.AwaitWithDeadline(absl::Condition(&changed_), it->first.first);
+        mu_.AwaitWithDeadline(
+            [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changed_; },
+            it->first.first);
       }
       const absl::Time now = absl::Now();
       while (!queue_.empty() && queue_.begin()->first.first <= now) {

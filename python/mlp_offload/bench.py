@@ -1,0 +1,159 @@
+"""The update-phase benchmark (`mlp-offload bench`), in Python over the engine.
+
+Mirrors the C++ benchmark //mlp_offload:update_benchmark: AdamW with bf16
+gradients and parameters, two throttled tiers (a fast one and a slow one at
+`slow_ratio` of its cap, PAPER.md's local drive + shared file system), a
+host budget of `budget_fraction` of the fp32 state, one warm-up step (the
+caches fill) and then `steps` measured steps, per configuration: the
+ZeRO-Infinity-like baseline, each technique alone, and all of them (mlp).
+The baseline's step time includes its eager gradient offload (converted to
+fp32 and written out, which it does during backward); every configuration
+makes the same offload_gradients calls (a no-op with delayed conversion).
+"""
+
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from mlp_offload import _C
+from mlp_offload.errors import ConfigError
+from mlp_offload.whatif import CONFIGS, techniques_of
+
+_log = logging.getLogger(__name__)
+
+
+def _median(values):
+    return statistics.median(values) if values else 0.0
+
+
+def subgroup_sizes(params, subgroup_numel):
+    if params < 1 or subgroup_numel < 1:
+        raise ConfigError(f"params and subgroup_numel must be >= 1, got {params}, "
+                          f"{subgroup_numel}")
+    full, rest = divmod(params, subgroup_numel)
+    return [subgroup_numel] * full + ([rest] if rest else [])
+
+
+def run_benchmark(params=20_000_000, subgroup_numel=1_000_000, tiers=None,
+                  fast_bytes_per_sec=120e6, slow_ratio=0.5, budget_fraction=0.25,
+                  steps=3, threads=2, configs=CONFIGS, seed=1, progress=None):
+    """Runs the benchmark; returns one result dict per configuration.
+
+    `tiers`: two directories (None: two fresh temporary directories, removed
+    afterwards). `progress(config, done, total)` is called after each step.
+    Result keys match the C++ benchmark's --json output.
+    """
+    configs = list(configs)
+    for c in configs:
+        techniques_of(c)  # validates the name
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    if not fast_bytes_per_sec > 0 or not slow_ratio > 0:
+        raise ConfigError("the tiers' caps must be > 0")
+    if not 0 <= budget_fraction:
+        raise ConfigError(f"budget_fraction must be >= 0, got {budget_fraction}")
+    sizes = subgroup_sizes(int(params), int(subgroup_numel))
+    n = len(sizes)
+    fast = float(fast_bytes_per_sec)
+    slow = fast * slow_ratio
+    caps = [fast, slow]
+    state_bytes = sum(sizes) * 12
+    budget = int(state_bytes * budget_fraction)
+
+    made = []
+    if tiers is None:
+        tiers = [tempfile.mkdtemp(prefix="mlp_offload_bench_") for _ in range(2)]
+        made = list(tiers)
+    tiers = [os.fspath(t) for t in tiers]
+    if len(tiers) != 2:
+        raise ConfigError(f"the benchmark needs two tier directories, got {len(tiers)}")
+
+    gen = torch.Generator().manual_seed(seed)
+    model = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in sizes]
+    grads = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+    hp = [{"kind": "adamw", "lr": 1e-4, "weight_decay": 0.01}]
+    segments = [[(0, sizes[i], grads[i].data_ptr(), model[i].data_ptr())] for i in range(n)]
+    inputs = [(0, segments[i]) for i in range(n)]
+    total = len(configs) * (steps + 1)
+    done = 0
+    results = []
+    try:
+        for config in configs:
+            tier_specs = [
+                {"path": tiers[t], "name": ("fast", "slow")[t],
+                 "throttle_read_bytes_per_sec": caps[t],
+                 "throttle_write_bytes_per_sec": caps[t]}
+                for t in range(2)]
+            run_name = f"bench_{config}_{os.getpid()}"
+            engine = _C.engine.Engine.create(
+                tiers=tier_specs, host_budget_bytes=budget, subgroup_numel=sizes,
+                num_state_arrays=2, grad_dtype="bfloat16",
+                techniques=techniques_of(config), compute_threads=threads,
+                run_name=run_name)
+            try:
+                for i in range(n):
+                    engine.initialize_subgroup(i, model[i].data_ptr(), "bfloat16")
+                times, read_wait, compute, write_wait, grad_s = [], [], [], [], []
+                last = None
+                for step in range(steps + 1):
+                    for g in grads:
+                        g.copy_(torch.randn(g.numel(), generator=gen).mul_(0.01))
+                    start = time.perf_counter()
+                    for i in range(n):
+                        engine.offload_gradients(i, segments[i])
+                    stats = engine.step(hp, inputs, "bfloat16")
+                    secs = time.perf_counter() - start
+                    done += 1
+                    if progress is not None:
+                        progress(config, done, total)
+                    if step == 0:
+                        continue  # warm-up: the caches fill
+                    times.append(secs)
+                    read_wait.append(stats["read_wait_seconds"])
+                    compute.append(stats["compute_seconds"])
+                    write_wait.append(stats["write_wait_seconds"])
+                    grad_s.append(stats["grad_offload_seconds"])
+                    last = stats
+                plan = engine.plan
+                lower = max(max(last["bytes_read"][t], last["bytes_written"][t]) / caps[t]
+                            for t in range(2))
+                results.append({
+                    "config": config,
+                    "params": sum(sizes),
+                    "subgroups": n,
+                    "steps": steps,
+                    "step_seconds_median": _median(times),
+                    "step_seconds": times,
+                    "io_lower_bound_seconds": lower,
+                    "predicted_seconds": plan.predicted_seconds,
+                    "bytes_read": sum(last["bytes_read"]),
+                    "bytes_written": sum(last["bytes_written"]),
+                    "read_wait_seconds": _median(read_wait),
+                    "compute_seconds": _median(compute),
+                    "write_wait_seconds": _median(write_wait),
+                    "grad_offload_seconds": _median(grad_s),
+                    "cache_hits": last["cache_hits"],
+                    "num_cached": plan.num_cached,
+                    "fast_cap_bytes_per_sec": fast,
+                    "slow_cap_bytes_per_sec": slow,
+                    "host_budget_bytes": budget,
+                    "state_bytes": state_bytes,
+                })
+                _log.info("bench %s: median step %.3f s", config, results[-1]["step_seconds_median"])
+            finally:
+                engine.close()
+                for t in tiers:
+                    shutil.rmtree(os.path.join(t, run_name), ignore_errors=True)
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+    base = next((r for r in results if r["config"] == "baseline"), None)
+    for r in results:
+        r["speedup_vs_baseline"] = (base["step_seconds_median"] / r["step_seconds_median"]
+                                    if base and r["step_seconds_median"] > 0 else None)
+    return results

@@ -1,0 +1,176 @@
+"""End-to-end training of a small GPT with its optimizer state offloaded
+(`mlp-offload train`), and the same run in baseline mode and with the plain
+torch optimizer, for comparison.
+
+Every run starts from the same initial weights and sees the same batches,
+so the loss curves are comparable step for step: in float32 the offloaded
+runs follow the torch run to rounding. With bfloat16 parameters the torch
+reference keeps an fp32 master copy (as the engine does), so it is the
+same mixed-precision recipe.
+"""
+
+import logging
+import statistics
+import time
+
+import torch
+
+from mlp_offload import corpus as _corpus
+from mlp_offload import gpt as _gpt
+from mlp_offload.errors import ConfigError
+from mlp_offload.optimizer import MLPOffloadOptimizer
+
+_log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
+MODES = ("mlp", "baseline", "torch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_LR = {"adamw": 3e-3, "adam": 3e-3, "sgd": 0.3, "adagrad": 0.03, "rmsprop": 1e-3}
+# The update phase's parts as the engine reports them.
+UPDATE_PARTS = ("read_wait", "compute", "write_wait")
+PARTS = ("forward_backward", "grad_offload") + UPDATE_PARTS + ("other",)
+
+
+def make_optimizer(name, params, lr=None):
+    """The torch optimizer `name` with the CLI's defaults."""
+    lr = DEFAULT_LR[name] if lr is None else lr
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    if name == "rmsprop":  # no native kernel: the generic path
+        return torch.optim.RMSprop(params, lr=lr)
+    raise ConfigError(f"unknown optimizer {name!r} (one of {', '.join(OPTIMIZERS)})")
+
+
+def build(vocab_size, seq_len, dim, layers, heads, dtype, seed):
+    """The model, initialised from `seed`, in `dtype`."""
+    try:
+        cfg = _gpt.GPTConfig(vocab_size=vocab_size, seq_len=seq_len, dim=dim, layers=layers,
+                             heads=heads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    torch.manual_seed(seed)
+    return _gpt.GPT(cfg).to(DTYPES[dtype])
+
+
+def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=4, heads=4,
+              optimizer="adamw", lr=None, dtype="float32", tiers=None,
+              host_cache_bytes=1 << 20, subgroup_numel=500_000, seed=0, progress=None):
+    """One training run; returns a dict of per-step numbers.
+
+    mode: "mlp" or "baseline" (MLPOffloadOptimizer over `tiers`), or
+    "torch" (the plain optimizer). `data`: a corpus.Batches. `progress(mode,
+    step, loss, seconds)` is called after every step with that step's time
+    split (a dict over PARTS).
+    """
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    model = build(vocab_size, seq_len, dim, layers, heads, dtype, seed)
+    params = list(model.parameters())
+    master = None
+    if mode == "torch":
+        if DTYPES[dtype] == torch.float32:
+            opt = make_optimizer(optimizer, params, lr)
+        else:  # mixed precision: an fp32 master copy, as the engine keeps
+            master = [p.detach().float().clone().requires_grad_(True) for p in params]
+            opt = make_optimizer(optimizer, master, lr)
+    else:
+        if not tiers:
+            raise ConfigError("offloaded runs need tier directories")
+        opt = MLPOffloadOptimizer(make_optimizer(optimizer, params, lr), tiers=list(tiers),
+                                  host_cache_bytes=host_cache_bytes,
+                                  subgroup_numel=subgroup_numel, mode=mode,
+                                  run_name=f"train_{mode}")
+    losses, step_seconds, split = [], [], []
+    plan = None
+    try:
+        for step in range(steps):
+            x, y = data.batch(step)
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            t1 = time.perf_counter()
+            if master is not None:
+                with torch.no_grad():
+                    for m, p in zip(master, params):
+                        m.grad = p.grad.float()
+            opt.step()
+            if master is not None:
+                with torch.no_grad():
+                    for m, p in zip(master, params):
+                        p.copy_(m)
+                model.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            stats = getattr(opt, "last_step_stats", None) or {}
+            parts = dict.fromkeys(PARTS, 0.0)
+            grad_offload = float(stats.get("grad_offload_seconds", 0.0))
+            parts["grad_offload"] = min(grad_offload, t1 - t0)
+            parts["forward_backward"] = (t1 - t0) - parts["grad_offload"]
+            inside = 0.0
+            for part in UPDATE_PARTS:
+                parts[part] = float(stats.get(f"{part}_seconds", 0.0))
+                inside += parts[part]
+            if mode == "torch":
+                parts["compute"] = t2 - t1
+                inside = t2 - t1
+            parts["other"] = max(0.0, (t2 - t1) - inside)
+            losses.append(float(loss.item()))
+            step_seconds.append(t2 - t0)
+            split.append(parts)
+            if progress is not None:
+                progress(mode, step + 1, losses[-1], parts)
+        if mode != "torch" and opt.plan is not None:
+            p = opt.plan
+            plan = {"num_subgroups": len(p.tier_of_subgroup),
+                    "subgroups_per_tier": [list(p.tier_of_subgroup).count(t)
+                                           for t in range(len(tiers))],
+                    "num_cached": p.num_cached, "techniques": p.techniques_name}
+        final = torch.cat([q.detach().float().reshape(-1) for q in
+                           (master if master is not None else params)])
+    finally:
+        if mode != "torch":
+            opt.close()
+    # Mean over the steps after the first (which also initialises the state).
+    measured = split[1:] if len(split) > 1 else split
+    mean = {part: statistics.fmean(s[part] for s in measured) for part in PARTS}
+    times = step_seconds[1:] if len(step_seconds) > 1 else step_seconds
+    return {
+        "mode": mode,
+        "loss": losses,
+        "step_seconds": step_seconds,
+        "split": split,
+        "mean_step_seconds": statistics.fmean(times),
+        "mean_seconds": mean,
+        "num_params": sum(q.numel() for q in params),
+        "plan": plan,
+        "final_params": final,
+    }
+
+
+def compare(runs, reference="torch"):
+    """Max |loss difference| of each run against `reference`, and the max
+    relative difference of the final parameters."""
+    out = {}
+    ref = runs.get(reference)
+    if ref is None:
+        return out
+    for mode, run in runs.items():
+        if mode == reference:
+            continue
+        diff = max(abs(a - b) for a, b in zip(run["loss"], ref["loss"]))
+        a, b = run["final_params"], ref["final_params"]
+        rel = float(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+        out[mode] = {"max_abs_loss_diff": diff, "max_rel_param_diff": rel}
+    return out

@@ -1,0 +1,77 @@
+"""Human-friendly numbers for the command line: sizes, counts, rates.
+
+    parse_size("200GiB") == 200 * 2**30     parse_size("1.5TB") == 1.5e12
+    parse_count("70B") == 70e9              parse_count("70e9") == 70e9
+    parse_rate("6.5") == 6.5e9 (GB/s)       parse_rate("800MB/s") == 8e8
+
+Errors are ConfigError with a message that shows an accepted form.
+"""
+
+import math
+import re
+
+from mlp_offload.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+    "t": 1e12, "tb": 1e12, "p": 1e15, "pb": 1e15,
+    "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "pib": 2 ** 50,
+}
+_COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+
+
+def _split(text, what, example):
+    m = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]*)", str(text).strip())
+    if not m:
+        raise ConfigError(f"bad {what} {text!r} (e.g. {example})")
+    return float(m.group(1)), m.group(2).lower()
+
+
+def parse_size(text):
+    """Bytes from '200GiB', '1.5TB', '512MB', '4096', '1e9' (int)."""
+    value, unit = _split(text, "size", "200GiB, 1.5TB, 512MB, 4096")
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"bad size {text!r}: unknown unit {unit!r} "
+                          f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(round(value * _SIZE_UNITS[unit]))
+
+
+def parse_count(text):
+    """A count from '70e9', '70B', '1.5M', '100000' (int)."""
+    value, unit = _split(text, "count", "70e9, 70B, 1.5M, 100000")
+    if unit not in _COUNT_UNITS:
+        raise ConfigError(f"bad count {text!r}: unknown suffix {unit!r} (K, M, B, T)")
+    return int(round(value * _COUNT_UNITS[unit]))
+
+
+def parse_rate(text):
+    """Bytes/s from '6.5' (GB/s), '6.5GB/s', '800MB/s', '2GiB/s'."""
+    value, unit = _split(text, "bandwidth", "6.5 (GB/s), 800MB/s")
+    if unit.endswith("/s"):
+        unit = unit[:-2]
+    if unit == "":
+        return value * 1e9
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"bad bandwidth {text!r}: unknown unit {unit!r}")
+    return value * _SIZE_UNITS[unit]
+
+
+def format_bytes(n):
+    """'1.2 GB' style (decimal units, as drives are sold)."""
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_count(n):
+    """'70B', '1.5M', '950' style."""
+    n = float(n)
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{suffix}"
+    return f"{n:.0f}" if n == math.floor(n) else f"{n:.3g}"

@@ -1,0 +1,180 @@
+"""The fused SIMD kernels follow torch.optim step for step.
+
+Ten steps of torch.optim.Adam, AdamW, SGD and Adagrad (single-tensor
+implementations) against the same ten steps of the kernels through the
+bindings, on fresh random data, with fp32/bf16/fp16 gradients and the fused
+bf16/fp16 copy of the parameters.
+"""
+import secrets
+
+import pytest
+import torch
+
+from mlp_offload import _C, errors
+
+K = _C.kernels
+
+# Spans two chunks of the kernels' thread pool, and is no multiple of any
+# vector width.
+N = 150_001
+STEPS = 10
+
+TORCH_CLASSES = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+}
+
+# The param-group keys the bindings take (the rest are torch's own flags).
+HP_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+           "momentum", "dampening", "nesterov", "lr_decay",
+           "initial_accumulator_value"}
+
+CASES = [
+    ("adam", dict(lr=1e-3)),
+    ("adam", dict(lr=3e-3, weight_decay=0.05, amsgrad=True)),
+    ("adam", dict(lr=1e-3, betas=(0.8, 0.95), eps=1e-6, maximize=True)),
+    ("adamw", dict(lr=1e-2, weight_decay=0.1)),
+    ("adamw", dict(lr=1e-3, weight_decay=0.01, amsgrad=True, maximize=True)),
+    ("sgd", dict(lr=0.1)),
+    ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
+    ("sgd", dict(lr=0.02, momentum=0.8, nesterov=True, maximize=True)),
+    ("sgd", dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("adagrad", dict(lr=0.01)),
+    ("adagrad", dict(lr=0.01, lr_decay=0.01, weight_decay=0.02,
+                     initial_accumulator_value=0.1, eps=1e-10, maximize=True)),
+]
+
+# (gradient dtype, dtype of the fused parameter copy or None, grad scale).
+# Scales are powers of two, so torch sees exactly the values the kernel does.
+DTYPES = [
+    (torch.float32, None, 1.0),
+    (torch.bfloat16, torch.bfloat16, 0.5),
+    (torch.float16, torch.float16, 0.25),
+    (torch.float32, torch.bfloat16, 1.0),
+]
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+               torch.float16: "float16"}
+
+
+def _case_id(case):
+    name, kwargs = case
+    return name + "-" + "-".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def _dtype_id(d):
+    grad, out, _ = d
+    return f"grad={DTYPE_NAMES[grad]}-out={DTYPE_NAMES.get(out, 'none')}"
+
+
+@pytest.mark.parametrize("dtypes", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_ten_steps_match_torch(case, dtypes):
+    name, kwargs = case
+    grad_dtype, out_dtype, grad_scale = dtypes
+    seed = secrets.randbits(63)
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(N, generator=gen)
+
+    ref = p0.clone().requires_grad_(True)
+    opt = TORCH_CLASSES[name]([ref], foreach=False, **kwargs)
+
+    # The hyperparameters as torch resolved them, defaults included (e.g.
+    # Adagrad's eps is 1e-10, not Adam's 1e-8).
+    hp = {k: v for k, v in opt.param_groups[0].items() if k in HP_KEYS}
+    hp["optimizer"] = name
+    param = p0.clone()
+    names = K.state_array_names(hp)
+    state = [torch.empty(N) for _ in names]
+    K.init_state(hp, [s.data_ptr() for s in state], N, num_threads=2)
+    out = torch.empty(N, dtype=out_dtype) if out_dtype is not None else None
+
+    for step in range(1, STEPS + 1):
+        grad = torch.randn(N, generator=gen).to(grad_dtype)
+        ref.grad = grad.float() * grad_scale
+        opt.step()
+        result = K.apply_optimizer(
+            dict(hp, step=step), param.data_ptr(),
+            [s.data_ptr() for s in state], grad.data_ptr(),
+            DTYPE_NAMES[grad_dtype], N,
+            param_out=out.data_ptr() if out is not None else 0,
+            param_out_dtype=DTYPE_NAMES[out_dtype or torch.float32],
+            grad_scale=grad_scale, num_threads=2)
+        assert result == {"nonfinite": False, "skipped": False}
+
+        msg = f"seed {seed}, step {step}"
+        torch.testing.assert_close(param, ref.detach(), rtol=2e-5, atol=1e-6,
+                                   msg=lambda m: f"param, {msg}: {m}")
+        torch_state = opt.state[ref]
+        for key, ours in zip(names, state):
+            torch.testing.assert_close(
+                ours, torch_state[key], rtol=2e-5, atol=1e-7,
+                msg=lambda m, key=key: f"{key}, {msg}: {m}")
+        if out is not None:
+            # The fused copy is the fp32 result rounded to nearest even,
+            # bit for bit as torch's own conversion.
+            assert torch.equal(out.view(torch.int16),
+                               param.to(out_dtype).view(torch.int16)), msg
+
+
+def test_nonfinite_gradient_skips_the_whole_update():
+    hp = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, step=1)
+    param = torch.randn(N)
+    state = [torch.zeros(N), torch.zeros(N)]
+    grad = torch.randn(N).to(torch.bfloat16)
+    grad[N - 3] = float("inf")
+    out = torch.zeros(N, dtype=torch.bfloat16)
+    before = param.clone()
+    args = (hp, param.data_ptr(), [s.data_ptr() for s in state],
+            grad.data_ptr(), "bfloat16", N)
+    result = K.apply_optimizer(*args, param_out=out.data_ptr(),
+                               param_out_dtype="bfloat16",
+                               skip_if_nonfinite=True, num_threads=2)
+    assert result == {"nonfinite": True, "skipped": True}
+    assert torch.equal(param, before)
+    assert not state[0].any() and not state[1].any() and not out.any()
+    # Without the pre-check the fused pass still reports it.
+    result = K.apply_optimizer(*args, num_threads=2)
+    assert result == {"nonfinite": True, "skipped": False}
+    nonfinite, sum_squares = K.grad_stats(grad.data_ptr(), "bfloat16", N)
+    assert nonfinite and sum_squares != sum_squares  # NaN
+
+
+def test_grad_stats_and_conversions_match_torch():
+    g = torch.randn(N)
+    nonfinite, sum_squares = K.grad_stats(g.data_ptr(), "float32", N,
+                                          grad_scale=0.5, num_threads=2)
+    assert not nonfinite
+    assert sum_squares == pytest.approx(
+        float((g.double() * 0.5).square().sum()), rel=1e-12)
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = torch.empty(N, dtype=dtype)
+        K.convert_from_float32(g.data_ptr(), narrow.data_ptr(),
+                               DTYPE_NAMES[dtype], N, num_threads=2)
+        assert torch.equal(narrow.view(torch.int16),
+                           g.to(dtype).view(torch.int16))
+        wide = torch.empty(N)
+        K.convert_to_float32(narrow.data_ptr(), DTYPE_NAMES[dtype],
+                             wide.data_ptr(), N)
+        assert torch.equal(wide, narrow.float())
+
+
+def test_bad_arguments_raise_config_error():
+    param = torch.zeros(8)
+    state = [torch.zeros(8), torch.zeros(8)]
+    grad = torch.zeros(8)
+    ptrs = [s.data_ptr() for s in state]
+    with pytest.raises(errors.ConfigError, match="lr"):
+        K.apply_optimizer(dict(optimizer="adam", lr=-1.0, step=1),
+                          param.data_ptr(), ptrs, grad.data_ptr(), "float32", 8)
+    with pytest.raises(errors.ConfigError, match="betaz"):
+        K.apply_optimizer(dict(optimizer="adam", betaz=0.9, step=1),
+                          param.data_ptr(), ptrs, grad.data_ptr(), "float32", 8)
+    with pytest.raises(errors.ConfigError, match="dtype"):
+        K.apply_optimizer(dict(optimizer="adam", step=1), param.data_ptr(),
+                          ptrs, grad.data_ptr(), "int8", 8)
+    with pytest.raises(errors.ConfigError, match="state arrays"):
+        K.apply_optimizer(dict(optimizer="adam", amsgrad=True, step=1),
+                          param.data_ptr(), ptrs, grad.data_ptr(), "float32", 8)
