@@ -1,21 +1,509 @@
-"""The `mlp-offload` command line (probe | plan | bench | train)."""
+"""The `mlp-offload` command line.
+
+    mlp-offload probe PATH...     bandwidth of storage paths, alone and together
+    mlp-offload plan              what-if: placement and predicted update phase
+    mlp-offload bench             update-phase benchmark on this machine
+    mlp-offload train             train a small GPT with its state offloaded
+    mlp-offload info              build information (JSON)
+
+Errors print one line and exit with status 1 (bad arguments: status 2).
+"""
 
 import argparse
+import contextlib
 import json
+import logging
+import os
+import shutil
 import sys
+import tempfile
+import time
 
-import mlp_offload
+from mlp_offload import units
+from mlp_offload.errors import ConfigError, OffloadError
+
+PROG = "mlp-offload"
+
+
+# ------------------------------------------------------------------ helpers
+
+def _arg(parse):
+    """An argparse type from a units parser (bad values exit 2)."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__.replace("parse_", "")
+    return convert
+
+
+def _positive_int(text):
+    try:
+        value = units.parse_count(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _list_of(choices):
+    def convert(text):
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(bad) or 'empty list'} (choose from {', '.join(choices)})")
+        return items
+    convert.__name__ = "list"
+    return convert
+
+
+def _table(headers, rows, out):
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out.write(line.rstrip() + "\n")
+    out.write("  ".join("-" * w for w in widths) + "\n")
+    for r in cells:
+        out.write("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() + "\n")
+
+
+def _mbps(x):
+    return f"{x / 1e6:.0f}"
+
+
+def _progress_bar(total, desc, disable):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def _tier_dirs(paths, prefix):
+    """The given directories, or two fresh temporary ones (removed after)."""
+    if paths:
+        for p in paths:
+            if not os.path.isdir(p):
+                raise ConfigError(f"tier directory {p} does not exist")
+        yield list(paths)
+        return
+    made = [tempfile.mkdtemp(prefix=f"{prefix}{i}_") for i in range(2)]
+    try:
+        yield made
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -------------------------------------------------------------------- probe
+
+def _cmd_probe(args, out):
+    from mlp_offload import _C
+    for d in args.paths:
+        if not os.path.isdir(d):
+            raise ConfigError(f"{d} is not a directory")
+    results = _C.probe_bandwidth(list(args.paths), bytes=args.bytes,
+                                 block_size=args.block_size, queue_depth=args.queue_depth)
+    if args.json:
+        json.dump(results, out, indent=2)
+        out.write("\n")
+        return 0
+    out.write(f"O_DIRECT sequential bandwidth, {units.format_bytes(args.bytes)} per path and "
+              f"direction, {units.format_bytes(args.block_size)} blocks, queue depth "
+              f"{args.queue_depth} (MB/s)\n\n")
+    rows = []
+    for r in results:
+        direct = "yes" if r["direct"] else f"no ({r['direct_fallback_reason'] or 'fallback'})"
+        rows.append([r["dir"], r["device"], direct, _mbps(r["write_alone"]),
+                     _mbps(r["read_alone"]), _mbps(r["write_together"]),
+                     _mbps(r["read_together"]), ", ".join(r["shares_device_with"]) or "-"])
+    _table(["path", "device", "O_DIRECT", "write", "read", "write_all", "read_all",
+            "shares bandwidth with"], rows, out)
+    shared = any(r["shares_device_with"] for r in results)
+    if len(results) > 1:
+        out.write("\n" + ("some paths share one device: they are one bandwidth pool, not "
+                          "independent paths\n" if shared else
+                          "the paths are independent: their bandwidths add up\n"))
+    out.write("\nfor `mlp-offload plan`:\n")
+    for i, r in enumerate(results):
+        out.write(f"  --tier tier{i}:{r['dir']}:{r['read_alone'] / 1e9:.3g}:"
+                  f"{r['write_alone'] / 1e9:.3g}\n")
+    return 0
+
+
+# --------------------------------------------------------------------- plan
+
+_DEFAULT_PLAN_TIERS = ("nvme:/local/nvme:6.5:3.2:3.5TB", "pfs:/lustre/run:3.0:1.5")
+
+
+def _cmd_plan(args, out):
+    from mlp_offload import whatif
+    tiers = [whatif.parse_tier(t, i)
+             for i, t in enumerate(args.tier or _DEFAULT_PLAN_TIERS)]
+    result = whatif.what_if(args.params, tiers, args.host_cache, ranks=args.ranks,
+                            subgroup_numel=args.subgroup_numel, optimizer=args.optimizer,
+                            dtype=args.dtype, compute_params_per_sec=args.compute_rate,
+                            configs=args.configs)
+    if args.json:
+        for row in result["configs"]:
+            row.pop("summary")
+        json.dump(result, out, indent=2)
+        out.write("\n")
+        return 0
+    r = result
+    out.write("MLP-Offload what-if plan (planner model, no I/O)\n")
+    out.write(f"  model: {units.format_count(r['params'])} parameters, {r['optimizer']} "
+              f"({r['arrays_per_param']} fp32 arrays = {4 * r['arrays_per_param']} B/param "
+              f"offloaded), {r['grad_dtype']} gradients\n")
+    out.write(f"  ranks per node: {r['ranks']}; each rank: "
+              f"{units.format_count(r['shard_params'])} params in {r['num_subgroups']} "
+              f"subgroups of {units.format_count(r['subgroup_numel'])}, "
+              f"{units.format_bytes(r['state_bytes_per_rank'])} of state\n")
+    out.write(f"  host cache: {units.format_bytes(r['host_cache_bytes'])} per node "
+              f"({units.format_bytes(r['host_cache_bytes_per_rank'])} per rank)\n")
+    if not args.tier:
+        out.write("  tiers: illustrative defaults (give yours with --tier; "
+                  "`mlp-offload probe` measures them)\n")
+    out.write("  tiers (per node, bandwidth shared by the ranks):\n")
+    for i, t in enumerate(r["tiers"]):
+        cap = units.format_bytes(t["capacity_bytes"]) if t["capacity_bytes"] else "unlimited"
+        out.write(f"    {i} {t['name']} ({t['path']}): read {t['read_bytes_per_sec'] / 1e9:.2f} "
+                  f"GB/s, write {t['write_bytes_per_sec'] / 1e9:.2f} GB/s, capacity {cap}\n")
+    out.write("\nper rank, steady-state step:\n")
+    rows = []
+    names = [t["name"] for t in r["tiers"]]
+    for c in r["configs"]:
+        placement = " | ".join(f"{n} {k}" for n, k in zip(names, c["subgroups_per_tier"]) if k)
+        read = sum(t["bytes_read"] for t in c["traffic"])
+        written = sum(t["bytes_written"] for t in c["traffic"])
+        speed = c["speedup_vs_baseline"]
+        rows.append([c["config"], placement, c["num_cached"],
+                     units.format_bytes(c["host_bytes_used"]), units.format_bytes(read),
+                     units.format_bytes(written), f"{c['predicted_io_seconds']:.2f}",
+                     f"{c['predicted_seconds']:.2f}",
+                     f"{speed:.2f}x" if speed is not None else "-"])
+    _table(["config", "placement (subgroups)", "cached", "host_mem", "read", "written",
+            "io_s", "update_s", "speedup"], rows, out)
+    if args.verbose:
+        for c in r["configs"]:
+            out.write("\n" + c["summary"])
+    out.write("\npredicted update phase per step: " + ", ".join(
+        f"{c['config']} {c['predicted_seconds']:.2f} s" for c in r["configs"]))
+    mlp = next((c for c in r["configs"] if c["config"] == "mlp"), None)
+    if mlp is not None and mlp["speedup_vs_baseline"]:
+        out.write(f" (MLP-Offload {mlp['speedup_vs_baseline']:.2f}x faster than baseline)")
+    out.write("\n")
+    return 0
+
+
+# -------------------------------------------------------------------- bench
+
+def _cmd_bench(args, out):
+    from mlp_offload import bench, plot
+    bar = _progress_bar(len(args.configs) * (args.steps + 1), "bench", args.json or args.quiet)
+
+    def progress(config, done, total):
+        bar.set_postfix_str(config)
+        bar.update(1)
+
+    with _tier_dirs(args.tiers, "mlp_offload_bench_") as dirs:
+        if not args.json:
+            state = args.params * 12
+            out.write(f"update phase: {units.format_count(args.params)} params (AdamW, bf16 "
+                      f"grads and params), subgroups of "
+                      f"{units.format_count(args.subgroup_numel)}, state "
+                      f"{units.format_bytes(state)}, host budget "
+                      f"{units.format_bytes(state * args.budget_fraction)}\n")
+            out.write(f"tiers: fast {dirs[0]} capped at {args.fast_mbps:g} MB/s, slow "
+                      f"{dirs[1]} at {args.fast_mbps * args.slow_ratio:g} MB/s (read and "
+                      f"write each); 1 warm-up + {args.steps} measured steps per config\n")
+            out.flush()
+        try:
+            results = bench.run_benchmark(
+                params=args.params, subgroup_numel=args.subgroup_numel, tiers=dirs,
+                fast_bytes_per_sec=args.fast_mbps * 1e6, slow_ratio=args.slow_ratio,
+                budget_fraction=args.budget_fraction, steps=args.steps, threads=args.threads,
+                configs=args.configs, seed=args.seed, progress=progress)
+        finally:
+            bar.close()
+    png = None
+    if args.out:
+        png = plot.plot_bench(results, args.out)
+    if args.json:
+        json.dump({"results": results, "plot": png}, out, indent=2)
+        out.write("\n")
+        return 0
+    out.write("\n")
+    rows = [[r["config"], f"{r['step_seconds_median']:.2f}",
+             f"{r['io_lower_bound_seconds']:.2f}", f"{r['predicted_seconds']:.2f}",
+             f"{r['read_wait_seconds']:.2f}", f"{r['compute_seconds']:.2f}",
+             f"{r['write_wait_seconds']:.2f}", f"{r['grad_offload_seconds']:.2f}",
+             f"{r['bytes_read'] / 1e6:.0f}", f"{r['bytes_written'] / 1e6:.0f}",
+             r["cache_hits"],
+             f"{r['speedup_vs_baseline']:.2f}x" if r["speedup_vs_baseline"] else "-"]
+            for r in results]
+    _table(["config", "step_s", "io_lb_s", "pred_s", "rd_wait", "compute", "wr_wait",
+            "grads", "read_MB", "write_MB", "hits", "speedup"], rows, out)
+    if png:
+        out.write(f"\nplot: {png}\n")
+    return 0
+
+
+# -------------------------------------------------------------------- train
+
+def _cmd_train(args, out):
+    from mlp_offload import corpus, plot, train
+    text = corpus.generate(args.corpus_chars, seed=args.seed)
+    tok = corpus.CharTokenizer(text)
+    data = corpus.Batches(tok.encode(text), args.batch_size, args.seq_len, seed=args.seed)
+    modes = ["mlp"] if args.no_compare else ["mlp", "baseline", "torch"]
+    quiet = args.quiet
+    with _tier_dirs(args.tiers, "mlp_offload_train_tier") as dirs:
+        model = train.build(tok.vocab_size, args.seq_len, args.model_dim, args.layers,
+                            args.heads, args.dtype, args.seed)
+        nparams = model.num_params()
+        del model
+        lr = args.lr if args.lr is not None else train.DEFAULT_LR[args.optimizer]
+        out.write(f"model: GPT, {units.format_count(nparams)} params ({args.layers} layers, "
+                  f"dim {args.model_dim}, {args.heads} heads, vocab {tok.vocab_size}), "
+                  f"{args.dtype}; {args.optimizer} lr {lr:g}\n")
+        out.write(f"data: generated corpus of {len(text)} chars; {args.steps} steps of "
+                  f"{args.batch_size} x {args.seq_len} tokens\n")
+        out.write(f"offload: tiers {', '.join(dirs)}; host cache "
+                  f"{units.format_bytes(args.host_cache)}; subgroups of "
+                  f"{units.format_count(args.subgroup_numel)} params; state "
+                  f"{units.format_bytes(nparams * 4 * (1 + _state_arrays(args.optimizer)))}\n")
+        out.flush()
+        runs = {}
+        started = time.perf_counter()
+        for mode in modes:
+            bar = _progress_bar(args.steps, f"train {mode:8s}", quiet)
+
+            def progress(mode, step, loss, parts, bar=bar):
+                upd = parts["read_wait"] + parts["compute"] + parts["write_wait"] + \
+                    parts["other"]
+                bar.set_postfix_str(
+                    f"loss {loss:.3f} | fwd+bwd {parts['forward_backward']:.2f}s "
+                    f"grads {parts['grad_offload']:.2f}s update {upd:.2f}s (rd "
+                    f"{parts['read_wait']:.2f} cmp {parts['compute']:.2f} wr "
+                    f"{parts['write_wait']:.2f})")
+                bar.update(1)
+
+            try:
+                runs[mode] = train.train_run(
+                    mode, data=data, vocab_size=tok.vocab_size, steps=args.steps,
+                    seq_len=args.seq_len, dim=args.model_dim, layers=args.layers,
+                    heads=args.heads, optimizer=args.optimizer, lr=args.lr, dtype=args.dtype,
+                    tiers=dirs, host_cache_bytes=args.host_cache,
+                    subgroup_numel=args.subgroup_numel, seed=args.seed, progress=progress)
+            finally:
+                bar.close()
+            plan = runs[mode]["plan"]
+            extra = ""
+            if plan:
+                extra = (f"; {plan['num_subgroups']} subgroups, per tier "
+                         f"{plan['subgroups_per_tier']}, {plan['num_cached']} cached")
+            out.write(f"{mode}: done, final loss {runs[mode]['loss'][-1]:.4f}{extra}\n")
+            out.flush()
+        total = time.perf_counter() - started
+    cmp = train.compare(runs)
+    png = plot.plot_train(runs, args.out, title=f"GPT {units.format_count(nparams)} params, "
+                          f"{args.optimizer}, {args.dtype}") if args.out else None
+    tol = 1e-3 if args.dtype == "float32" else 5e-2
+    if args.json:
+        doc = {"num_params": nparams, "steps": args.steps, "dtype": args.dtype,
+               "optimizer": args.optimizer, "total_seconds": total, "plot": png,
+               "tolerance": tol, "comparison": cmp, "runs": {}}
+        for mode, run in runs.items():
+            doc["runs"][mode] = {k: v for k, v in run.items()
+                                 if k not in ("final_params", "split")}
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+        return 0
+    out.write(f"\nsummary ({args.steps} steps; times are means over steps 2..{args.steps}, "
+              f"seconds):\n")
+    rows = []
+    for mode, run in runs.items():
+        m = run["mean_seconds"]
+        upd = m["read_wait"] + m["compute"] + m["write_wait"] + m["other"]
+        rows.append([mode, f"{run['loss'][-1]:.4f}", f"{run['mean_step_seconds']:.3f}",
+                     f"{m['forward_backward']:.3f}", f"{m['grad_offload']:.3f}",
+                     f"{upd:.3f}", f"{m['read_wait']:.3f}", f"{m['compute']:.3f}",
+                     f"{m['write_wait']:.3f}", f"{m['other']:.3f}"])
+    _table(["mode", "final_loss", "step_s", "fwd_bwd", "grad_off", "update", "rd_wait",
+            "compute", "wr_wait", "other"], rows, out)
+    if cmp:
+        out.write("\nloss curves against torch:\n")
+        for mode, c in cmp.items():
+            verdict = "match" if c["max_abs_loss_diff"] <= tol else "DIFFER"
+            out.write(f"  {mode}: max |loss diff| {c['max_abs_loss_diff']:.2e}, final params "
+                      f"max rel diff {c['max_rel_param_diff']:.2e} -> {verdict} "
+                      f"(tolerance {tol:g})\n")
+    out.write(f"\ntotal time {total:.1f} s\n")
+    if png:
+        out.write(f"plot: {png}\n")
+    return 0
+
+
+def _state_arrays(optimizer):
+    from mlp_offload.whatif import ARRAYS_PER_PARAM
+    return ARRAYS_PER_PARAM[optimizer] - 1
+
+
+# --------------------------------------------------------------------- main
+
+def build_parser():
+    from mlp_offload.train import DTYPES, OPTIMIZERS
+    from mlp_offload.whatif import ARRAYS_PER_PARAM, CONFIGS, GRAD_BYTES
+
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="warning",
+                        choices=("debug", "info", "warning", "error"),
+                        help="level of the library's log messages (on stderr)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("info", help="print build information as JSON")
+
+    p = sub.add_parser("probe", formatter_class=fmt,
+                       help="measure O_DIRECT read/write bandwidth of storage paths",
+                       description="Measures sequential O_DIRECT write then read bandwidth "
+                       "of each directory alone, then of all of them at once; paths that "
+                       "share a device (one bandwidth pool) are detected.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="directories to probe")
+    p.add_argument("--bytes", type=_arg(units.parse_size), default=256 << 20,
+                   help="bytes written then read per path (e.g. 1GiB)")
+    p.add_argument("--block-size", type=_arg(units.parse_size), default=1 << 20,
+                   help="bytes per request")
+    p.add_argument("--queue-depth", type=_positive_int, default=32,
+                   help="requests in flight per path")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("plan", formatter_class=fmt,
+                       help="what-if: placement and predicted update-phase time of a run",
+                       description="Plans a run far larger than this machine with the "
+                       "engine's planner (no I/O): where each subgroup lives, which stay "
+                       "cached in host memory, and the predicted update-phase time of the "
+                       "baseline and of MLP-Offload.")
+    p.add_argument("--params", type=_positive_int, default=70_000_000_000,
+                   help="model parameters (70e9, 70B, 1.5M...)")
+    p.add_argument("--ranks", type=_positive_int, default=4,
+                   help="ranks (GPUs/processes) per node; each owns params/ranks and they "
+                   "share the node's tiers and host cache")
+    p.add_argument("--tier", action="append", metavar="NAME:PATH:READ:WRITE[:CAPACITY]",
+                   help="a storage path of the node, repeat for each (first = the "
+                   "baseline's path); bandwidths in GB/s (or 800MB/s), capacity like 3.5TB "
+                   f"(default: {' '.join(_DEFAULT_PLAN_TIERS)})")
+    p.add_argument("--host-cache", type=_arg(units.parse_size), default=200 << 30,
+                   help="host memory of the node for cached state (200GiB, 1.5TB...)")
+    p.add_argument("--subgroup-numel", type=_positive_int, default=100_000_000,
+                   help="parameters per subgroup")
+    p.add_argument("--optimizer", choices=sorted(ARRAYS_PER_PARAM), default="adamw",
+                   help="sets the fp32 arrays per parameter (adamw/adam 3, others 2)")
+    p.add_argument("--dtype", choices=sorted(GRAD_BYTES), default="bfloat16",
+                   help="gradient dtype")
+    p.add_argument("--compute-rate", type=float, default=0.0,
+                   help="CPU optimizer throughput per rank, params/s (0: I/O only)")
+    p.add_argument("--configs", type=_list_of(CONFIGS), default=["baseline", "mlp"],
+                   help=f"comma-separated configurations ({', '.join(CONFIGS)})")
+    p.add_argument("--verbose", action="store_true", help="also print each plan in full")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("bench", formatter_class=fmt,
+                       help="benchmark the update phase: baseline, each technique, all",
+                       description="The update-phase benchmark on this machine (AdamW, bf16 "
+                       "grads): two throttled tiers, a host budget a fraction of the state, "
+                       "one warm-up step then measured steps per configuration.")
+    p.add_argument("--params", type=_positive_int, default=20_000_000,
+                   help="parameters (12 B of fp32 state each)")
+    p.add_argument("--subgroup-numel", type=_positive_int, default=1_000_000,
+                   help="parameters per subgroup")
+    p.add_argument("--tiers", nargs=2, metavar=("FAST_DIR", "SLOW_DIR"),
+                   help="the two tier directories (default: two temporary directories)")
+    p.add_argument("--fast-mbps", type=float, default=120.0,
+                   help="cap of the fast tier, MB/s, reads and writes each")
+    p.add_argument("--slow-ratio", type=float, default=0.5,
+                   help="the slow tier's cap relative to the fast one")
+    p.add_argument("--budget-fraction", type=float, default=0.25,
+                   help="host budget as a fraction of the state")
+    p.add_argument("--steps", type=_positive_int, default=3,
+                   help="measured steps per configuration (after one warm-up)")
+    p.add_argument("--threads", type=_positive_int, default=max(1, min(8, os.cpu_count() or 1)),
+                   help="compute threads")
+    p.add_argument("--configs", type=_list_of(CONFIGS), default=list(CONFIGS),
+                   help="comma-separated configurations, in order")
+    p.add_argument("--seed", type=int, default=1, help="random seed")
+    p.add_argument("--out", default="mlp_offload_bench.png",
+                   help="PNG of the time breakdown ('' for none)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("train", formatter_class=fmt,
+                       help="train a small GPT with its optimizer state offloaded",
+                       description="Trains a small GPT on a generated corpus with its "
+                       "optimizer state offloaded to two tiers, then the same run in "
+                       "baseline mode and with the plain torch optimizer; prints a summary "
+                       "and writes a PNG of the loss and time curves.")
+    p.add_argument("--steps", type=_positive_int, default=100, help="training steps")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per step")
+    p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--model-dim", type=_positive_int, default=256, help="model width")
+    p.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
+    p.add_argument("--tiers", nargs="+", metavar="DIR",
+                   help="tier directories (default: two temporary directories)")
+    p.add_argument("--host-cache", type=_arg(units.parse_size), default=4 << 20,
+                   help="host memory for cached subgroups (a small budget forces I/O)")
+    p.add_argument("--subgroup-numel", type=_positive_int, default=500_000,
+                   help="most parameters per subgroup")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw/adam/sgd/adagrad run native kernels; rmsprop the generic path")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default per optimizer: adamw/adam 3e-3, sgd 0.3, "
+                   "adagrad 0.03, rmsprop 1e-3)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="parameter and gradient dtype (the state is fp32 either way)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument("--corpus-chars", type=_positive_int, default=200_000,
+                   help="size of the generated corpus")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip the baseline and plain-torch runs")
+    p.add_argument("--out", default="mlp_offload_train.png",
+                   help="PNG of the loss and time curves ('' for none)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="mlp-offload", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="print build information as JSON")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "info":
-        json.dump(mlp_offload.build_info(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    return 0
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    out = sys.stdout
+    try:
+        if args.command == "info":
+            import mlp_offload
+            json.dump(mlp_offload.build_info(), out, indent=2)
+            out.write("\n")
+            return 0
+        handler = {"probe": _cmd_probe, "plan": _cmd_plan, "bench": _cmd_bench,
+                   "train": _cmd_train}[args.command]
+        return handler(args, out)
+    except OffloadError as e:
+        sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
+        return 1
+    except OSError as e:  # e.g. the PNG's directory is not writable
+        sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,328 @@
+"""MLPOffloadOptimizer behaves as a torch.optim.Optimizer.
+
+LR schedulers, closures, hooks, zero_grad, add_param_group, GradScaler,
+clip_grad_norm_, mixed precision, and the errors for what is not supported.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from mlp_offload import MLPOffloadOptimizer, errors
+
+torch.set_num_threads(1)  # CI shares 2 cores between test processes
+
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 8))
+    return model.to(dtype)
+
+
+def wrap(opt, tmp_path, **kwargs):
+    kwargs.setdefault("subgroup_numel", 300)
+    kwargs.setdefault("compute_threads", 1)
+    return MLPOffloadOptimizer(opt, tiers=[str(tmp_path)], **kwargs)
+
+
+def batch(step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(8, 16, generator=gen).to(dtype),
+            torch.randn(8, 8, generator=gen).to(dtype))
+
+
+def loss_of(model, step, dtype=torch.float32):
+    x, y = batch(step, dtype)
+    return torch.nn.functional.mse_loss(model(x).float(), y.float())
+
+
+def max_rel_diff(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+
+
+def assert_close(model, ref, rtol=1e-6):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        rel = max_rel_diff(p, q)
+        assert rel <= rtol, f"{name}: relative difference {rel:.3g} > {rtol}"
+
+
+def copy_grads(model, ref):
+    for p, q in zip(model.parameters(), ref.parameters()):
+        p.grad = q.grad.clone()
+
+
+def two_groups(model, make):
+    return make([{"params": model[0].parameters()},
+                 {"params": model[2].parameters(), "lr": 3e-3}])
+
+
+def test_is_an_optimizer_sharing_param_groups(tmp_path):
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = wrap(inner, tmp_path)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is inner.param_groups
+    opt.param_groups[0]["lr"] = 0.5
+    assert inner.param_groups[0]["lr"] == 0.5
+    assert opt.defaults is inner.defaults
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["adamw", "rmsprop"])
+def test_lr_scheduler_parity(tmp_path, kind):
+    if kind == "adamw":
+        make = lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05)
+    else:
+        make = lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5)
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = two_groups(ref, make)
+    opt = wrap(two_groups(model, make), tmp_path)
+    # OneCycleLR also cycles AdamW's beta1 (through `betas`) and RMSprop's
+    # momentum: hyperparameters are read live at every step.
+    sched = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 2e-2],
+                                                          total_steps=12)
+    ref_sched, opt_sched = sched(ref_opt), sched(opt)
+    lrs = []
+    for step in range(12):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        loss_of(ref, step).backward()
+        copy_grads(model, ref)
+        ref_opt.step()
+        opt.step()
+        ref_sched.step()
+        opt_sched.step()
+        lrs.append(opt.param_groups[1]["lr"])
+        assert opt_sched.get_last_lr() == ref_sched.get_last_lr()
+    assert len(set(lrs)) > 5  # the schedule really moved
+    assert_close(model, ref)
+    opt.close()
+
+
+def test_closure_zero_grad_and_hooks(tmp_path):
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), tmp_path)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    for step in range(3):
+        def closure(m=model, o=opt, s=step):
+            o.zero_grad()
+            assert torch.is_grad_enabled()
+            loss = loss_of(m, s)
+            loss.backward()
+            return loss
+
+        with torch.no_grad():  # step() enables grad for the closure itself
+            loss = opt.step(closure)
+        ref_opt.zero_grad()
+        ref_loss = loss_of(ref, step)
+        ref_loss.backward()
+        ref_opt.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert calls == ["pre", "post"] * 3
+    assert_close(model, ref)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    opt.close()
+
+
+def test_step_without_gradients_is_a_no_op(tmp_path):
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = wrap(torch.optim.Adam(model.parameters()), tmp_path)
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamax"])
+def test_add_param_group_keeps_state(tmp_path, kind):
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2)}[kind]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref[0].parameters())
+    opt = wrap(make(model[0].parameters()), tmp_path)
+    for step in range(6):
+        if step == 3:
+            ref_opt.add_param_group({"params": ref[2].parameters(), "lr": 5e-3})
+            opt.add_param_group({"params": model[2].parameters(), "lr": 5e-3})
+            assert opt.param_groups is opt.optimizer.param_groups
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        loss_of(ref, step).backward()
+        copy_grads(model, ref)
+        if step < 3:
+            for p in model[2].parameters():
+                p.grad = None
+        ref_opt.step()
+        opt.step()
+    assert_close(model, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["adam", "rmsprop"])
+def test_grad_scaler_unscales_inside_and_skips_nonfinite(tmp_path, kind):
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2)}[kind]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = wrap(make(model.parameters()), tmp_path)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(6):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_scaler.scale(loss_of(ref, step)).backward()
+        scaler.scale(torch.zeros((), requires_grad=True))  # creates its scale
+        copy_grads(model, ref)
+        if step == 2:
+            ref.get_parameter("0.weight").grad[0, 0] = float("inf")
+            model.get_parameter("0.weight").grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+        # The wrapper unscales in the kernel: scaler.step must not touch grads.
+        grads = [p.grad.clone() for p in model.parameters()]
+        ref_scaler.step(ref_opt)
+        scaler.step(opt)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        if step == 2:
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        ref_scaler.update()
+        scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+    assert scaler.get_scale() == 512.0  # halved once, by the inf step
+    assert_close(model, ref)
+    opt.close()
+
+
+def test_unscale_and_clip_grad_norm_before_step(tmp_path):
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path, mode="baseline")
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(5):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        ref_scaler.scale(loss_of(ref, step)).backward()
+        scaler.scale(loss_of(model, step)).backward()
+        copy_grads(model, ref)  # same gradients, after the baseline's hooks ran
+        for s, o, m in ((ref_scaler, ref_opt, ref), (scaler, opt, model)):
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.05)
+            s.step(o)
+            s.update()
+    assert_close(model, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["adamw", "adamax"])
+def test_low_precision_params_keep_an_fp32_master(tmp_path, dtype, kind):
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+            "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-3)}[kind]
+    model = make_model(dtype)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = make(master)
+    opt = wrap(make(model.parameters()), tmp_path)
+    for step in range(8):
+        opt.zero_grad()
+        loss_of(model, step, dtype).backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        opt.step()
+        for m, p in zip(master, model.parameters()):
+            assert p.dtype == dtype
+            # Rounded from the same fp32 master: equal up to one ulp of dtype.
+            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+            assert max_rel_diff(p, m.to(dtype)) <= 2 * ulp
+    # The fp32 state matches a fp32 master run closely, not just to dtype.
+    state = opt.state_dict()["state"]
+    key = "exp_avg" if kind == "adamw" else "exp_inf"
+    for i, m in enumerate(master):
+        assert max_rel_diff(state[i][key], ref_opt.state[m][key]) <= 1e-5
+    opt.close()
+
+
+def test_nonfinite_gradient_without_scaler_raises_and_updates_nothing(tmp_path):
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters()), tmp_path)
+    loss_of(model, 0).backward()
+    model[0].weight.grad[1, 1] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(errors.NonFiniteGradientError, match="NaN or Inf"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert opt.engine.steps == 0
+    opt.close()
+
+
+@pytest.mark.parametrize("option", ["fused", "capturable", "differentiable"])
+def test_unsupported_options_are_named(tmp_path, option):
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), **{option: True})
+    with pytest.raises(errors.ConfigError, match=option):
+        wrap(inner, tmp_path)
+
+
+def test_argument_errors(tmp_path):
+    model = make_model()
+    with pytest.raises(errors.ConfigError, match="mode"):
+        wrap(torch.optim.Adam(model.parameters()), tmp_path, mode="fast")
+    with pytest.raises(errors.ConfigError, match="host_cache_bytes"):
+        wrap(torch.optim.Adam(model.parameters()), tmp_path, host_cache_bytes=-1)
+    with pytest.raises(errors.ConfigError, match="bandwith"):
+        MLPOffloadOptimizer(torch.optim.Adam(model.parameters()),
+                            tiers=[{"path": str(tmp_path), "bandwith": 1}])
+    with pytest.raises(errors.ConfigError, match="same directory"):
+        MLPOffloadOptimizer(torch.optim.Adam(model.parameters()),
+                            tiers=[str(tmp_path), str(tmp_path) + "/"])
+    with pytest.raises(errors.TierNotFoundError):
+        MLPOffloadOptimizer(torch.optim.Adam(model.parameters()),
+                            tiers=[str(tmp_path / "missing")])
+    with pytest.raises(errors.ConfigError, match="torch.optim.Optimizer"):
+        MLPOffloadOptimizer(model.parameters(), tiers=[str(tmp_path)])
+    weird = torch.nn.Parameter(torch.randn(6, 4).t())
+    with pytest.raises(errors.ConfigError, match="not contiguous"):
+        wrap(torch.optim.Adam([weird]), tmp_path)
+    mixed = [torch.nn.Parameter(torch.randn(3)),
+             torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))]
+    with pytest.raises(errors.ConfigError, match="one dtype"):
+        wrap(torch.optim.Adam(mixed), tmp_path)
+
+
+def test_partial_gradients_are_refused(tmp_path):
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters()), tmp_path)
+    loss_of(model, 0).backward()
+    model[2].bias.grad = None
+    with pytest.raises(errors.OffloadError, match="no gradient"):
+        opt.step()
+    opt.close()
+
+
+def test_close_removes_the_run_directories(tmp_path):
+    model = make_model()
+    tiers = [tmp_path / "a", tmp_path / "b"]
+    for t in tiers:
+        t.mkdir()
+    opt = MLPOffloadOptimizer(torch.optim.Adam(model.parameters()), tiers=tiers,
+                              subgroup_numel=300)
+    loss_of(model, 0).backward()
+    opt.step()
+    def runs(tier):  # the tier lock's ticket file is shared and stays
+        return [p for p in tier.iterdir() if not p.name.startswith(".")]
+
+    assert all(len(runs(t)) == 1 for t in tiers)
+    opt.close()
+    assert all(len(runs(t)) == 0 for t in tiers)

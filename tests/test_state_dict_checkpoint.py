@@ -1,0 +1,221 @@
+"""State in torch's format both ways, and streamed checkpoints.
+
+state_dict() of the wrapper loads into the plain optimizer and vice versa
+(training then continues identically); save_checkpoint / load_checkpoint
+mid-training equals uninterrupted training, refuses another model's
+checkpoint, and a failed save leaves the previous checkpoint usable.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from mlp_offload import MLPOffloadOptimizer, errors
+
+torch.set_num_threads(1)  # CI shares 2 cores between test processes
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+}
+
+
+def make_model(seed=0, hidden=32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, 8))
+
+
+def wrap(opt, tiers, **kwargs):
+    kwargs.setdefault("subgroup_numel", 300)
+    kwargs.setdefault("compute_threads", 1)
+    return MLPOffloadOptimizer(opt, tiers=[str(t) for t in tiers], **kwargs)
+
+
+def tiers_in(tmp_path, name, n=2):
+    out = []
+    for i in range(n):
+        d = tmp_path / f"{name}{i}"
+        d.mkdir()
+        out.append(d)
+    return out
+
+
+def run(model, opt, steps):
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def assert_same_params(a, b, rtol=1e-6):
+    for p, q in zip(a.parameters(), b.parameters()):
+        rel = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-12)
+        assert rel <= rtol
+
+
+def assert_same_state(sd, ref_sd):
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    for i, st in ref_sd["state"].items():
+        assert sd["state"][i].keys() == st.keys(), i
+        for k, v in st.items():
+            got = sd["state"][i][k]
+            if isinstance(v, torch.Tensor):
+                assert got.device.type == "cpu"
+                assert torch.allclose(got.float(), v.float(), rtol=1e-5, atol=1e-7), (i, k)
+            else:
+                assert got == v
+    strip = lambda groups: [{k: v for k, v in g.items()} for g in groups]
+    assert strip(sd["param_groups"]) == strip(ref_sd["param_groups"])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_dict_moves_between_wrapper_and_plain_optimizer(tmp_path, name):
+    make = OPTIMIZERS[name]
+    ref = make_model()
+    ref_opt = make(ref.parameters())
+    model = copy.deepcopy(ref)
+    opt = wrap(make(model.parameters()), tiers_in(tmp_path, "t"))
+    run(ref, ref_opt, range(4))
+    run(model, opt, range(4))
+    assert_same_params(model, ref)
+    # Wrapper -> plain: same keys, values and param_groups as torch's own.
+    sd = opt.state_dict()
+    assert_same_state(sd, ref_opt.state_dict())
+    plain_model = copy.deepcopy(model)
+    plain = make(plain_model.parameters())
+    plain.load_state_dict(sd)
+    # Plain -> a fresh wrapper.
+    model2 = copy.deepcopy(ref)
+    opt2 = wrap(make(model2.parameters()), tiers_in(tmp_path, "u", 1), mode="baseline")
+    opt2.load_state_dict(ref_opt.state_dict())
+    assert_same_state(opt2.state_dict(), ref_opt.state_dict())
+    # All three continue identically.
+    run(ref, ref_opt, range(4, 8))
+    run(plain_model, plain, range(4, 8))
+    run(model2, opt2, range(4, 8))
+    assert_same_params(plain_model, ref)
+    assert_same_params(model2, ref)
+    opt.close()
+    opt2.close()
+
+
+def test_wrapping_an_optimizer_with_state_takes_it_over(tmp_path):
+    ref = make_model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    run(ref, ref_opt, range(3))
+    model = copy.deepcopy(ref)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    inner.load_state_dict(ref_opt.state_dict())
+    opt = wrap(inner, tiers_in(tmp_path, "t", 1))
+    assert len(inner.state) == 0  # moved into the engine
+    run(ref, ref_opt, range(3, 6))
+    run(model, opt, range(3, 6))
+    assert_same_params(model, ref)
+    opt.close()
+
+
+def test_load_state_dict_refuses_mismatched_shapes(tmp_path):
+    opt = wrap(torch.optim.Adam(make_model(hidden=32).parameters()), tiers_in(tmp_path, "t", 1))
+    other = make_model(hidden=24)
+    other_opt = torch.optim.Adam(other.parameters())
+    run(other, other_opt, range(1))
+    with pytest.raises(errors.StateMismatchError, match="shape"):
+        opt.load_state_dict(other_opt.state_dict())
+    opt.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "nadam"])
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
+    make = OPTIMIZERS[name]
+    ref = make_model()
+    ref_opt = wrap(make(ref.parameters()), tiers_in(tmp_path, "ref"), mode=mode)
+    run(ref, ref_opt, range(10))
+
+    model = make_model()
+    opt = wrap(make(model.parameters()), tiers_in(tmp_path, "a"), mode=mode)
+    run(model, opt, range(5))
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    run(model, opt, range(5, 7))  # progress after the checkpoint is discarded
+    opt.save_checkpoint(ckpt)     # and a second save replaces the first...
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+
+    # ...so go back to step 7 in a fresh process-like setup: new model, new
+    # optimizer on other tiers with a different host cache.
+    model2 = make_model(seed=7)
+    model2.load_state_dict(model_state)
+    opt2 = wrap(make(model2.parameters()), tiers_in(tmp_path, "b", 1), mode=mode,
+                host_cache_bytes=1 << 30)
+    opt2.load_checkpoint(ckpt)
+    run(model2, opt2, range(7, 10))
+    assert_same_params(model2, ref, rtol=0.0)  # bit-identical
+    ref_opt.close()
+    opt2.close()
+
+
+def test_checkpoint_restores_master_and_param_groups(tmp_path):
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tiers_in(tmp_path, "a", 1))
+    run(model, opt, range(3))
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.param_groups[0]["lr"] = 123.0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt.load_checkpoint(tmp_path / "ckpt", restore_params=True)
+    assert opt.param_groups[0]["lr"] == 1e-2
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), saved))
+    opt.close()
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    model = make_model(hidden=32)
+    opt = wrap(torch.optim.Adam(model.parameters()), tiers_in(tmp_path, "a", 1))
+    run(model, opt, range(1))
+    opt.save_checkpoint(tmp_path / "ckpt")
+    other = make_model(hidden=24)
+    opt2 = wrap(torch.optim.Adam(other.parameters()), tiers_in(tmp_path, "b", 1))
+    with pytest.raises(errors.StateMismatchError, match=r"parameter 0 has shape \[32, 16\]"):
+        opt2.load_checkpoint(tmp_path / "ckpt")
+    opt3 = wrap(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                tiers_in(tmp_path, "c", 1))
+    with pytest.raises(errors.StateMismatchError, match="optimizer"):
+        opt3.load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(errors.StateMismatchError, match="no checkpoint"):
+        opt2.load_checkpoint(tmp_path / "nothing")
+    for o in (opt, opt2, opt3):
+        o.close()
+
+
+def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tiers_in(tmp_path, "a", 1))
+    run(model, opt, range(2))
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    at_save = opt.state_dict()
+    run(model, opt, range(2, 4))
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash while saving")
+
+    # The engine's state is already written when the Python side "crashes".
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="simulated"):
+        opt.save_checkpoint(ckpt)
+    monkeypatch.undo()
+    opt2 = wrap(torch.optim.Adam(make_model().parameters(), lr=1e-2),
+                tiers_in(tmp_path, "b", 1))
+    opt2.load_checkpoint(ckpt)
+    assert_same_state(opt2.state_dict(), at_save)
+    opt.close()
+    opt2.close()
