@@ -68,6 +68,7 @@ HWY_INLINE size_t ProbeRange(D d, const ProbeArrays& arrays, size_t i,
                              du32, hn::LoadU(du16, static_cast<const uint16_t*>(
                                                        read) + i))));
     }
+    x = hn::Abs(x);
     auto y = x;
     if constexpr (kUpdate >= 1) {
       y = hn::MulAdd(hn::LoadU(d, s0 + i), half, x);
@@ -168,6 +169,27 @@ size_t StreamPatternBytes(const StreamPattern& pattern) {
          pattern.write_bytes;
 }
 
+void RunStreamPattern(const StreamPattern& pattern, float* const update[4],
+                      const void* read, void* write, size_t n,
+                      ThreadPool* pool) {
+  using internal_kernels::kChunkElements;
+  internal_kernels::ProbeArrays arrays = {};
+  for (int k = 0; k < pattern.update_streams && k < 4; ++k) {
+    arrays.update[k] = update[k];
+  }
+  arrays.read = read;
+  arrays.write = write;
+  const int update_streams = pattern.update_streams;
+  const int read_bytes = static_cast<int>(pattern.read_bytes);
+  const int write_bytes = static_cast<int>(pattern.write_bytes);
+  internal_kernels::ForEachChunk(n, pool, [&](size_t c) {
+    const size_t begin = c * kChunkElements;
+    HWY_DYNAMIC_DISPATCH(internal_kernels::ProbeChunk)(
+        arrays, update_streams, read_bytes, write_bytes, begin,
+        std::min(n, begin + kChunkElements));
+  });
+}
+
 absl::StatusOr<double> MeasureStreamBandwidth(const StreamPattern& pattern,
                                               size_t n, int repetitions,
                                               ThreadPool* pool) {
@@ -210,24 +232,15 @@ absl::StatusOr<double> MeasureStreamBandwidth(const StreamPattern& pattern,
                 bytes + end * pattern.write_bytes, uint8_t{0});
     }
   });
-  internal_kernels::ProbeArrays arrays = {};
-  for (int k = 0; k < pattern.update_streams; ++k) {
-    arrays.update[k] = update[k].get();
-  }
-  arrays.read = read.get();
-  arrays.write = write.get();
-  const int update_streams = pattern.update_streams;
-  const int read_bytes = static_cast<int>(pattern.read_bytes);
-  const int write_bytes = static_cast<int>(pattern.write_bytes);
+  float* const update_ptrs[4] = {
+      pattern.update_streams > 0 ? update[0].get() : nullptr,
+      pattern.update_streams > 1 ? update[1].get() : nullptr,
+      pattern.update_streams > 2 ? update[2].get() : nullptr,
+      pattern.update_streams > 3 ? update[3].get() : nullptr};
   double best_seconds = 0.0;
   for (int rep = 0; rep <= repetitions; ++rep) {  // rep 0 warms up
     const auto start = std::chrono::steady_clock::now();
-    internal_kernels::ForEachChunk(n, pool, [&](size_t c) {
-      const size_t begin = c * kChunkElements;
-      HWY_DYNAMIC_DISPATCH(internal_kernels::ProbeChunk)(
-          arrays, update_streams, read_bytes, write_bytes, begin,
-          std::min(n, begin + kChunkElements));
-    });
+    RunStreamPattern(pattern, update_ptrs, read.get(), write.get(), n, pool);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
             .count();

@@ -27,6 +27,17 @@ struct StreamPattern {
 // write streams (fp32 AdamW: 28).
 size_t StreamPatternBytes(const StreamPattern& pattern);
 
+// One untimed pass of the pattern over caller-provided arrays of n elements:
+// update[0..update_streams) are read and written in place (each becomes
+// 0.5 * itself + |x|, x the read stream's element or 1, so non-negative
+// arrays stay non-negative and every value stays bounded), `read` is read,
+// `write` is written. Lets a benchmark probe the very buffers its kernel
+// uses, interleaved with the kernel's own passes. The pattern must be valid
+// (see MeasureStreamBandwidth).
+void RunStreamPattern(const StreamPattern& pattern, float* const update[4],
+                      const void* read, void* write, size_t n,
+                      ThreadPool* pool);
+
 // Runs the pattern over n elements, split in the same fixed chunks as the
 // optimizer kernels, over `pool` (nullptr: calling thread), once to warm up
 // and then `repetitions` times. Returns the best rate in GB/s (1e9 bytes/s).

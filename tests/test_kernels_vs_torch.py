@@ -16,7 +16,7 @@ K = _C.kernels
 
 # Spans two chunks of the kernels' thread pool, and is no multiple of any
 # vector width.
-N = 150_001
+N = 70_001
 STEPS = 10
 
 TORCH_CLASSES = {

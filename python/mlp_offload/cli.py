@@ -68,7 +68,7 @@ def _table(headers, rows, out):
     out.write(line.rstrip() + "\n")
     out.write("  ".join("-" * w for w in widths) + "\n")
     for r in cells:
-        out.write("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+        out.write("  ".join(c.ljust(w) if i == 0 or c[:1].isalpha() else c.rjust(w)
                             for i, (c, w) in enumerate(zip(r, widths))).rstrip() + "\n")
 
 

@@ -20,6 +20,7 @@ torch.distributed process group each rank owns every world-th subgroup
 updated parameters.
 """
 
+import copy
 import itertools
 import json
 import logging
@@ -51,6 +52,12 @@ def _close_engine(engine, run_dirs):
         engine.close()
     for d in run_dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _copy_state(state):
+    """A per-parameter state dict whose tensors share nothing with `state`."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in state.items()}
 
 
 def _atomic_write_bytes(path, data):
@@ -173,11 +180,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- setup
 
     def _state_by_index(self, state):
+        # Copies: torch's load_state_dict shares the 'step' tensors with the
+        # optimizer the state came from, which may keep stepping them.
         out = {}
         for sg in self._subgroups:
             for p, pid, _, _ in sg.slices():
                 if p in state and len(state[p]) > 0:
-                    out[pid] = state[p]
+                    out[pid] = _copy_state(state[p])
         return out
 
     def _build(self):
@@ -575,7 +584,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return st
         if not self._has_state[pid]:
             return None
-        st = dict(self._py_state.get(pid, {}))
+        st = _copy_state(self._py_state.get(pid, {}))
         for k, arr in zip(self._keys[sg.group], arrays):
             st[k] = arr[off:off + n].view(p.shape).clone()
         return st
@@ -654,7 +663,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     keys = names
                 else:
                     keys = self._keys[sg.group]
-                    self._py_state[pid] = {k: v for k, v in st.items() if k not in keys}
+                    self._py_state[pid] = _copy_state(
+                        {k: v for k, v in st.items() if k not in keys})
                     self._has_state[pid] = True
                 for k, arr in zip(keys, arrays):
                     value = st.get(k)
