@@ -7,15 +7,15 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 namespace {
 
 // Function-local statics: initialised on first use, whatever the order of
 // static initialisers that allocate buffers.
-internal_io::Mutex& HooksMutex() {
-  static auto* mu = new internal_io::Mutex;
+::mlp_offload::Mutex& HooksMutex() {
+  static auto* mu = new ::mlp_offload::Mutex;
   return *mu;
 }
 HostPinningHooks& Hooks() {
@@ -28,12 +28,12 @@ bool IsPowerOfTwo(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 }  // namespace
 
 void SetHostPinningHooks(const HostPinningHooks& hooks) {
-  internal_io::MutexLock lock(&HooksMutex());
+  ::mlp_offload::MutexLock lock(&HooksMutex());
   Hooks() = hooks;
 }
 
 bool HostPinningAvailable() {
-  internal_io::MutexLock lock(&HooksMutex());
+  ::mlp_offload::MutexLock lock(&HooksMutex());
   return Hooks().pin != nullptr && Hooks().unpin != nullptr;
 }
 
@@ -73,7 +73,7 @@ absl::StatusOr<AlignedBuffer> AlignedBuffer::AllocatePinned(size_t bytes,
   if (!buffer.ok() || buffer->empty()) return buffer;
   HostPinningHooks hooks;
   {
-    internal_io::MutexLock lock(&HooksMutex());
+    ::mlp_offload::MutexLock lock(&HooksMutex());
     hooks = Hooks();
   }
   if (hooks.pin == nullptr || hooks.unpin == nullptr) return buffer;

@@ -12,8 +12,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "io/internal/mutex.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "absl/time/clock.h"
 #include "io/aligned_buffer.h"
 #include "mlp_offload/base/status_macros.h"
@@ -37,20 +37,20 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     for (size_t i = 0; i < buffers.size() / sizeof(uint64_t); ++i) words[i] = rng();
   }
   struct Shared {
-    internal_io::Mutex mu;
+    ::mlp_offload::Mutex mu;
     std::vector<unsigned> free_slots ABSL_GUARDED_BY(mu);
     unsigned in_flight ABSL_GUARDED_BY(mu) = 0;
     absl::Status error ABSL_GUARDED_BY(mu);
   } shared;
   {
-    internal_io::MutexLock lock(&shared.mu);
+    ::mlp_offload::MutexLock lock(&shared.mu);
     for (unsigned i = 0; i < queue_depth; ++i) shared.free_slots.push_back(i);
   }
   const absl::Time start = absl::Now();
   for (uint64_t offset = 0; offset < bytes; offset += block_size) {
     unsigned slot;
     {
-      internal_io::MutexLock lock(&shared.mu);
+      ::mlp_offload::MutexLock lock(&shared.mu);
       shared.mu.Await([&shared]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared.mu) {
         return !shared.free_slots.empty() || !shared.error.ok();
       });
@@ -66,14 +66,14 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     request.length = static_cast<size_t>(std::min<uint64_t>(block_size, bytes - offset));
     request.buffer = buffers.as<char>() + uint64_t{slot} * block_size;
     engine.Submit(request, [&shared, slot](absl::StatusOr<size_t> result) {
-      internal_io::MutexLock lock(&shared.mu);
+      ::mlp_offload::MutexLock lock(&shared.mu);
       if (!result.ok() && shared.error.ok()) shared.error = result.status();
       shared.free_slots.push_back(slot);
       --shared.in_flight;
     });
   }
   {
-    internal_io::MutexLock lock(&shared.mu);
+    ::mlp_offload::MutexLock lock(&shared.mu);
     shared.mu.Await(
         [&shared]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared.mu) { return shared.in_flight == 0; });
     MLP_RETURN_IF_ERROR(shared.error);
@@ -176,7 +176,7 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     // All directories at once, started together.
     std::vector<absl::StatusOr<double>> together(dirs.size(),
                                                  absl::UnknownError("not run"));
-    internal_io::Notification go;
+    ::mlp_offload::Notification go;
     std::vector<std::thread> threads;
     for (size_t i = 0; i < dirs.size(); ++i) {
       threads.emplace_back([&, i] {

@@ -8,7 +8,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "io/aligned_buffer.h"
 #include "io/internal/delay_queue.h"
 #include "io/internal/request.h"
@@ -27,7 +27,7 @@ struct FaultInjectingEngine::Impl {
   };
 
   std::unique_ptr<IoEngine> inner;
-  internal_io::Mutex mu;
+  ::mlp_offload::Mutex mu;
   std::vector<ActiveFault> faults ABSL_GUARDED_BY(mu);
   int fired ABSL_GUARDED_BY(mu) = 0;
   bool stopping ABSL_GUARDED_BY(mu) = false;
@@ -37,7 +37,7 @@ struct FaultInjectingEngine::Impl {
   // The fault that hits `request`, if any. Every matching fault counts the
   // request, so each fault's `nth` is independent of the others.
   absl::optional<FaultSpec> Match(const IoRequest& request) {
-    internal_io::MutexLock lock(&mu);
+    ::mlp_offload::MutexLock lock(&mu);
     absl::optional<FaultSpec> hit;
     for (ActiveFault& f : faults) {
       if (f.spec.op != request.op) continue;
@@ -61,17 +61,17 @@ FaultInjectingEngine::FaultInjectingEngine(std::unique_ptr<IoEngine> inner)
 FaultInjectingEngine::~FaultInjectingEngine() { Shutdown(); }
 
 void FaultInjectingEngine::AddFault(const FaultSpec& fault) {
-  internal_io::MutexLock lock(&impl_->mu);
+  ::mlp_offload::MutexLock lock(&impl_->mu);
   impl_->faults.push_back({fault, 0});
 }
 
 void FaultInjectingEngine::ClearFaults() {
-  internal_io::MutexLock lock(&impl_->mu);
+  ::mlp_offload::MutexLock lock(&impl_->mu);
   impl_->faults.clear();
 }
 
 int FaultInjectingEngine::fired() const {
-  internal_io::MutexLock lock(&impl_->mu);
+  ::mlp_offload::MutexLock lock(&impl_->mu);
   return impl_->fired;
 }
 
@@ -82,7 +82,7 @@ std::string FaultInjectingEngine::name() const {
 void FaultInjectingEngine::Submit(const IoRequest& request, IoCallback done) {
   bool stopping;
   {
-    internal_io::MutexLock lock(&impl_->mu);
+    ::mlp_offload::MutexLock lock(&impl_->mu);
     stopping = impl_->stopping;
   }
   if (stopping) {
@@ -134,7 +134,7 @@ void FaultInjectingEngine::Submit(const IoRequest& request, IoCallback done) {
 
 void FaultInjectingEngine::Shutdown() {
   {
-    internal_io::MutexLock lock(&impl_->mu);
+    ::mlp_offload::MutexLock lock(&impl_->mu);
     impl_->stopping = true;
   }
   // Delayed requests still reach the inner engine, which then drains them.
@@ -168,7 +168,7 @@ class ThrottledEngine final : public IoEngine {
   void Submit(const IoRequest& request, IoCallback done) override {
     bool stopping;
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       stopping = stopping_;
     }
     if (stopping) {
@@ -193,7 +193,7 @@ class ThrottledEngine final : public IoEngine {
       // period does not bank credit, since `next` restarts from now.
       absl::Time release;
       {
-        internal_io::MutexLock lock(&mu_);
+        ::mlp_offload::MutexLock lock(&mu_);
         absl::Time& next = next_release_[static_cast<int>(request.op)];
         release = std::max(next, absl::Now());
         next = release + absl::Seconds(static_cast<double>(piece.length) / rate);
@@ -213,7 +213,7 @@ class ThrottledEngine final : public IoEngine {
 
   void Shutdown() override {
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       stopping_ = true;
     }
     delays_.Drain();
@@ -227,7 +227,7 @@ class ThrottledEngine final : public IoEngine {
  private:
   std::unique_ptr<IoEngine> inner_;
   const double rate_[2];  // bytes/s, indexed by IoOp
-  internal_io::Mutex mu_;
+  ::mlp_offload::Mutex mu_;
   absl::Time next_release_[2] ABSL_GUARDED_BY(mu_) = {absl::InfinitePast(),
                                                       absl::InfinitePast()};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

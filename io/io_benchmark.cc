@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "io/bandwidth_probe.h"
 #include "io/fault_injection.h"
 #include "io/file.h"
@@ -178,7 +178,7 @@ int Main() {
       if (op_name != "read" && op_name != "write") Die("bad --ops entry " + op_name);
       const IoOp op = op_name == "read" ? IoOp::kRead : IoOp::kWrite;
       std::vector<absl::StatusOr<double>> seconds(dirs.size(), 0.0);
-      internal_io::Notification go;
+      ::mlp_offload::Notification go;
       std::vector<std::thread> threads;
       for (size_t i = 0; i < dirs.size(); ++i) {
         threads.emplace_back([&, i] {

@@ -5,14 +5,14 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "io/aligned_buffer.h"
 #include "io/internal/engines.h"
 
 namespace mlp_offload {
 
 struct IoFuture::State {
-  internal_io::Mutex mu;
+  ::mlp_offload::Mutex mu;
   bool ready ABSL_GUARDED_BY(mu) = false;
   absl::StatusOr<size_t> result ABSL_GUARDED_BY(mu);
 };
@@ -20,19 +20,19 @@ struct IoFuture::State {
 IoFuture::IoFuture() : state_(std::make_shared<State>()) {}
 
 absl::StatusOr<size_t> IoFuture::Wait() const {
-  internal_io::MutexLock lock(&state_->mu);
+  ::mlp_offload::MutexLock lock(&state_->mu);
   State* state = state_.get();
   state->mu.Await([state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) { return state->ready; });
   return state_->result;
 }
 
 bool IoFuture::Ready() const {
-  internal_io::MutexLock lock(&state_->mu);
+  ::mlp_offload::MutexLock lock(&state_->mu);
   return state_->ready;
 }
 
 void IoFuture::Set(absl::StatusOr<size_t> result) const {
-  internal_io::MutexLock lock(&state_->mu);
+  ::mlp_offload::MutexLock lock(&state_->mu);
   // Engines complete each request exactly once; a second Set is a bug in the
   // caller and is ignored so the first outcome stays observable.
   if (state_->ready) return;

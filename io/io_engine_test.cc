@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "gtest/gtest.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
@@ -282,19 +282,19 @@ TEST_P(IoEngineTest, BatchCompletesEachRequest) {
 
 TEST_P(IoEngineTest, ShutdownDrainsThenRefuses) {
   FillRandom(io_.data(), kFileSize, 6);
-  internal_io::Mutex mu;
+  ::mlp_offload::Mutex mu;
   int ok = 0;
   for (int i = 0; i < 64; ++i) {
     engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 65536, 65536,
                               io_.as<char>() + i * 65536},
                     [&](absl::StatusOr<size_t> r) {
-                      internal_io::MutexLock lock(&mu);
+                      ::mlp_offload::MutexLock lock(&mu);
                       if (r.ok()) ++ok;
                     });
   }
   engine_->Shutdown();
   {
-    internal_io::MutexLock lock(&mu);
+    ::mlp_offload::MutexLock lock(&mu);
     EXPECT_EQ(ok, 64);  // every callback ran before Shutdown returned
   }
   engine_->Shutdown();  // idempotent

@@ -15,7 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
 
@@ -36,7 +36,7 @@ class ThreadPoolEngine final : public IoEngine {
 
   ~ThreadPoolEngine() override {
     Shutdown();
-    internal_io::MutexLock lock(&join_mu_);
+    ::mlp_offload::MutexLock lock(&join_mu_);
     JoinWorkersLocked();
   }
 
@@ -65,7 +65,7 @@ class ThreadPoolEngine final : public IoEngine {
       }
       bool stopping;
       {
-        internal_io::MutexLock lock(&mu_);
+        ::mlp_offload::MutexLock lock(&mu_);
         stopping = stopping_;
       }
       if (stopping) {
@@ -79,7 +79,7 @@ class ThreadPoolEngine final : public IoEngine {
     if (pieces.empty()) return;
     bool exited;
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       // Shutdown may have begun since the check above; it drains what is
       // queued, so refuse only if every worker has already gone.
       exited = workers_exited_ == static_cast<int>(workers_.size());
@@ -94,18 +94,18 @@ class ThreadPoolEngine final : public IoEngine {
 
   void Shutdown() override {
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       stopping_ = true;
     }
     // From a completion callback (a worker) joining would deadlock; the
     // workers still drain and exit, and the destructor joins.
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       for (const auto& id : worker_ids_) {
         if (id == std::this_thread::get_id()) return;
       }
     }
-    internal_io::MutexLock lock(&join_mu_);
+    ::mlp_offload::MutexLock lock(&join_mu_);
     JoinWorkersLocked();
   }
 
@@ -122,13 +122,13 @@ class ThreadPoolEngine final : public IoEngine {
 
   void WorkerLoop() {
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       worker_ids_.push_back(std::this_thread::get_id());
     }
     for (;;) {
       Piece piece;
       {
-        internal_io::MutexLock lock(&mu_);
+        ::mlp_offload::MutexLock lock(&mu_);
         mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return stopping_ || !pending_.empty();
         });
@@ -183,9 +183,9 @@ class ThreadPoolEngine final : public IoEngine {
 
   const size_t block_size_;
   std::vector<std::thread> workers_;  // fixed after construction
-  internal_io::Mutex join_mu_;
+  ::mlp_offload::Mutex join_mu_;
 
-  internal_io::Mutex mu_;
+  ::mlp_offload::Mutex mu_;
   std::deque<Piece> pending_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int workers_exited_ ABSL_GUARDED_BY(mu_) = 0;

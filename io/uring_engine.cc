@@ -29,7 +29,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
 #include "mlp_offload/base/status_macros.h"
@@ -51,7 +51,7 @@ class UringEngine final : public IoEngine {
   ~UringEngine() override {
     Shutdown();
     {
-      internal_io::MutexLock lock(&join_mu_);
+      ::mlp_offload::MutexLock lock(&join_mu_);
       if (loop_.joinable()) loop_.join();
     }
     if (initialized_) io_uring_queue_exit(&ring_);
@@ -63,7 +63,7 @@ class UringEngine final : public IoEngine {
     const int rc = io_uring_queue_init(queue_depth_ + 1, &ring_, 0);
     if (rc < 0) return ErrnoStatus(-rc, "io_uring_queue_init", "");
     initialized_ = true;
-    internal_io::MutexLock lock(&join_mu_);
+    ::mlp_offload::MutexLock lock(&join_mu_);
     loop_ = std::thread([this] { Loop(); });
     loop_id_ = loop_.get_id();
     return absl::OkStatus();
@@ -84,7 +84,7 @@ class UringEngine final : public IoEngine {
     std::vector<Piece> pieces;
     bool stopping;
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       stopping = stopping_;
     }
     if (stopping) {
@@ -104,7 +104,7 @@ class UringEngine final : public IoEngine {
     if (pieces.empty()) return;
     bool stopped = false;
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       // Shutdown may have started since the check above; it drains what is
       // queued, so only refuse if the loop has already gone.
       stopped = loop_exited_;
@@ -121,19 +121,19 @@ class UringEngine final : public IoEngine {
 
   void Shutdown() override {
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       stopping_ = true;
     }
     Wake();
     // Called from a completion callback (the loop thread itself) it cannot
     // join; the loop still drains and exits, and the destructor joins.
     if (std::this_thread::get_id() == loop_id_) return;
-    internal_io::MutexLock lock(&join_mu_);
+    ::mlp_offload::MutexLock lock(&join_mu_);
     if (loop_.joinable()) loop_.join();
   }
 
   absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override {
-    internal_io::MutexLock lock(&mu_);
+    ::mlp_offload::MutexLock lock(&mu_);
     if (!fixed_.empty()) {
       const int rc = io_uring_unregister_buffers(&ring_);
       if (rc < 0) return ErrnoStatus(-rc, "io_uring_unregister_buffers", "");
@@ -270,14 +270,14 @@ class UringEngine final : public IoEngine {
         retry_.pop_front();
         int index;
         {
-          internal_io::MutexLock lock(&mu_);
+          ::mlp_offload::MutexLock lock(&mu_);
           index = FixedIndex(piece->buffer + piece->done, piece->length - piece->done);
         }
         PrepPiece(piece, index);
         ++in_flight;
       }
       {
-        internal_io::MutexLock lock(&mu_);
+        ::mlp_offload::MutexLock lock(&mu_);
         while (in_flight < queue_depth_ && !pending_.empty()) {
           auto piece = std::make_unique<Piece>(std::move(pending_.front()));
           pending_.pop_front();
@@ -324,12 +324,12 @@ class UringEngine final : public IoEngine {
   const int event_fd_;
   io_uring ring_;
   bool initialized_ = false;
-  internal_io::Mutex join_mu_;
+  ::mlp_offload::Mutex join_mu_;
   std::thread loop_ ABSL_GUARDED_BY(join_mu_);
   // Written once before any request exists; read by Shutdown.
   std::thread::id loop_id_;
 
-  internal_io::Mutex mu_;
+  ::mlp_offload::Mutex mu_;
   std::deque<Piece> pending_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool loop_exited_ ABSL_GUARDED_BY(mu_) = false;

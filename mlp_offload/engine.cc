@@ -31,7 +31,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "io/aligned_buffer.h"
@@ -63,7 +63,7 @@ class TierChannel {
   ~TierChannel() {
     if (lock_ != nullptr) {
       {
-        absl::MutexLock l(&mu_);
+        MutexLock l(&mu_);
         stop_ = true;
       }
       dispatcher_.join();
@@ -78,7 +78,7 @@ class TierChannel {
       engine_->Submit(request, std::move(done));
       return;
     }
-    absl::MutexLock l(&mu_);
+    MutexLock l(&mu_);
     queue_.push_back({request, std::move(done)});
   }
 
@@ -92,11 +92,11 @@ class TierChannel {
   void Dispatch() {
     for (;;) {
       {
-        absl::MutexLock l(&mu_);
+        MutexLock l(&mu_);
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return stop_ || !queue_.empty();
         };
-        mu_.Await(absl::Condition(&ready));
+        mu_.Await(ready);
         if (queue_.empty() && stop_) return;
       }
       absl::Status locked = lock_->Acquire();
@@ -104,16 +104,16 @@ class TierChannel {
       for (;;) {
         std::deque<Pending> batch;
         {
-          absl::MutexLock l(&mu_);
+          MutexLock l(&mu_);
           auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
             return !queue_.empty() || in_flight_ == 0;
           };
-          mu_.Await(absl::Condition(&ready));
+          mu_.Await(ready);
           if (queue_.empty() || turn >= kTurnBytes) {
             // Drained (nothing in flight either) or the turn is over: let
             // another process have the tier.
             auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
-            mu_.Await(absl::Condition(&idle));
+            mu_.Await(idle);
             break;
           }
           batch.swap(queue_);
@@ -138,14 +138,14 @@ class TierChannel {
   }
 
   void Finished() {
-    absl::MutexLock l(&mu_);
+    MutexLock l(&mu_);
     --in_flight_;
   }
 
   std::unique_ptr<IoEngine> engine_;
   std::unique_ptr<TierLock> lock_;
   std::thread dispatcher_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
@@ -194,7 +194,7 @@ struct Engine::Impl {
   std::vector<bool> grad_offloaded;      // baseline: fp32 grad on the tier
   std::vector<bool> done_in_step;        // for a step resumed after a failure
 
-  absl::Mutex mu;
+  Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
   std::vector<int> buffer_of ABSL_GUARDED_BY(mu);  // subgroup -> buffer or -1
   int buffers_in_use ABSL_GUARDED_BY(mu) = 0;
@@ -255,13 +255,16 @@ struct Engine::Impl {
     auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
       return FindFreeBuffer() >= 0 || !step_error.ok();
     };
-    mu.Await(absl::Condition(&any_free));
+    mu.Await(any_free);
     int b = FindFreeBuffer();
     if (b < 0) return step_error;
     Claim(b, subgroup, state);
     return b;
   }
-  float* Payload(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  float* Payload(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return PayloadUnlocked(b); }
+  // For the thread that owns buffer b (the buffers vector never changes
+  // after Create, so the address is stable).
+  float* PayloadUnlocked(int b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return reinterpret_cast<float*>(buffers[b].mem.as<char>() + kRecordHeaderBytes);
   }
   float* GradArea(int b, int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -271,7 +274,7 @@ struct Engine::Impl {
 
   // --- I/O -------------------------------------------------------------
   void OnIoDone(int b, uint64_t bytes, int tier, bool is_read, absl::StatusOr<size_t> r) {
-    absl::MutexLock l(&mu);
+    MutexLock l(&mu);
     Buffer& buf = buffers[b];
     if (!r.ok() && buf.io_status.ok()) buf.io_status = r.status();
     if (r.ok()) {
@@ -337,7 +340,7 @@ struct Engine::Impl {
 
   // Seals buffer b's header for subgroup i at its current step and issues
   // the write to the slot that does not hold the committed version.
-  void IssueWrite(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void IssueWrite(int i, int b, uint64_t checksum) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Buffer& buf = buffers[b];
     const int t = plan.tier_of_subgroup[i];
     RecordHeader h;
@@ -347,7 +350,7 @@ struct Engine::Impl {
     h.numel = numel[i];
     h.step = sg_step[i];
     h.payload_bytes = payload_bytes[i];
-    h.payload_checksum = PayloadChecksum(Payload(b), payload_bytes[i], &pool);
+    h.payload_checksum = checksum;
     EncodeRecordHeader(h, buf.mem.data());
     buf.write_slot = WriteSlotFor(i);
     IoRequest req;
@@ -366,7 +369,7 @@ struct Engine::Impl {
   // Waits for buffer b's I/O; on success of a write, records the new slot.
   absl::Status WaitIo(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto idle = [this, b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return buffers[b].pending == 0; };
-    mu.Await(absl::Condition(&idle));
+    mu.Await(idle);
     return buffers[b].io_status;
   }
 
@@ -411,9 +414,18 @@ struct Engine::Impl {
         h.num_arrays != static_cast<uint32_t>(arrays()) || h.run_id != run_id) {
       return absl::DataLossError(absl::StrCat(w, ": record belongs to another subgroup or run"));
     }
-    if (config.verify_checksums &&
-        PayloadChecksum(Payload(b), payload_bytes[i], &pool) != h.payload_checksum) {
-      return absl::DataLossError(absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));
+    if (config.verify_checksums) {
+      // The buffer belongs to this thread until it is handed on, so the
+      // checksum runs without the lock and completions keep flowing.
+      const float* payload = Payload(b);
+      const uint64_t bytes = payload_bytes[i];
+      uint64_t sum;
+      mu.Unlock();
+      sum = PayloadChecksum(payload, bytes, &pool);
+      mu.Lock();
+      if (sum != h.payload_checksum) {
+        return absl::DataLossError(absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));
+      }
     }
     buf.from_disk = false;
     sg_step[i] = h.step;
@@ -447,7 +459,7 @@ struct Engine::Impl {
 
   // Writes buffer b (subgroup i) synchronously to its tier.
   absl::Status WriteNow(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    IssueWrite(i, b);
+    IssueWrite(i, b, PayloadChecksum(Payload(b), payload_bytes[i], &pool));
     absl::Status s = WaitIo(b);  // the completion marks the new slot
     buffers[b].write_slot = -1;
     buffers[b].io_status = absl::OkStatus();
@@ -643,7 +655,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
   if (impl_ == nullptr) return;
   {
-    absl::MutexLock l(&impl_->mu);
+    MutexLock l(&impl_->mu);
     (void)impl_->DrainWrites();
   }
   impl_->tiers.clear();  // channels drain and shut their engines down
@@ -740,7 +752,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   e.ResetStats();
   const int num_buffers = e.plan.num_buffers + e.plan.num_cached;
   {
-    absl::MutexLock l(&e.mu);
+    MutexLock l(&e.mu);
     e.buffers.resize(num_buffers);
     e.buffer_of.assign(n, -1);
     for (int b = 0; b < num_buffers; ++b) {
@@ -754,6 +766,7 @@ const Plan& Engine::plan() const { return impl_->plan; }
 const EngineConfig& Engine::config() const { return impl_->config; }
 int Engine::num_subgroups() const { return impl_->n(); }
 int64_t Engine::step() const { return impl_->steps_done; }
+bool Engine::step_incomplete() const { return impl_->step_failed; }
 bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed; }
 FaultInjectingEngine* Engine::fault_injector(int tier) const {
@@ -767,7 +780,7 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
   if (e.in_step) return absl::FailedPreconditionError("InitializeSubgroup during a step");
   if (params == nullptr) return absl::InvalidArgumentError("InitializeSubgroup: null params");
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   int b = e.buffer_of[i];
   if (b >= 0) {
     MLP_RETURN_IF_ERROR(e.WaitIo(b));
@@ -824,7 +837,7 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
   }
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
   absl::Time start = absl::Now();
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   // The baseline converts to fp32 at once and swaps the result out, as
   // ZeRO-Infinity does during backward.
   // The grad area of the subgroup's own buffer if it is cached, else of a
@@ -873,12 +886,8 @@ absl::Status Engine::BeginStep() {
       return absl::FailedPreconditionError(
           absl::StrCat("subgroup ", i, " was never initialised (InitializeSubgroup)"));
     }
-    if (e.eager_grads() && !e.grad_offloaded[i] && !e.done_in_step[i]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "baseline mode: the gradient of subgroup ", i, " was not offloaded (OffloadGradients)"));
-    }
   }
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   if (e.step_failed) {
     // Retrying a step that failed part-way: records it already updated are
     // not updated again; write back the ones held in memory (failed writes)
@@ -905,7 +914,7 @@ absl::Status Engine::BeginStep() {
 absl::StatusOr<SubgroupView> Engine::Next() {
   Impl& e = *impl_;
   if (!e.in_step) return absl::FailedPreconditionError("Next: no step running (BeginStep)");
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   // Skip what an earlier, failed attempt of this step already updated.
   while (e.pos < e.order.size() && e.done_in_step[e.order[e.pos]]) ++e.pos;
   if (e.pos >= e.order.size()) return SubgroupView{};
@@ -944,24 +953,35 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   return v;
 }
 
-absl::Status Engine::Done() {
+absl::Status Engine::Done(bool updated) {
   Impl& e = *impl_;
   if (!e.in_step || e.pos >= e.order.size()) {
     return absl::FailedPreconditionError("Done: no subgroup is being updated");
   }
-  absl::MutexLock l(&e.mu);
   const int i = e.order[e.pos];
-  const int b = e.buffer_of[i];
-  ++e.sg_step[i];
-  e.done_in_step[i] = true;
   const bool commit = e.config.commit_every > 0 &&
                       (e.steps_done + 1) % e.config.commit_every == 0;
-  if (e.plan.KeptAfterUpdate(e.steps_done, static_cast<int>(e.pos))) {
+  const bool kept = e.plan.KeptAfterUpdate(e.steps_done, static_cast<int>(e.pos));
+  // The record is this thread's until the write is issued: checksum it
+  // before taking the lock.
+  uint64_t checksum = 0;
+  int b;
+  {
+    MutexLock l(&e.mu);
+    b = e.buffer_of[i];
+  }
+  if (!kept || commit) {
+    checksum = PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i], &e.pool);
+  }
+  MutexLock l(&e.mu);
+  if (updated) ++e.sg_step[i];
+  e.done_in_step[i] = true;
+  if (kept) {
     e.buffers[b].state = BufState::kCached;
-    if (commit) e.IssueWrite(i, b);  // durable too, and still cached
+    if (commit) e.IssueWrite(i, b, checksum);  // durable too, and still cached
   } else {
     e.buffers[b].state = BufState::kWriting;
-    e.IssueWrite(i, b);
+    e.IssueWrite(i, b, checksum);
   }
   ++e.pos;
   e.IssueReads();
@@ -974,7 +994,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   absl::Time wait_start = absl::Now();
   absl::Status s;
   {
-    absl::MutexLock l(&e.mu);
+    MutexLock l(&e.mu);
     s = e.DrainWrites();
     e.stats.write_wait_seconds += Seconds(wait_start);
     e.stats.peak_host_bytes = static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
@@ -998,7 +1018,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   std::fill(e.done_in_step.begin(), e.done_in_step.end(), false);
   std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
   if (e.config.commit_every > 0 && e.steps_done % e.config.commit_every == 0) {
-    absl::MutexLock l(&e.mu);
+    MutexLock l(&e.mu);
     MLP_RETURN_IF_ERROR(e.WriteCommit());
   }
   e.stats.seconds = Seconds(e.step_start) + e.stats.grad_offload_seconds;
@@ -1010,7 +1030,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
 void Engine::AbortStep() {
   Impl& e = *impl_;
   if (!e.in_step) return;
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   (void)e.DrainWrites();
   // Reads in flight or done for records not yet updated: drop them.
   for (size_t b = 0; b < e.buffers.size(); ++b) {
@@ -1037,10 +1057,15 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
   const int s_arrays = e.config.num_state_arrays;
   for (int i = 0; i < e.n(); ++i) {
     const SubgroupStepInput& in = inputs[i];
-    if (NumStateArrays(in.hp) != s_arrays) {
+    if (NumStateArrays(in.hp) > s_arrays) {
       return absl::InvalidArgumentError(absl::StrCat(
           "Step: subgroup ", i, "'s optimizer keeps ", NumStateArrays(in.hp),
           " state arrays, the engine was created for ", s_arrays));
+    }
+    if (in.skip) continue;
+    if (e.eager_grads() && !e.grad_offloaded[i] && !e.done_in_step[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "baseline mode: the gradient of subgroup ", i, " was not offloaded (OffloadGradients)"));
     }
     OptimizerHyperparams check = in.hp;
     check.step = 1;
@@ -1065,6 +1090,7 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
         bad = e.grad_nonfinite[i];
         continue;
       }
+      if (inputs[i].skip) continue;
       for (const Segment& seg : inputs[i].segments) {
         if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel, options.grad_scale,
                              &e.pool).nonfinite) {
@@ -1093,12 +1119,16 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
     }
     if (view->subgroup < 0) break;
     const int i = view->subgroup;
+    if (inputs[i].skip) {  // no gradient this step: streamed, not updated
+      MLP_RETURN_IF_ERROR(Done(/*updated=*/false));
+      continue;
+    }
     absl::Time start = absl::Now();
     OptimizerHyperparams hp = inputs[i].hp;
     hp.step = view->step + 1;
     const float* g32 = nullptr;
     if (e.eager_grads()) {
-      absl::MutexLock l(&e.mu);
+      MutexLock l(&e.mu);
       g32 = e.GradArea(e.buffer_of[i], i);
     }
     for (const Segment& seg : inputs[i].segments) {
@@ -1137,7 +1167,7 @@ absl::Status Engine::ReadSubgroup(int i, float* master, const std::vector<float*
                                                    " state arrays given, engine has ",
                                                    e.config.num_state_arrays));
   }
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   bool claimed = false;
   MLP_ASSIGN_OR_RETURN(int b, e.Resident(i, &claimed));
   const float* rec = e.Payload(b);
@@ -1161,7 +1191,7 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
         "WriteSubgroup: need the master and ", e.config.num_state_arrays, " state arrays"));
   }
   if (step < 0) return absl::InvalidArgumentError("WriteSubgroup: negative step");
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   int b = e.buffer_of[i];
   bool cached = b >= 0;
   if (cached) {
@@ -1268,7 +1298,7 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   m.subgroup_numel = e.numel;
   m.tier_of_subgroup = e.plan.tier_of_subgroup;
   {
-    absl::MutexLock l(&e.mu);
+    MutexLock l(&e.mu);
     // Tier by tier, so each tier streams its own subgroups in turn.
     for (size_t t = 0; t < e.tiers.size(); ++t) {
       for (int i = 0; i < e.n(); ++i) {
@@ -1336,7 +1366,7 @@ absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
   expected.arrays_per_param = e.arrays();
   expected.subgroup_numel = e.numel;
   MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, dir));
-  absl::MutexLock l(&e.mu);
+  MutexLock l(&e.mu);
   for (int i = 0; i < e.n(); ++i) {
     std::string path = absl::StrCat(dir, "/sg_", i, ".ckpt");
     int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);

@@ -64,6 +64,9 @@ struct Segment {
 struct SubgroupStepInput {
   OptimizerHyperparams hp;        // hp.step is ignored: the engine counts
   std::vector<Segment> segments;  // cover the subgroup's elements once each
+  // No gradient this step (frozen or unused parameters): the record is not
+  // updated and its step count stays; segments may be empty.
+  bool skip = false;
 };
 
 struct StepOptions {
@@ -114,6 +117,9 @@ class Engine {
   int num_subgroups() const;
   // Steps completed (the next Step is step() + 1).
   int64_t step() const;
+  // Whether an earlier attempt of the current step failed part-way (the next
+  // Step resumes it, see AbortStep).
+  bool step_incomplete() const;
   // Whether Create found and reused state on the tiers.
   bool resumed() const;
 
@@ -140,9 +146,19 @@ class Engine {
   // subgroup == -1 after the last one.
   absl::Status BeginStep();
   absl::StatusOr<SubgroupView> Next();
-  absl::Status Done();
+  // The record handed out by Next is finished (updated == false: left as it
+  // was, step count unchanged) and goes back to its tier or the cache.
+  absl::Status Done(bool updated = true);
   absl::StatusOr<StepStats> EndStep();
-  // Aborts a generic step: nothing of it is committed.
+  // Ends a step that failed part-way (an I/O error, an exception in the
+  // caller's update). Nothing is lost or rolled back: the subgroups already
+  // finished keep their new versions (on disk or in memory), the others keep
+  // their old ones, and the record being updated when it failed is kept as
+  // it is in memory. The next Step/BeginStep resumes the same step and
+  // updates only the subgroups it has not finished, so retrying with the
+  // same gradients gives exactly the state of an uninterrupted step. (The
+  // generic path's caller should restore a record its update left half
+  // written before calling AbortStep.)
   void AbortStep();
 
   // Copies subgroup `i`'s master parameters and state arrays out (fp32) or in,

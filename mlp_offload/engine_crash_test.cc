@@ -19,7 +19,7 @@
 namespace mlp_offload {
 namespace {
 
-constexpr int kSteps = 12;
+constexpr int kSteps = 60;
 const std::vector<uint64_t> kSizes = {40000, 30000, 50000, 20000, 35000};
 
 std::vector<float> Init(int i) {
@@ -110,7 +110,7 @@ TEST(EngineCrashTest, KilledAtRandomMomentsResumesBitIdentically) {
     pid_t pid = fork();
     ASSERT_GE(pid, 0);
     if (pid == 0) Train(dirs);
-    usleep(std::uniform_int_distribution<int>(5000, 250000)(rng));
+    usleep(std::uniform_int_distribution<int>(5000, 150000)(rng));
     kill(pid, SIGKILL);
     int status = 0;
     waitpid(pid, &status, 0);

@@ -7,7 +7,7 @@ namespace mlp_offload {
 namespace internal_io {
 
 DelayQueue::DelayQueue() {
-  internal_io::MutexLock lock(&join_mu_);
+  ::mlp_offload::MutexLock lock(&join_mu_);
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -15,7 +15,7 @@ DelayQueue::~DelayQueue() { Drain(); }
 
 void DelayQueue::RunAt(absl::Time when, std::function<void()> fn) {
   {
-    internal_io::MutexLock lock(&mu_);
+    ::mlp_offload::MutexLock lock(&mu_);
     if (!stopped_) {
       queue_.emplace(std::make_pair(when, next_seq_++), std::move(fn));
       changed_ = true;
@@ -27,11 +27,11 @@ void DelayQueue::RunAt(absl::Time when, std::function<void()> fn) {
 
 void DelayQueue::Drain() {
   {
-    internal_io::MutexLock lock(&mu_);
+    ::mlp_offload::MutexLock lock(&mu_);
     stopping_ = true;
     changed_ = true;
   }
-  internal_io::MutexLock lock(&join_mu_);
+  ::mlp_offload::MutexLock lock(&join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 
@@ -39,7 +39,7 @@ void DelayQueue::Loop() {
   for (;;) {
     std::vector<std::function<void()>> due;
     {
-      internal_io::MutexLock lock(&mu_);
+      ::mlp_offload::MutexLock lock(&mu_);
       for (;;) {
         if (queue_.empty()) {
           if (stopping_) {

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "absl/time/time.h"
 
 namespace mlp_offload {
@@ -36,7 +36,7 @@ class DelayQueue {
  private:
   void Loop();
 
-  internal_io::Mutex mu_;
+  ::mlp_offload::Mutex mu_;
   // Keyed by (time, arrival) so equal times keep FIFO order.
   std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> queue_
       ABSL_GUARDED_BY(mu_);
@@ -44,7 +44,7 @@ class DelayQueue {
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  internal_io::Mutex join_mu_;
+  ::mlp_offload::Mutex join_mu_;
   std::thread thread_ ABSL_GUARDED_BY(join_mu_);
 };
 

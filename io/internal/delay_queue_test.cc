@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
@@ -12,22 +12,22 @@ namespace {
 
 TEST(DelayQueueTest, RunsInTimeOrderAndDrainWaitsForAll) {
   DelayQueue queue;
-  internal_io::Mutex mu;
+  ::mlp_offload::Mutex mu;
   std::vector<int> order;
   const absl::Time base = absl::Now();
   for (int i : {3, 1, 2, 0}) {
     queue.RunAt(base + absl::Milliseconds(10 * i), [&, i] {
-      internal_io::MutexLock lock(&mu);
+      ::mlp_offload::MutexLock lock(&mu);
       order.push_back(i);
     });
   }
   // Same time: FIFO.
   queue.RunAt(base + absl::Milliseconds(30), [&] {
-    internal_io::MutexLock lock(&mu);
+    ::mlp_offload::MutexLock lock(&mu);
     order.push_back(4);
   });
   queue.Drain();
-  internal_io::MutexLock lock(&mu);
+  ::mlp_offload::MutexLock lock(&mu);
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4}));
 }
 

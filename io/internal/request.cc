@@ -67,7 +67,7 @@ RequestTracker::RequestTracker(const IoRequest& request, IoCallback done,
 void RequestTracker::PieceDone(uint64_t offset, absl::Status status) {
   absl::StatusOr<size_t> result;
   {
-    internal_io::MutexLock lock(&mu_);
+    ::mlp_offload::MutexLock lock(&mu_);
     if (!status.ok() && offset < error_offset_) {
       error_ = std::move(status);
       error_offset_ = offset;

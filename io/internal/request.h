@@ -12,7 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "io/internal/mutex.h"
+#include "mlp_offload/base/mutex.h"
 #include "io/io_engine.h"
 
 namespace mlp_offload {
@@ -44,7 +44,7 @@ class RequestTracker {
  private:
   const IoRequest request_;
   IoCallback done_;
-  internal_io::Mutex mu_;
+  ::mlp_offload::Mutex mu_;
   size_t remaining_ ABSL_GUARDED_BY(mu_);
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   uint64_t error_offset_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;

@@ -14,7 +14,7 @@ ThreadPool::ThreadPool(int num_threads)
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
   for (auto& t : workers_) t.join();
@@ -25,13 +25,13 @@ void ThreadPool::RunTasks() {
     size_t task;
     const std::function<void(size_t)>* fn;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       if (fn_ == nullptr || next_task_ >= num_tasks_) return;
       task = next_task_++;
       fn = fn_;
     }
     (*fn)(task);
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ++done_tasks_;
   }
 }
@@ -40,11 +40,11 @@ void ThreadPool::WorkerLoop() {
   uint64_t seen = 0;
   for (;;) {
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto ready = [this, &seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || generation_ != seen;
       };
-      mu_.Await(absl::Condition(&ready));
+      mu_.Await(ready);
       if (stop_) return;
       seen = generation_;
     }
@@ -60,7 +60,7 @@ void ThreadPool::ParallelFor(size_t num_tasks,
     return;
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     fn_ = &fn;
     num_tasks_ = num_tasks;
     next_task_ = 0;
@@ -68,11 +68,11 @@ void ThreadPool::ParallelFor(size_t num_tasks,
     ++generation_;
   }
   RunTasks();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto all_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return done_tasks_ == num_tasks_;
   };
-  mu_.Await(absl::Condition(&all_done));
+  mu_.Await(all_done);
   fn_ = nullptr;
 }
 

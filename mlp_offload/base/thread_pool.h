@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 
@@ -38,7 +38,7 @@ class ThreadPool {
 
   const int num_threads_;
   std::vector<std::thread> workers_;
-  absl::Mutex mu_;
+  Mutex mu_;
   // Generation of the current job; workers wait for it to change.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -142,8 +142,7 @@ _DEFAULT_PLAN_TIERS = ("nvme:/local/nvme:6.5:3.2:3.5TB", "pfs:/lustre/run:3.0:1.
 
 def _cmd_plan(args, out):
     from mlp_offload import whatif
-    tiers = [whatif.parse_tier(t, i)
-             for i, t in enumerate(args.tier or _DEFAULT_PLAN_TIERS)]
+    tiers = args.tier or [whatif.parse_tier(t, i) for i, t in enumerate(_DEFAULT_PLAN_TIERS)]
     result = whatif.what_if(args.params, tiers, args.host_cache, ranks=args.ranks,
                             subgroup_numel=args.subgroup_numel, optimizer=args.optimizer,
                             dtype=args.dtype, compute_params_per_sec=args.compute_rate,
@@ -262,22 +261,23 @@ def _cmd_train(args, out):
     data = corpus.Batches(tok.encode(text), args.batch_size, args.seq_len, seed=args.seed)
     modes = ["mlp"] if args.no_compare else ["mlp", "baseline", "torch"]
     quiet = args.quiet
+    log = sys.stderr if args.json else out  # JSON alone on stdout
     with _tier_dirs(args.tiers, "mlp_offload_train_tier") as dirs:
         model = train.build(tok.vocab_size, args.seq_len, args.model_dim, args.layers,
                             args.heads, args.dtype, args.seed)
         nparams = model.num_params()
         del model
         lr = args.lr if args.lr is not None else train.DEFAULT_LR[args.optimizer]
-        out.write(f"model: GPT, {units.format_count(nparams)} params ({args.layers} layers, "
+        log.write(f"model: GPT, {units.format_count(nparams)} params ({args.layers} layers, "
                   f"dim {args.model_dim}, {args.heads} heads, vocab {tok.vocab_size}), "
                   f"{args.dtype}; {args.optimizer} lr {lr:g}\n")
-        out.write(f"data: generated corpus of {len(text)} chars; {args.steps} steps of "
+        log.write(f"data: generated corpus of {len(text)} chars; {args.steps} steps of "
                   f"{args.batch_size} x {args.seq_len} tokens\n")
-        out.write(f"offload: tiers {', '.join(dirs)}; host cache "
+        log.write(f"offload: tiers {', '.join(dirs)}; host cache "
                   f"{units.format_bytes(args.host_cache)}; subgroups of "
                   f"{units.format_count(args.subgroup_numel)} params; state "
                   f"{units.format_bytes(nparams * 4 * (1 + _state_arrays(args.optimizer)))}\n")
-        out.flush()
+        log.flush()
         runs = {}
         started = time.perf_counter()
         for mode in modes:
@@ -307,8 +307,8 @@ def _cmd_train(args, out):
             if plan:
                 extra = (f"; {plan['num_subgroups']} subgroups, per tier "
                          f"{plan['subgroups_per_tier']}, {plan['num_cached']} cached")
-            out.write(f"{mode}: done, final loss {runs[mode]['loss'][-1]:.4f}{extra}\n")
-            out.flush()
+            log.write(f"{mode}: done, final loss {runs[mode]['loss'][-1]:.4f}{extra}\n")
+            log.flush()
         total = time.perf_counter() - started
     cmp = train.compare(runs)
     png = plot.plot_train(runs, args.out, title=f"GPT {units.format_count(nparams)} params, "
@@ -358,7 +358,7 @@ def _state_arrays(optimizer):
 
 def build_parser():
     from mlp_offload.train import DTYPES, OPTIMIZERS
-    from mlp_offload.whatif import ARRAYS_PER_PARAM, CONFIGS, GRAD_BYTES
+    from mlp_offload.whatif import ARRAYS_PER_PARAM, CONFIGS, GRAD_BYTES, parse_tier
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
@@ -395,7 +395,7 @@ def build_parser():
     p.add_argument("--ranks", type=_positive_int, default=4,
                    help="ranks (GPUs/processes) per node; each owns params/ranks and they "
                    "share the node's tiers and host cache")
-    p.add_argument("--tier", action="append", metavar="NAME:PATH:READ:WRITE[:CAPACITY]",
+    p.add_argument("--tier", action="append", type=_arg(parse_tier), metavar="NAME:PATH:READ:WRITE[:CAPACITY]",
                    help="a storage path of the node, repeat for each (first = the "
                    "baseline's path); bandwidths in GB/s (or 800MB/s), capacity like 3.5TB "
                    f"(default: {' '.join(_DEFAULT_PLAN_TIERS)})")
@@ -453,13 +453,13 @@ def build_parser():
     p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence")
     p.add_argument("--model-dim", type=_positive_int, default=256, help="model width")
-    p.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks")
+    p.add_argument("--layers", type=_positive_int, default=3, help="transformer blocks")
     p.add_argument("--heads", type=_positive_int, default=4, help="attention heads")
     p.add_argument("--tiers", nargs="+", metavar="DIR",
                    help="tier directories (default: two temporary directories)")
-    p.add_argument("--host-cache", type=_arg(units.parse_size), default=4 << 20,
+    p.add_argument("--host-cache", type=_arg(units.parse_size), default=8 << 20,
                    help="host memory for cached subgroups (a small budget forces I/O)")
-    p.add_argument("--subgroup-numel", type=_positive_int, default=500_000,
+    p.add_argument("--subgroup-numel", type=_positive_int, default=300_000,
                    help="most parameters per subgroup")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw/adam/sgd/adagrad run native kernels; rmsprop the generic path")

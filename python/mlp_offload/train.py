@@ -58,9 +58,9 @@ def build(vocab_size, seq_len, dim, layers, heads, dtype, seed):
     return _gpt.GPT(cfg).to(DTYPES[dtype])
 
 
-def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=4, heads=4,
+def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=3, heads=4,
               optimizer="adamw", lr=None, dtype="float32", tiers=None,
-              host_cache_bytes=1 << 20, subgroup_numel=500_000, seed=0, progress=None):
+              host_cache_bytes=8 << 20, subgroup_numel=300_000, seed=0, progress=None):
     """One training run; returns a dict of per-step numbers.
 
     mode: "mlp" or "baseline" (MLPOffloadOptimizer over `tiers`), or

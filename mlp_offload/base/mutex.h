@@ -1,5 +1,5 @@
 // A mutex with absl::Mutex-style Await, built on std::mutex and
-// std::condition_variable.
+// std::condition_variable; used by every layer of the project.
 //
 // Why not absl::Mutex: Abseil here is Debian's shared library, built without
 // ThreadSanitizer instrumentation, so under --config=tsan every absl::Mutex
@@ -8,8 +8,8 @@
 // intercepts. The Await interface keeps the absl style: state changes happen
 // under the lock and every Unlock wakes the waiters, who re-check their
 // predicate.
-#ifndef MLP_OFFLOAD_IO_INTERNAL_MUTEX_H_
-#define MLP_OFFLOAD_IO_INTERNAL_MUTEX_H_
+#ifndef MLP_OFFLOAD_BASE_MUTEX_H_
+#define MLP_OFFLOAD_BASE_MUTEX_H_
 
 #include <chrono>
 #include <condition_variable>
@@ -20,7 +20,6 @@
 #include "absl/time/time.h"
 
 namespace mlp_offload {
-namespace internal_io {
 
 class ABSL_LOCKABLE Mutex {
  public:
@@ -94,7 +93,6 @@ class Notification {
   bool notified_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-}  // namespace internal_io
 }  // namespace mlp_offload
 
-#endif  // MLP_OFFLOAD_IO_INTERNAL_MUTEX_H_
+#endif  // MLP_OFFLOAD_BASE_MUTEX_H_

@@ -1,0 +1,73 @@
+"""`mlp-offload bench`: every configuration runs, the numbers add up, the PNG
+is written."""
+import json
+import re
+
+from mlp_offload import cli
+from mlp_offload.whatif import CONFIGS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# 2M params in 100K subgroups: 24 MB of fp32 state, 6 MB of it cached.
+TINY = ["--params", "2e6", "--subgroup-numel", "1e5", "--fast-mbps", "400",
+        "--budget-fraction", "0.5", "--steps", "2", "--threads", "2"]
+
+
+def test_bench_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    tiers = [tmp_path / "fast", tmp_path / "slow"]
+    for t in tiers:
+        t.mkdir()
+    code = cli.main(["bench", "--json", "--out", str(png), "--tiers", *map(str, tiers)] + TINY)
+    out = capsys.readouterr().out
+    assert code == 0
+    doc = json.loads(out)
+    results = {r["config"]: r for r in doc["results"]}
+    assert list(results) == list(CONFIGS)
+    state = 2_000_000 * 12
+    for r in results.values():
+        assert r["subgroups"] == 20 and r["steps"] == 2 and len(r["step_seconds"]) == 2
+        assert r["step_seconds_median"] > 0
+        assert r["fast_cap_bytes_per_sec"] == 400e6 and r["slow_cap_bytes_per_sec"] == 200e6
+        parts = r["read_wait_seconds"] + r["compute_seconds"] + r["write_wait_seconds"]
+        assert parts <= r["step_seconds_median"] * 1.5 + 0.05
+    base, mlp = results["baseline"], results["mlp"]
+    # The baseline reads every record and its fp32 gradient each step.
+    assert base["bytes_read"] >= state + 2_000_000 * 4
+    assert base["cache_hits"] == 0 and base["num_cached"] == 0
+    # MLP-Offload keeps records cached across steps: fewer bytes move.
+    assert mlp["num_cached"] > 0 and mlp["cache_hits"] > 0
+    assert mlp["bytes_read"] < state and mlp["bytes_written"] < state
+    assert mlp["predicted_seconds"] < base["predicted_seconds"]
+    assert doc["plot"] == str(png)
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    # The run directories are gone from the tiers (the tier lock's ticket
+    # file stays: other processes may share it).
+    left = [p.name for t in tiers for p in t.iterdir()]
+    assert all(name.startswith(".mlp_offload_tier_lock") for name in left), left
+
+
+def test_bench_table(tmp_path, capsys):
+    png = tmp_path / "sub" / "b.png"
+    code = cli.main(["bench", "--quiet", "--configs", "baseline,mlp", "--out", str(png)] + TINY)
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"(baseline|mlp)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(\s+[\d.]+){4}"
+                     r"\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)x$", line)
+        if m:
+            rows[m.group(1)] = m
+    assert set(rows) == {"baseline", "mlp"}
+    assert float(rows["baseline"].group(9)) == 1.0
+    assert int(rows["baseline"].group(6)) >= 24  # MB read per step
+    assert int(rows["mlp"].group(8)) > 0  # cache hits
+    assert f"plot: {png}" in out and png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bench_budget_too_small_is_one_line_error(capsys):
+    code = cli.main(["bench", "--quiet", "--out", "", "--params", "2e6",
+                     "--subgroup-numel", "1e6", "--budget-fraction", "0.1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and "host budget" in err

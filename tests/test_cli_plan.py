@@ -1,0 +1,124 @@
+"""`mlp-offload plan`: the what-if planner's numbers, checked by hand."""
+import json
+import re
+
+import pytest
+
+from mlp_offload import cli, units, whatif
+
+GB = 1e9
+# One record of 1e8 AdamW params: 1.2e9 B; its host buffer adds a 4 KiB header
+# and rounds the record up to 4 KiB.
+BUFFER = 4096 + (1_200_000_000 + 4095) // 4096 * 4096
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def plan_json(capsys, *argv):
+    code, out, _ = run(capsys, "plan", "--json", *argv)
+    assert code == 0
+    doc = json.loads(out)
+    return doc, {c["config"]: c for c in doc["configs"]}
+
+
+def test_baseline_one_tier_by_hand(capsys):
+    # 8 subgroups of 1e8 on one 2 GB/s tier (reads and writes share it).
+    # Per step: read 8 records + 8 fp32 grads (12.8 GB), write 8 records
+    # (9.6 GB): 11.2 s; the grads written in backward 3.2 GB: 1.6 s; fill
+    # and drain one record each way: 1.2 s. Total 14.0 s.
+    doc, c = plan_json(capsys, "--params", "8e8", "--ranks", "1", "--subgroup-numel", "1e8",
+                       "--tier", "a:/x:2:2", "--host-cache", "0", "--configs", "baseline")
+    assert doc["num_subgroups"] == 8 and doc["arrays_per_param"] == 3
+    b = c["baseline"]
+    assert b["subgroups_per_tier"] == [8]
+    assert b["num_cached"] == 0
+    assert b["traffic"][0]["bytes_read"] == pytest.approx(12.8 * GB)
+    assert b["traffic"][0]["bytes_written"] == pytest.approx(12.8 * GB)
+    assert b["predicted_io_seconds"] == pytest.approx(12.8)
+    assert b["predicted_seconds"] == pytest.approx(14.0)
+
+
+def test_mlp_two_tiers_four_ranks_by_hand(capsys):
+    # 4e9 params over 4 ranks: 1e9 per rank, 10 subgroups. Two 8 GB/s tiers
+    # shared by 4 ranks: 2 GB/s each per rank. Host cache 4 x 2 buffers:
+    # 2 cached per rank (beside the 5 streaming buffers of two tiers).
+    # MLP: subgroups alternate a, b; per step each tier reads 4 and writes 4
+    # records (2 hits, 2 kept of 10): 4.8 GB / 2 GB/s * 2 = 4.8 s, plus the
+    # drain of one record over both tiers 0.3 s = 5.1 s.
+    # Baseline (tier a only): reads 10 records + 10 grads (16 GB), writes
+    # 10 records (12 GB): 14 s; grads 2 s; fill + drain 1.2 s = 17.2 s.
+    doc, c = plan_json(capsys, "--params", "4e9", "--ranks", "4", "--subgroup-numel", "100M",
+                       "--tier", "a:/x:8:8", "--tier", "b:/y:8GB/s:8000MB/s",
+                       "--host-cache", str(4 * 2 * BUFFER))
+    assert doc["shard_params"] == 10 ** 9 and doc["num_subgroups"] == 10
+    mlp, base = c["mlp"], c["baseline"]
+    assert mlp["subgroups_per_tier"] == [5, 5]
+    assert mlp["num_cached"] == 2 and mlp["num_buffers"] == 5
+    for t in mlp["traffic"]:
+        assert t["bytes_read"] == pytest.approx(4.8 * GB)
+        assert t["bytes_written"] == pytest.approx(4.8 * GB)
+    assert mlp["predicted_seconds"] == pytest.approx(5.1)
+    assert base["subgroups_per_tier"] == [10, 0]
+    assert base["predicted_seconds"] == pytest.approx(17.2)
+    assert mlp["speedup_vs_baseline"] == pytest.approx(17.2 / 5.1)
+
+
+def test_one_tier_mlp_cache_only_by_hand(capsys):
+    # One 2 GB/s tier, 10 subgroups, 2 cached: 8 reads + 8 writes of 1.2 GB
+    # = 9.6 s, plus the drain 0.6 s.
+    _, c = plan_json(capsys, "--params", "1e9", "--ranks", "1", "--tier", "a:/x:2:2",
+                     "--host-cache", str(2 * BUFFER), "--configs", "mlp,cache_reuse")
+    assert c["mlp"]["num_cached"] == 2
+    assert c["mlp"]["predicted_seconds"] == pytest.approx(10.2)
+    # cache_reuse alone: no delayed conversion, so the grads cost as in the baseline.
+    assert c["cache_reuse"]["predicted_seconds"] > c["mlp"]["predicted_seconds"]
+
+
+def test_table_output_70b(capsys):
+    code, out, _ = run(capsys, "plan", "--params", "70B", "--ranks", "4",
+                       "--tier", "nvme:/local/nvme:6.5:3.2:3.5TB", "--tier", "pfs:/lustre:3:1.5",
+                       "--host-cache", "200GiB")
+    assert code == 0
+    assert "175 subgroups of 100M" in out
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"(baseline|mlp)\s+(.*?)\s+(\d+)\s+[\d.]+ [KMGT]?B\s+.*\s([\d.]+)\s+([\d.]+)x$",
+                     line)
+        if m:
+            rows[m.group(1)] = (m.group(2), int(m.group(3)), float(m.group(4)),
+                                float(m.group(5)))
+    assert set(rows) == {"baseline", "mlp"}
+    assert rows["baseline"][0] == "nvme 175" and rows["baseline"][1] == 0
+    assert rows["mlp"][1] > 0 and "pfs" in rows["mlp"][0]
+    m = re.search(r"baseline ([\d.]+) s, mlp ([\d.]+) s \(MLP-Offload ([\d.]+)x", out)
+    assert m
+    assert float(m.group(1)) == pytest.approx(rows["baseline"][2], abs=0.01)
+    assert float(m.group(3)) > 1.5
+
+
+def test_capacity_too_small_is_one_line_error(capsys):
+    code, out, err = run(capsys, "plan", "--params", "70B", "--tier", "n:/n:6:3:1TB")
+    assert code == 1
+    assert err.count("\n") == 1 and "error:" in err and "state needs" in err
+
+
+@pytest.mark.parametrize("bad", [["--params", "70X"], ["--host-cache", "lots"],
+                                 ["--tier", "nvme:/x:6"], ["--configs", "fast"]])
+def test_bad_arguments_exit_2(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan"] + bad)
+    assert e.value.code == 2
+
+
+def test_units():
+    assert units.parse_size("200GiB") == 200 * 2 ** 30
+    assert units.parse_size("1.5TB") == 1_500_000_000_000
+    assert units.parse_size("4096") == 4096
+    assert units.parse_count("70e9") == units.parse_count("70B") == 70_000_000_000
+    assert units.parse_count("2.5M") == 2_500_000
+    assert units.parse_rate("6.5") == 6.5e9 and units.parse_rate("800MB/s") == 8e8
+    assert whatif.shard_subgroups(250, 2, 100) == [100, 25]

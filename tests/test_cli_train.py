@@ -1,0 +1,89 @@
+"""`mlp-offload train`: a tiny GPT trains with its state offloaded; the
+baseline and plain-torch runs follow the same loss curve; the PNG is written."""
+import json
+import re
+
+import pytest
+
+from mlp_offload import cli, corpus, gpt
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--model-dim", "32",
+        "--layers", "2", "--heads", "2", "--subgroup-numel", "3000", "--host-cache", "16KiB",
+        "--corpus-chars", "5000", "--quiet"]
+
+
+def test_train_json_fp32_matches_torch(tmp_path, capsys):
+    png = tmp_path / "train.png"
+    tiers = [tmp_path / "t0", tmp_path / "t1"]
+    for t in tiers:
+        t.mkdir()
+    code = cli.main(["train", "--json", "--out", str(png), "--tiers", *map(str, tiers)] + TINY)
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    runs = doc["runs"]
+    assert set(runs) == {"mlp", "baseline", "torch"}
+    for run in runs.values():
+        assert len(run["loss"]) == 6 and len(run["step_seconds"]) == 6
+        assert all(s > 0 for s in run["step_seconds"])
+        assert run["loss"][0] == pytest.approx(runs["torch"]["loss"][0], abs=1e-6)
+    # The state really went through the tiers: several subgroups, some on
+    # each tier for mlp, all on the first for the baseline.
+    assert runs["mlp"]["plan"]["num_subgroups"] > 4
+    assert all(k > 0 for k in runs["mlp"]["plan"]["subgroups_per_tier"])
+    assert runs["baseline"]["plan"]["subgroups_per_tier"][1] == 0
+    # Offloaded AdamW == torch AdamW, step for step.
+    for mode in ("mlp", "baseline"):
+        c = doc["comparison"][mode]
+        assert c["max_abs_loss_diff"] < 1e-4
+        assert c["max_rel_param_diff"] < 1e-4
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_train_table_bf16(tmp_path, capsys):
+    png = tmp_path / "t.png"
+    code = cli.main(["train", "--dtype", "bfloat16", "--out", str(png)] + TINY)
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"(mlp|baseline|torch)\s+([\d.]+)((\s+[\d.]+){8})$", line)
+        if m:
+            rows[m.group(1)] = [float(m.group(2))] + [float(x) for x in m.group(3).split()]
+    assert set(rows) == {"mlp", "baseline", "torch"}
+    for vals in rows.values():
+        loss, step, fwd_bwd = vals[0], vals[1], vals[2]
+        assert 0 < loss < 5 and step > 0 and fwd_bwd > 0
+    verdicts = re.findall(r"(mlp|baseline): max \|loss diff\| (\S+), .* -> (match|DIFFER)", out)
+    assert {v[0] for v in verdicts} == {"mlp", "baseline"}
+    assert all(v[2] == "match" for v in verdicts), out
+    assert f"plot: {png}" in out and png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_train_generic_optimizer_no_compare(tmp_path, capsys):
+    code = cli.main(["train", "--json", "--optimizer", "rmsprop", "--no-compare",
+                     "--out", ""] + TINY)
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc["runs"]) == ["mlp"] and doc["plot"] is None and doc["comparison"] == {}
+    loss = doc["runs"]["mlp"]["loss"]
+    assert len(loss) == 6 and loss[-1] < loss[0]
+
+
+def test_train_bad_heads_is_one_line_error(capsys):
+    code = cli.main(["train", "--model-dim", "30", "--heads", "4", "--out", ""] + TINY[:2])
+    err = capsys.readouterr().err
+    assert code == 1 and "multiple of heads" in err and err.count("\n") == 1
+
+
+def test_corpus_and_model_are_deterministic():
+    a, b = corpus.generate(2000, seed=3), corpus.generate(2000, seed=3)
+    assert a == b and a != corpus.generate(2000, seed=4)
+    tok = corpus.CharTokenizer(a)
+    assert tok.decode(tok.encode(a[:50])) == a[:50]
+    batches = corpus.Batches(tok.encode(a), 2, 8, seed=1)
+    x, y = batches.batch(5)
+    assert x.shape == (2, 8) and (x[:, 1:] == y[:, :-1]).all()
+    model = gpt.GPT(gpt.GPTConfig(tok.vocab_size, seq_len=8, dim=16, layers=1, heads=2))
+    assert model(x).shape == (2, 8, tok.vocab_size)
