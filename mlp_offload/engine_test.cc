@@ -483,5 +483,51 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   EXPECT_EQ(master, model.init[0]);
 }
 
+TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.num_state_arrays = 3;  // room for amsgrad; plain AdamW uses two
+  Model model(cfg.subgroup_numel, 8);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  for (int step = 1; step <= 2; ++step) {
+    model.NewGrads(step);
+    std::vector<SubgroupStepInput> in(4);
+    for (int i = 0; i < 4; ++i) {
+      in[i].hp = AdamW();
+      in[i].segments = model.Segments(i);
+    }
+    in[1].hp.amsgrad = true;  // three arrays
+    in[2].skip = true;        // a frozen subgroup
+    in[2].segments.clear();
+    auto stats = e.Step(in, StepOptions());
+    ASSERT_TRUE(stats.ok()) << stats.status();
+  }
+  std::vector<float> p(3000), a(3000), b(3000), c(3000);
+  int64_t step = -1;
+  ASSERT_TRUE(e.ReadSubgroup(2, p.data(), {a.data(), b.data(), c.data()}, &step).ok());
+  EXPECT_EQ(step, 0);
+  EXPECT_EQ(p, model.init[2]);
+  ASSERT_TRUE(e.ReadSubgroup(1, p.data(), {a.data(), b.data(), c.data()}, &step).ok());
+  EXPECT_EQ(step, 2);
+  EXPECT_NE(p, model.init[1]);
+  // amsgrad's max_exp_avg_sq >= exp_avg_sq everywhere.
+  for (size_t k = 0; k < 2000; ++k) ASSERT_GE(c[k], b[k]);
+  // Too many arrays for the engine is refused up front.
+  std::vector<SubgroupStepInput> in(4);
+  for (int i = 0; i < 4; ++i) {
+    in[i].hp.kind = OptimizerKind::kSGD;
+    in[i].hp.momentum = 0.9f;
+    in[i].segments = model.Segments(i);
+  }
+  EngineConfig small = SmallConfig(1);
+  small.num_state_arrays = 0;
+  auto e0 = Engine::Create(small);
+  ASSERT_TRUE(e0.ok());
+  auto r = (*e0)->Step(in, StepOptions());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace mlp_offload
