@@ -161,6 +161,8 @@ struct Buffer {
   absl::Status io_status;   // first error of those requests
   bool from_disk = false;   // payload must be verified before use
   int write_slot = -1;      // slot being written
+  bool grad_write = false;  // the baseline's gradient write is in flight
+  bool scratch = false;     // claimed for that write only: free when done
 };
 
 }  // namespace
@@ -199,6 +201,8 @@ struct Engine::Impl {
   std::vector<int> buffer_of ABSL_GUARDED_BY(mu);  // subgroup -> buffer or -1
   int buffers_in_use ABSL_GUARDED_BY(mu) = 0;
   absl::Status step_error ABSL_GUARDED_BY(mu);  // first I/O error of the step
+  int grad_writes ABSL_GUARDED_BY(mu) = 0;      // baseline gradient writes in flight
+  absl::Status grad_error ABSL_GUARDED_BY(mu);  // the first one that failed
   int peak_in_use ABSL_GUARDED_BY(mu) = 0;
 
   int64_t steps_done = 0;
@@ -285,6 +289,21 @@ struct Engine::Impl {
       }
     }
     --buf.pending;
+    if (buf.grad_write) {
+      if (buf.pending == 0) {
+        buf.grad_write = false;
+        --grad_writes;
+        if (!buf.io_status.ok()) {
+          if (grad_error.ok()) grad_error = buf.io_status;
+          buf.io_status = absl::OkStatus();
+        }
+        if (buf.scratch) {
+          buf.scratch = false;
+          Free(b);
+        }
+      }
+      return;
+    }
     if (!r.ok() && step_error.ok()) step_error = r.status();
     if (buf.pending == 0 && buf.write_slot >= 0 && buf.io_status.ok()) {
       // A write landed: it is now the subgroup's latest on-disk version, and
@@ -837,19 +856,26 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
   }
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
   absl::Time start = absl::Now();
-  MutexLock l(&e.mu);
   // The baseline converts to fp32 at once and swaps the result out, as
-  // ZeRO-Infinity does during backward.
+  // ZeRO-Infinity does during backward: the write is asynchronous (the next
+  // Step waits for it), the conversion is not.
   // The grad area of the subgroup's own buffer if it is cached, else of a
   // scratch buffer (claimed without binding it to the subgroup).
-  int b = e.buffer_of[i];
-  const bool scratch = b < 0;
-  if (scratch) {
-    MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(-1, BufState::kInUse));
-  } else {
-    MLP_RETURN_IF_ERROR(e.WaitIo(b));
+  int b;
+  {
+    MutexLock l(&e.mu);
+    b = e.buffer_of[i];
+    if (b < 0) {
+      MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(-1, BufState::kInUse));
+      e.buffers[b].scratch = true;
+    } else {
+      MLP_RETURN_IF_ERROR(e.WaitIo(b));
+    }
+    e.buffers[b].grad_write = true;
+    ++e.grad_writes;
   }
-  float* g32 = e.GradArea(b, i);
+  float* g32 = reinterpret_cast<float*>(reinterpret_cast<char*>(e.PayloadUnlocked(b)) +
+                                        e.record_bytes[i]);
   bool nonfinite = false;
   for (const Segment& s : segments) {
     ConvertToFloat32(s.grad, e.config.grad_dtype, g32 + s.offset, s.numel, &e.pool);
@@ -862,16 +888,12 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
   req.offset = 0;
   req.length = RoundUp(e.numel[i] * 4);
   req.buffer = g32;
+  MutexLock l(&e.mu);
   ++e.buffers[b].pending;
   uint64_t len = req.length;
   e.tiers[t].channel->Submit(req, [&e, b, len, t](absl::StatusOr<size_t> r) {
     e.OnIoDone(b, len, t, false, std::move(r));
   });
-  absl::Status s = e.WaitIo(b);
-  e.step_error = absl::OkStatus();
-  e.buffers[b].io_status = absl::OkStatus();
-  if (scratch) e.Free(b);
-  if (!s.ok()) return s;
   e.grad_nonfinite[i] = nonfinite;
   e.grad_offloaded[i] = true;
   e.stats.grad_offload_seconds += Seconds(start);
@@ -888,6 +910,17 @@ absl::Status Engine::BeginStep() {
     }
   }
   MutexLock l(&e.mu);
+  // The baseline's gradient writes must have landed before they are read.
+  absl::Time grad_wait = absl::Now();
+  auto grads_landed = [&e]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) { return e.grad_writes == 0; };
+  e.mu.Await(grads_landed);
+  e.stats.grad_offload_seconds += Seconds(grad_wait);
+  if (!e.grad_error.ok()) {
+    absl::Status s = e.grad_error;
+    e.grad_error = absl::OkStatus();
+    std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+    return Annotate(s, "baseline gradient offload (offload the gradients again)");
+  }
   if (e.step_failed) {
     // Retrying a step that failed part-way: records it already updated are
     // not updated again; write back the ones held in memory (failed writes)

@@ -35,8 +35,10 @@ def test_train_json_fp32_matches_torch(tmp_path, capsys):
     # Offloaded AdamW == torch AdamW, step for step.
     for mode in ("mlp", "baseline"):
         c = doc["comparison"][mode]
+        assert c["first_update_rel_param_diff"] < 1e-5
         assert c["max_abs_loss_diff"] < 1e-4
         assert c["max_rel_param_diff"] < 1e-4
+        assert c["match"] is True
     data = png.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
@@ -55,9 +57,11 @@ def test_train_table_bf16(tmp_path, capsys):
     for vals in rows.values():
         loss, step, fwd_bwd = vals[0], vals[1], vals[2]
         assert 0 < loss < 5 and step > 0 and fwd_bwd > 0
-    verdicts = re.findall(r"(mlp|baseline): max \|loss diff\| (\S+), .* -> (match|DIFFER)", out)
-    assert {v[0] for v in verdicts} == {"mlp", "baseline"}
-    assert all(v[2] == "match" for v in verdicts), out
+    verdicts = re.findall(r"(mlp|baseline): first update max rel param diff (\S+); loss "
+                          r"curve max \|diff\| (\S+) \(([\d.]+)%\) -> (match|DIFFER)", out)
+    assert {v[0] for v in verdicts} == {"mlp", "baseline"}, out
+    for mode, first, diff, pct, verdict in verdicts:
+        assert verdict == "match" and float(first) < 1e-2 and float(pct) < 5, out
     assert f"plot: {png}" in out and png.read_bytes().startswith(PNG_MAGIC)
 
 

@@ -410,7 +410,62 @@ void RegisterEngineBindings(py::module_& parent) {
                              "Steps completed (the next step is steps + 1).")
       .def_property_readonly("resumed", [](PyEngine& e) { return e.get().resumed(); })
       .def_property_readonly("committed_step",
-                             [](PyEngine& e) { return e.get().committed_step(); })
+                             [](PyEngine& e) { return e.get().committed_step(); },
+                             "The step the state on the tiers resumes from (-1: none).")
+      .def_property_readonly(
+          "step_incomplete", [](PyEngine& e) { return e.get().step_incomplete(); },
+          "Whether an attempt of the current step failed part-way (the next step "
+          "call resumes it).")
+      .def(
+          "add_fault",
+          [](PyEngine& e, int tier, const std::string& kind, const std::string& op, int nth,
+             int error, const std::string& path_substring) {
+            FaultInjectingEngine* fi = e.get().fault_injector(tier);
+            if (fi == nullptr) {
+              ThrowIfError(absl::FailedPreconditionError(absl::StrCat(
+                  "add_fault: no fault injector on tier ", tier,
+                  " (create the engine with fault_injection=True)")));
+            }
+            FaultSpec f;
+            if (kind == "error") {
+              f.kind = FaultSpec::Kind::kError;
+            } else if (kind == "short") {
+              f.kind = FaultSpec::Kind::kShortTransfer;
+            } else {
+              ThrowIfError(absl::InvalidArgumentError(
+                  absl::StrCat("add_fault: unknown kind '", kind, "' (error or short)")));
+            }
+            if (op == "read") {
+              f.op = IoOp::kRead;
+            } else if (op == "write") {
+              f.op = IoOp::kWrite;
+            } else {
+              ThrowIfError(absl::InvalidArgumentError(
+                  absl::StrCat("add_fault: unknown op '", op, "' (read or write)")));
+            }
+            f.nth = nth;
+            f.error = error;
+            f.path_substring = path_substring;
+            fi->AddFault(f);
+          },
+          py::arg("tier"), py::arg("kind") = "error", py::arg("op") = "read",
+          py::arg("nth") = 0, py::arg("error") = 5, py::arg("path_substring") = "",
+          "Tests: makes the nth matching request (-1: every one) on `tier` fail "
+          "('error': with errno `error`; 'short': half transferred).")
+      .def(
+          "clear_faults",
+          [](PyEngine& e, int tier) {
+            FaultInjectingEngine* fi = e.get().fault_injector(tier);
+            if (fi != nullptr) fi->ClearFaults();
+          },
+          py::arg("tier"), "Tests: removes the faults of `tier`.")
+      .def(
+          "faults_fired",
+          [](PyEngine& e, int tier) {
+            FaultInjectingEngine* fi = e.get().fault_injector(tier);
+            return fi == nullptr ? 0 : fi->fired();
+          },
+          py::arg("tier"), "Tests: how many injected faults of `tier` fired.")
       .def_property_readonly(
           "tiers",
           [](PyEngine& e) {
@@ -463,9 +518,9 @@ void RegisterEngineBindings(py::module_& parent) {
             in.reserve(inputs.size());
             for (py::handle item : inputs) {
               auto t = item.cast<py::tuple>();
-              if (t.size() != 2) {
+              if (t.size() != 2 && t.size() != 3) {
                 ThrowIfError(absl::InvalidArgumentError(
-                    "step: each input is (hyperparameter index, segments)"));
+                    "step: each input is (hyperparameter index, segments[, skip])"));
               }
               size_t h = t[0].cast<size_t>();
               if (h >= hps.size()) {
@@ -475,6 +530,7 @@ void RegisterEngineBindings(py::module_& parent) {
               SubgroupStepInput s;
               s.hp = hps[h];
               s.segments = SegmentsFromList(t[1].cast<py::list>());
+              if (t.size() == 3) s.skip = t[2].cast<bool>();
               in.push_back(std::move(s));
             }
             StepOptions options;
@@ -492,7 +548,8 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("hyperparams"), py::arg("inputs"), py::arg("param_out_dtype"),
           py::arg("grad_scale") = 1.0f, py::arg("skip_if_nonfinite") = false,
           "Native step. hyperparams: list of dicts; inputs[i] = (index into "
-          "hyperparams, segments) for subgroup i. Returns the step's stats dict.")
+          "hyperparams, segments[, skip]) for subgroup i (skip: no gradient this "
+          "step, the record is left as it is). Returns the step's stats dict.")
       .def(
           "begin_step",
           [](PyEngine& e) {
@@ -519,16 +576,18 @@ void RegisterEngineBindings(py::module_& parent) {
           "The next resident record of a generic step (subgroup -1 after the last).")
       .def(
           "done",
-          [](PyEngine& e) {
+          [](PyEngine& e, bool updated) {
             Engine& engine = e.get();
             absl::Status status;
             {
               py::gil_scoped_release release;
-              status = engine.Done();
+              status = engine.Done(updated);
             }
             ThrowIfError(status);
           },
-          "The record returned by next() is updated; the engine may write it back.")
+          py::arg("updated") = true,
+          "The record returned by next() is finished (updated=False: left as it "
+          "was, step count unchanged); the engine may write it back.")
       .def(
           "end_step",
           [](PyEngine& e) {

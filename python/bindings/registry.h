@@ -11,11 +11,13 @@ namespace python {
 void RegisterKernelBindings(pybind11::module_& m);
 void RegisterIoBindings(pybind11::module_& m);
 void RegisterEngineBindings(pybind11::module_& m);
+void RegisterCudaBindings(pybind11::module_& m);
 
 inline void RegisterAllBindings(pybind11::module_& m) {
   RegisterKernelBindings(m);
   RegisterIoBindings(m);
   RegisterEngineBindings(m);
+  RegisterCudaBindings(m);
 }
 
 }  // namespace python

@@ -49,7 +49,10 @@ def pack(param_groups, subgroup_numel):
                 raise ConfigError(
                     f"parameter {pid} (group {gi}) has no elements; remove it from "
                     f"the optimizer")
-            if current is None or current.numel + n > subgroup_numel:
+            # Frozen and trainable parameters go to different subgroups, so
+            # that a subgroup without gradients can be skipped whole.
+            if current is None or current.numel + n > subgroup_numel \
+                    or current.params[-1].requires_grad != p.requires_grad:
                 current = Subgroup(len(subgroups), gi, [], [], [], 0)
                 subgroups.append(current)
             current.params.append(p)
@@ -74,6 +77,7 @@ def float_view(ptr, numel):
 
 
 def flat_fp32(params):
-    """The parameters' values as one new fp32 vector."""
+    """The parameters' values as one new fp32 vector in host memory."""
     with torch.no_grad():
-        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        return torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+                          for p in params])

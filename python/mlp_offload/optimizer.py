@@ -21,6 +21,8 @@ updated parameters.
 """
 
 import copy
+import hashlib
+import io as _io
 import itertools
 import json
 import logging
@@ -32,9 +34,11 @@ import weakref
 import torch
 
 from mlp_offload import config as _config
+from mlp_offload import cuda_path as _cuda_path
 from mlp_offload import generic as _generic
 from mlp_offload import hyperparams as _hp
 from mlp_offload import layout as _layout
+from mlp_offload import recovery as _recovery
 from mlp_offload import _C
 from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
                                 StateMismatchError)
@@ -42,7 +46,9 @@ from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadErro
 _log = logging.getLogger(__name__)
 
 _CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
-_CHECKPOINT_VERSION = 1
+# 2: the manifest carries checksums of itself and of the Python state; 1
+# (without them) is still read.
+_CHECKPOINT_VERSION = 2
 _NONFINITE = ("raise", "skip", "ignore")
 
 
@@ -62,11 +68,25 @@ def _copy_state(state):
 
 def _atomic_write_bytes(path, data):
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _manifest_checksum(manifest):
+    """sha256 of the manifest's content, its own checksum left out."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _torch_save_bytes(obj):
+    buf = _io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def _fsync_dir(path):
@@ -102,13 +122,33 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
       generic_state_keys: for the generic path, the per-parameter state
         tensors to offload (default: found by probing the optimizer class).
       compute_threads, io, verify_checksums, run_name: engine settings.
+      commit_every: make the offloaded state durable every this many steps
+        (0: never): after a crash (kill -9 included) the run resumes from the
+        last committed step. Needs run_name.
+      resume: "never" (start fresh), "auto" (resume the committed state of
+        run `run_name` on these tiers if there is one, else load
+        checkpoint_dir if it holds a checkpoint, else start fresh) or
+        "require" (like auto, but raise StateMismatchError rather than start
+        fresh). `resumed_from` ("committed_step", "checkpoint" or None) and
+        `resumed_step` say what happened; the model's parameters are set
+        from the resumed master copy.
+      checkpoint_dir: where save_checkpoint() writes, read by resume.
+      atomic_step: a step that raises leaves the model's parameters as they
+        were before it (a copy of them is kept during each step); calling
+        step() again with the same gradients completes it. False: no copy,
+        and a failed step may leave some subgroups' parameters updated until
+        it is completed.
+      fault_injection: wrap every tier's I/O in a fault injector (tests; see
+        engine.add_fault).
     """
 
     def __init__(self, optimizer, tiers, host_cache_bytes=0, subgroup_numel=100_000_000,
                  mode="mlp", *, multipath=None, cache_reuse=None,
                  delayed_grad_conversion=None, tier_lock=None, tier_bandwidths=None,
                  nonfinite="raise", process_group=None, generic_state_keys=None,
-                 compute_threads=None, io=None, verify_checksums=True, run_name=None):
+                 compute_threads=None, io=None, verify_checksums=True, run_name=None,
+                 commit_every=0, resume="never", checkpoint_dir=None, atomic_step=True,
+                 fault_injection=False):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -149,6 +189,29 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "verify_checksums": bool(verify_checksums),
         }
         self._run_prefix = run_name or "mlp_offload"
+        if resume not in _recovery.RESUME_MODES:
+            raise ConfigError(f"resume must be one of {_recovery.RESUME_MODES}, got {resume!r}")
+        if not isinstance(commit_every, int) or isinstance(commit_every, bool) \
+                or commit_every < 0:
+            raise ConfigError(f"commit_every must be an int >= 0, got {commit_every!r}")
+        # A persistent run keeps its state under <tier>/<run_name>.r<rank>
+        # across processes (and close()); others use a private name removed
+        # at close.
+        self._persistent = commit_every > 0 or resume != "never"
+        if self._persistent:
+            if run_name is None:
+                raise ConfigError("commit_every and resume need a run_name naming the run "
+                                  "(its state lives in <tier>/<run_name>.r<rank>)")
+            _recovery.run_dir_name(run_name, 0)  # checks the name
+        self._commit_every = commit_every
+        self._resume = resume
+        self._checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        self._atomic_step = bool(atomic_step)
+        self._engine_settings["fault_injection"] = bool(fault_injection)
+        self._want_resume = resume != "never"
+        self._failed_step = None
+        self.resumed_from = None
+        self.resumed_step = None
         self._generation = 0
         self._generic_state_keys = generic_state_keys
 
@@ -168,6 +231,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._finalizer = None
         self.last_step_stats = None
         self._grad_hooks = []
+        self._staging = None  # device parameters: cuda_path.DeviceStaging
         self._build()
 
         # State the wrapped optimizer already has (loaded, or created in its
@@ -176,6 +240,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if len(optimizer.state) > 0:
             self._pending_state = self._state_by_index(optimizer.state)
             optimizer.state.clear()
+        if self._want_resume:
+            self._resume_run()
 
     # ----------------------------------------------------------------- setup
 
@@ -201,10 +267,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._dtype not in _layout.DTYPE_NAMES:
             raise ConfigError(f"parameter dtype {self._dtype} is not supported "
                               f"(float32, bfloat16, float16)")
+        self._device = params[0].device
         for i, p in enumerate(params):
-            if p.device.type != "cpu":
-                raise ConfigError(f"parameter {i} is on {p.device}: only CPU parameters "
-                                  f"are supported by this build")
+            if p.device != self._device:
+                raise ConfigError(f"parameter {i} is on {p.device}, parameter 0 on "
+                                  f"{self._device}: all parameters must share one device")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ConfigError(f"parameter {i} is on {p.device}: only CPU and CUDA "
+                                  f"parameters are supported")
             if not p.is_contiguous():
                 raise ConfigError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
                                   f"the engine writes updates in place")
@@ -235,6 +305,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._initialized = False
         self._grad_version = {}
         self._create_engine()
+        if self._staging is not None:
+            self._staging.close()
+        self._staging = _cuda_path.DeviceStaging(self) \
+            if _cuda_path.wanted(self._device) else None
         self._install_grad_hooks()
 
     def _create_engine(self):
@@ -255,17 +329,34 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         budget += _config.streaming_buffers(self._techniques, len(self._tiers)) \
             * probe.buffer_bytes
         self._generation += 1
-        self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                          f"-g{self._generation}-r{self._rank}")
+        resume_engine = False
+        if self._persistent:
+            self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
+            resume_engine = self._want_resume and _recovery.has_committed_state(
+                _recovery.run_dirs(self._tiers, self._run_name))
+            if self._want_resume and not resume_engine and self._resume == "require" \
+                    and not self._checkpoint_exists():
+                raise StateMismatchError(
+                    f"resume='require': run {self._run_prefix!r} has no committed step on "
+                    f"{[t['path'] for t in self._tiers]} and "
+                    f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
+        else:
+            self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                              f"-g{self._generation}-r{self._rank}")
         self._engine = _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
             grad_dtype=_layout.DTYPE_NAMES[self._dtype], techniques=self._techniques,
             compute_threads=self._engine_settings["compute_threads"],
             io=self._engine_settings["io"], run_name=self._run_name,
-            verify_checksums=self._engine_settings["verify_checksums"])
+            verify_checksums=self._engine_settings["verify_checksums"],
+            fault_injection=self._engine_settings["fault_injection"],
+            resume=resume_engine, commit_every=self._commit_every)
         run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
-        self._finalizer = weakref.finalize(self, _close_engine, self._engine, run_dirs)
+        # A persistent run's directories outlive the process (that is the
+        # point); a private one's are removed with the engine.
+        self._finalizer = weakref.finalize(self, _close_engine, self._engine,
+                                           [] if self._persistent else run_dirs)
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
 
@@ -274,6 +365,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             h.remove()
         self._grad_hooks = []
         self._grads_seen = {}
+        if self._staging is not None:
+            # Device parameters: the staging copies every subgroup's gradients
+            # to the host as soon as they are final, in every mode.
+            self._staging.install_hooks()
+            return
         if self._techniques["delayed_grad_conversion"] or self._engine is None:
             return
         # Baseline: convert and write each subgroup's gradients as soon as the
@@ -309,9 +405,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         if self._finalizer is not None:
             self._finalizer()
         self._engine = None
+
+    def clip_grad_norm_(self, max_norm):
+        """Clips the gradients' global L2 norm to max_norm; returns the norm.
+
+        CPU parameters: torch.nn.utils.clip_grad_norm_ (in place). Device
+        parameters: the norm comes from statistics computed on the device
+        before the gradients were copied, and the clip is applied inside the
+        next step's update; the gradients themselves are left unchanged.
+        """
+        if self._staging is None:
+            return torch.nn.utils.clip_grad_norm_(
+                [p for g in self.param_groups for p in g["params"]], max_norm)
+        return self._staging.clip_grad_norm_(max_norm)
 
     @property
     def engine(self):
@@ -365,22 +477,39 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return segs
 
     def _grad_presence(self):
-        """True if every parameter has a gradient, False if none has one."""
-        have = [p.grad is not None for sg in self._subgroups for p in sg.params]
-        if all(have):
-            return True
-        if not any(have):
-            return False
-        missing = [i for i, h in enumerate(have) if not h]
-        raise OffloadError(
-            f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
-            f"gradient while others do; the offloaded state is updated per subgroup, "
-            f"so every parameter of the optimizer needs a gradient at each step (pass "
-            f"only trainable parameters, or zero_grad(set_to_none=False))")
+        """True if some parameter has a gradient, False if none has one.
+
+        A subgroup none of whose parameters has a gradient is skipped this
+        step (left as it is, its step count unchanged: torch skips such
+        parameters too); one where only some have one is refused, as its
+        state is stored and stepped together. Sets self._skip.
+        """
+        self._skip = {}
+        any_grad = False
+        for sg in self._subgroups:
+            have = [p.grad is not None for p in sg.params]
+            if all(have):
+                any_grad = True
+                self._skip[sg.index] = False
+            elif not any(have):
+                self._skip[sg.index] = True
+            else:
+                missing = [pid for pid, h in zip(sg.param_ids, have) if not h]
+                raise OffloadError(
+                    f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
+                    f"gradient while others of their subgroup {sg.index} do; the offloaded "
+                    f"state is updated per subgroup, so a subgroup's parameters need a "
+                    f"gradient together or not at all (pass only trainable parameters, "
+                    f"or zero_grad(set_to_none=False))")
+        return any_grad
 
     def _ensure_initialized(self):
         if self._initialized:
             return
+        if self._engine is not None and self._commit_every > 0:
+            # The engine commits the initial state (step 0) once every
+            # subgroup is initialised: its Python side goes first.
+            self._write_pystate(0)
         for g in self._owned:
             sg = self._subgroups[g]
             flat = _layout.flat_fp32(sg.params)
@@ -422,12 +551,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         stats = None
         if self._engine is not None:
-            if not self._techniques["delayed_grad_conversion"]:
-                self._offload_stale_grads()
-            if self._family is not None:
-                stats = self._native_step(grad_scale, skip_nonfinite)
-            else:
-                stats = self._generic_step(grad_scale, skip_nonfinite)
+            stats = self._guarded_step(grad_scale, skip_nonfinite, amp, scale)
         skipped = bool(stats and stats.get("skipped"))
         if self._group is not None:
             skipped = self._any_rank(skipped)
@@ -440,22 +564,161 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self.last_step_stats = stats
         return loss
 
+    def _engine_step(self, grad_scale, skip_nonfinite, amp, scale):
+        """The engine's part of step(): one update of this rank's subgroups."""
+        stats = None
+        if self._staging is not None:
+            # GradScaler.unscale_ rescales the gradients in place without
+            # bumping their version: copy them all again.
+            stats = self._staging.step(grad_scale, skip_nonfinite,
+                                       refresh_all=amp and scale is None)
+        else:
+            if not self._techniques["delayed_grad_conversion"]:
+                self._offload_stale_grads()
+            if self._family is not None:
+                stats = self._native_step(grad_scale, skip_nonfinite)
+            else:
+                stats = self._generic_step(grad_scale, skip_nonfinite)
+        return stats
+
+    def _guarded_step(self, grad_scale, skip_nonfinite, amp, scale):
+        """Runs _engine_step all-or-nothing as the user sees it.
+
+        If the step raises, the model's parameters are put back to their
+        values before it (with atomic_step) and the error names the tier and
+        the operation. The engine keeps what it finished (see AbortStep in
+        mlp_offload/engine.h): calling step() again with the same gradients
+        first restores the parameters of the subgroups already updated, then
+        updates the rest, which gives exactly the uninterrupted result. A
+        step that completed but whose commit failed is not run twice.
+        """
+        engine = self._engine
+        params = [p for g in self._owned for p in self._subgroups[g].params]
+        failed, self._failed_step = self._failed_step, None
+        if failed is not None and failed["partial"] is not None:
+            for p, v in zip(params, failed["partial"]):
+                p.copy_(v)
+        if failed is not None:
+            before = failed["before"]
+        else:
+            before = [p.detach().clone() for p in params] if self._atomic_step else None
+        start = engine.steps
+        try:
+            if failed is not None and failed["completed"]:
+                stats = {"step": start, "skipped": False, "completed_earlier": True}
+            else:
+                if self._family is not None and self._commits_next():
+                    self._write_pystate(start + 1)
+                stats = self._engine_step(grad_scale, skip_nonfinite, amp, scale)
+        except BaseException as exc:
+            try:
+                completed = engine.steps > start
+                incomplete = engine.step_incomplete
+            except OffloadError:  # the engine was closed under us
+                completed = incomplete = False
+            if completed or incomplete:
+                self._failed_step = {
+                    "before": before, "completed": completed,
+                    "partial": None if before is None else [p.detach().clone() for p in params],
+                }
+            if before is not None:
+                for p, v in zip(params, before):
+                    p.copy_(v)
+            err = _recovery.annotate(exc, self._tiers, self._run_name,
+                                     f"optimizer step {start + 1}")
+            if err is exc:
+                raise
+            raise err from exc
+        if self._commit_every > 0 and engine.steps > start \
+                and engine.committed_step == engine.steps:
+            _recovery.prune_pystate(self._pystate_dir(), engine.steps)
+        return stats
+
+    def _commits_next(self):
+        """Whether the engine commits at the end of the next step."""
+        return self._commit_every > 0 and (self._engine.steps + 1) % self._commit_every == 0
+
+    # ------------------------------------------------------------- resume
+
+    def _pystate_dir(self):
+        return os.path.join(self._tiers[0]["path"], self._run_name)
+
+    def _write_pystate(self, step):
+        """Writes the Python-side state for committed step `step` (see recovery.py)."""
+        own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
+        _recovery.write_pystate(self._pystate_dir(), step, {
+            "param_groups": self.optimizer.state_dict()["param_groups"],
+            "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
+            "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
+            "layout": self._layout_summary(),
+        }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
+
+    def _checkpoint_exists(self):
+        return self._checkpoint_dir is not None and \
+            os.path.exists(self._manifest_path(self._checkpoint_dir))
+
+    def _check_layout(self, got, where):
+        want = self._layout_summary()
+        for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays",
+                    "param_shapes", "subgroups"):
+            if want[key] != got.get(key):
+                raise StateMismatchError(
+                    f"{where} was written for another model or optimizer: {key} is "
+                    f"{got.get(key)!r} there, {want[key]!r} here")
+
+    def _params_from_masters(self):
+        """Sets the model's parameters from the engine's fp32 master copy."""
+        with torch.no_grad():
+            for g in self._owned:
+                master, _, _ = self._read_subgroup(g)
+                for p, _, off, n in self._subgroups[g].slices():
+                    p.copy_(master[off:off + n].view(p.shape))
+            if self._group is not None:
+                self._broadcast_params()
+
+    def _resume_run(self):
+        """resume='auto'/'require': the committed step, else the checkpoint."""
+        self._want_resume = False
+        engine = self._engine
+        if engine is not None and engine.resumed:
+            step = engine.committed_step
+            run_dir = self._pystate_dir()
+            state = _recovery.read_pystate(run_dir, step)
+            self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
+            self.optimizer.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
+            self.optimizer.state.clear()
+            self.param_groups = self.optimizer.param_groups
+            self._refresh_hyperparams()
+            self._py_state.update({int(k): v for k, v in state["py_state"].items()})
+            self._has_state.update({int(k): v for k, v in state["has_state"].items()})
+            self._initialized = True
+            self._pending_state = None
+            self._params_from_masters()
+            _recovery.prune_pystate(run_dir, step)
+            self.resumed_from, self.resumed_step = "committed_step", step
+        elif self._checkpoint_exists():
+            self.load_checkpoint(self._checkpoint_dir, restore_params=True)
+            self.resumed_from = "checkpoint"
+            self.resumed_step = engine.steps if engine is not None else None
+        if self.resumed_from is None:
+            _log.info("run %r: nothing to resume, starting fresh", self._run_prefix)
+        else:
+            _log.info("run %r: resumed from the %s at step %s", self._run_prefix,
+                      "last committed step" if self.resumed_from == "committed_step"
+                      else f"checkpoint in {self._checkpoint_dir}", self.resumed_step)
+
     @staticmethod
     def _uniform_arrays(hps):
-        counts = [_hp.num_state_arrays(h) for h in hps]
-        if len(set(counts)) != 1:
-            raise ConfigError(
-                f"param groups keep different numbers of state arrays per parameter "
-                f"({counts}: e.g. amsgrad or SGD momentum in some groups only); the "
-                f"native path needs them equal")
-        return counts[0]
+        # Groups that keep fewer arrays (amsgrad or SGD momentum in some
+        # groups only) leave the extra ones unused.
+        return max(_hp.num_state_arrays(h) for h in hps)
 
     def _refresh_hyperparams(self):
         if self._family is None:
             return
         self._group_hps = [_hp.group_hyperparams(self._family, g) for g in self.param_groups]
         need = self._uniform_arrays(self._group_hps)
-        if need != self._num_arrays:
+        if need > self._num_arrays:
             raise ConfigError(
                 f"the hyperparameters now need {need} state arrays per parameter, the "
                 f"engine was created with {self._num_arrays} (e.g. SGD momentum or amsgrad "
@@ -465,7 +728,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         inputs = []
         for g in self._owned:
             sg = self._subgroups[g]
-            inputs.append((sg.group, self._segments(sg)))
+            if self._skip.get(g):
+                inputs.append((sg.group, [], True))
+            else:
+                inputs.append((sg.group, self._segments(sg)))
         return self._engine.step(self._group_hps, inputs, _layout.DTYPE_NAMES[self._dtype],
                                  grad_scale, skip_nonfinite)
 
@@ -474,6 +740,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         (unscale_, clipping, accumulation) or never offloaded."""
         for g in self._owned:
             sg = self._subgroups[g]
+            if self._skip.get(g):
+                continue
             versions = [p.grad._version for p in sg.params]
             if self._grad_version.get(g) != versions:
                 self._offload_grads(g)
@@ -484,7 +752,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if skip_nonfinite:
             for sg in (self._subgroups[g] for g in self._owned):
                 for p in sg.params:
-                    if not torch.isfinite(p.grad).all():
+                    if p.grad is not None and not torch.isfinite(p.grad).all():
                         return {"skipped": True}
         engine = self._engine
         engine.begin_step()
@@ -494,6 +762,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if view.subgroup < 0:
                     break
                 sg = self._subgroups[self._owned[view.subgroup]]
+                if self._skip.get(sg.index):
+                    engine.done(updated=False)
+                    continue
                 master = _layout.float_view(view.master, view.numel)
                 arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
                 keys = self._keys[sg.group]
@@ -505,6 +776,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     p.copy_(master[off:off + n].view(p.shape))
                 del master, arrays, grad32
                 engine.done()
+            if self._commits_next():
+                # Every record is final: the Python side of the step goes
+                # to disk before end_step commits the engine's.
+                self._write_pystate(engine.steps + 1)
             return engine.end_step()
         except BaseException:
             # The engine keeps the subgroups already updated (and their
@@ -780,7 +1055,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         intact. In a process group every rank writes its own shard.
         """
         directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         self._refresh_hyperparams()
         self._ensure_initialized()
         old = self._read_manifest(directory, missing_ok=True)
@@ -796,19 +1071,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
         }
         buf_path = os.path.join(directory, python_file)
-        tmp = f"{buf_path}.tmp"
-        torch.save(python_state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, buf_path)
+        _recovery.write_file_atomically(buf_path, _torch_save_bytes(python_state))
         manifest = {
             "format": _CHECKPOINT_FORMAT,
             "version": _CHECKPOINT_VERSION,
             "rank": self._rank,
             "engine_dir": engine_dir if self._engine is not None else None,
             "python_state": python_file,
+            "python_state_sha256": _recovery.file_sha256(buf_path),
             "layout": self._layout_summary(),
         }
+        manifest["checksum"] = _manifest_checksum(manifest)
         _atomic_write_bytes(self._manifest_path(directory),
                             json.dumps(manifest, indent=1).encode())
         _fsync_dir(directory)
@@ -826,9 +1099,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _read_manifest(self, directory, missing_ok=False):
         path = self._manifest_path(directory)
+        from mlp_offload.errors import CorruptStateError
         try:
-            with open(path) as f:
-                manifest = json.load(f)
+            with open(path, "rb") as f:
+                manifest = json.loads(f.read().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
         except FileNotFoundError:
             if missing_ok:
                 return None
@@ -837,9 +1113,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except json.JSONDecodeError as e:
             from mlp_offload.errors import CorruptStateError
             raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
+        if not isinstance(manifest, dict):
+            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: not an object")
+        # Checked first, so a damaged format or version field reads as damage.
+        if "checksum" in manifest and manifest["checksum"] != _manifest_checksum(manifest):
+            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: checksum "
+                                    f"mismatch")
+        if "checksum" not in manifest and manifest.get("version") != 1:
+            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: no checksum")
         if manifest.get("format") != _CHECKPOINT_FORMAT:
             raise StateMismatchError(f"{path} is not an MLP-Offload optimizer checkpoint")
-        if manifest.get("version") != _CHECKPOINT_VERSION:
+        if manifest.get("version") not in (1, _CHECKPOINT_VERSION):
             raise StateMismatchError(f"{path} has checkpoint version "
                                      f"{manifest.get('version')}, expected {_CHECKPOINT_VERSION}")
         return manifest
@@ -872,8 +1156,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise StateMismatchError(
                 f"checkpoint in {directory} packs parameters into other subgroups "
                 f"(subgroup_numel differs)")
-        python_state = torch.load(os.path.join(directory, manifest["python_state"]),
-                                  weights_only=True)
+        python_path = os.path.join(directory, manifest["python_state"])
+        want_sha = manifest.get("python_state_sha256")
+        if want_sha is not None and _recovery.file_sha256(python_path) != want_sha:
+            from mlp_offload.errors import CorruptStateError
+            raise CorruptStateError(f"checkpoint file {python_path} is corrupt: checksum "
+                                    f"mismatch")
+        python_state = torch.load(python_path, weights_only=True)
         self.optimizer.load_state_dict({"state": {},
                                         "param_groups": python_state["param_groups"]})
         self.optimizer.state.clear()

@@ -1,0 +1,423 @@
+"""The device path of MLPOffloadOptimizer: parameters and gradients on a GPU.
+
+The model's parameters and gradients live on a CUDA device, the optimizer
+state on the host and the tiers below it. Per subgroup:
+
+- backward: as soon as the last gradient of a subgroup is final (a
+  post-accumulate-grad hook), a side stream computes its sum of squares and
+  NaN/Inf flag on the device (the CUDA kernel of //gpu, or torch ops when the
+  extension was built without CUDA) and copies the gradients, in their
+  training dtype, into a pinned host buffer (technique 3: no fp32 conversion
+  on the GPU, no extra host pass);
+- step: the engine streams the subgroups in; for each, the fused CPU kernel
+  reads the staged gradients and writes the new parameters, in the model's
+  dtype, into a pinned ring buffer, and a second side stream copies them
+  host-to-device while the next subgroup is updated.
+
+The pinned buffers are the io layer's aligned buffers (O_DIRECT-ready),
+page-locked with cudaHostRegister through AlignedBuffer's hooks when the
+extension was built with --config=cuda; otherwise torch's pinned allocator
+provides them. Gradients changed on the device after their copy (clipping in
+place, accumulation, GradScaler.unscale_) are copied again at step time, so
+results never depend on when the hooks ran; `clip_grad_norm_` of the
+optimizer clips without touching the gradients, from the device statistics.
+
+Every step leaves its timings in the optimizer's `last_step_stats`:
+d2h/h2d transfer seconds (device-timed) next to the seconds the host spent
+waiting for them, which is what the overlap saves.
+"""
+
+import time
+import weakref
+
+import torch
+
+from mlp_offload import _C
+from mlp_offload import generic as _generic
+from mlp_offload import hyperparams as _hp
+from mlp_offload import layout as _layout
+from mlp_offload.errors import ConfigError, OffloadError
+
+# Host buffers that receive updated parameters: while the kernel fills one,
+# the others can still be in flight to the device.
+PARAM_RING = 3
+
+# Tests only: route CPU parameters through this path too (synchronous copies
+# stand in for the streams), so its bookkeeping runs where there is no GPU.
+_STAGE_CPU_PARAMS = False
+
+
+def wanted(device):
+    """Whether parameters on `device` take the staged (device) path."""
+    return device.type == "cuda" or (_STAGE_CPU_PARAMS and device.type == "cpu")
+
+
+def _release(handles, streams):
+    """Finalizer: no copy may still use the buffers about to be freed."""
+    for s in streams:
+        s.synchronize()
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+class _Allocator:
+    """Pinned host tensors: io-layer buffers when the CUDA hooks are on."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.kind = "aligned"
+        self.reason = "CPU parameters: nothing to pin"
+        if self.cuda:
+            if _C.cuda.compiled:
+                # The context exists before the first registration.
+                torch.cuda.init()
+                index = device.index if device.index is not None \
+                    else torch.cuda.current_device()
+                enabled, reason = _C.cuda.enable_host_pinning(index)
+                self.reason = reason
+                self.kind = "cudaHostRegister" if enabled else "torch.pin_memory"
+            else:
+                self.kind = "torch.pin_memory"
+                self.reason = "extension built without CUDA"
+
+    def empty(self, numel, dtype):
+        if self.kind == "torch.pin_memory":
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        buf = _C.cuda.HostBuffer(numel * dtype.itemsize, pin=self.cuda)
+        if self.cuda and not buf.pinned:
+            raise OffloadError("a host buffer came back unpinned although pinning is on")
+        # frombuffer keeps `buf` alive as long as the tensor (or a view).
+        return torch.frombuffer(buf, dtype=dtype, count=numel)
+
+
+class DeviceStaging:
+    """Gradient and parameter staging of one MLPOffloadOptimizer on a device."""
+
+    def __init__(self, opt):
+        self._opt = weakref.ref(opt)
+        self.device = opt._device
+        self.cuda = self.device.type == "cuda"
+        self._dtype = opt._dtype
+        self._dtype_name = _layout.DTYPE_NAMES[self._dtype]
+        self._subgroups = opt._subgroups
+        self._owned = set(opt._owned)
+        self._alloc = _Allocator(self.device)
+        n = len(self._subgroups)
+
+        # Staged gradients of the subgroups this rank updates, in model dtype.
+        self._grad_host = {g: self._alloc.empty(self._subgroups[g].numel, self._dtype)
+                           for g in opt._owned}
+        widest = max([self._subgroups[g].numel for g in opt._owned], default=0)
+        self._ring = [self._alloc.empty(widest, self._dtype) for _ in range(PARAM_RING)] \
+            if widest else []
+        self._ring_busy = [None] * len(self._ring)  # event of the H2D reading it
+
+        # Per subgroup, on the device: sum of squares and NaN/Inf flag.
+        self._sumsq = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self._bad = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._staged = [None] * n       # gradient identity at its last copy
+        self._d2h_done = [None] * n     # event: copy (and stats) finished
+        self._d2h_timing = []           # (start, end) events since the last step
+        self._offloaded = [None] * n    # baseline: identity handed to the engine
+        self._seen = {}
+        self._handles = []
+        self._clip = None               # max_norm from clip_grad_norm_
+        streams = []
+        if self.cuda:
+            self._d2h = torch.cuda.Stream(self.device)
+            self._h2d = torch.cuda.Stream(self.device)
+            streams = [self._d2h, self._h2d]
+        self._finalizer = weakref.finalize(self, _release, self._handles, streams)
+        # The //gpu kernel runs on the extension's own CUDA runtime: used when
+        # that runtime works here (it is what pinned the buffers).
+        self.grad_stats = "cuda-kernel" if self.pinning == "cudaHostRegister" else "torch"
+
+    @property
+    def pinning(self):
+        """How the host buffers are pinned: 'cudaHostRegister', 'torch.pin_memory'
+        or 'aligned' (CPU parameters: nothing to pin)."""
+        return self._alloc.kind
+
+    def close(self):
+        self._finalizer()
+        self._grad_host.clear()
+        self._ring = []
+        self._ring_busy = []
+
+    # ------------------------------------------------------------- backward
+
+    def install_hooks(self):
+        _remove_handles(self._handles)
+        self._seen = {}
+        ref = weakref.ref(self)
+        for sg in self._subgroups:
+            for p in sg.params:
+                if p.requires_grad:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(self._hook(ref, sg.index)))
+
+    @staticmethod
+    def _hook(ref, g):
+        def hook(param):
+            staging = ref()
+            if staging is None:
+                return
+            seen = staging._seen.setdefault(g, set())
+            seen.add(id(param))
+            if len(seen) == len(staging._subgroups[g].params):
+                staging._seen[g] = set()
+                staging._stage(g)
+        return hook
+
+    @staticmethod
+    def _identity(sg):
+        ids = []
+        for p in sg.params:
+            if p.grad is None:
+                return None
+            ids.append((p.grad.data_ptr(), p.grad._version))
+        return ids
+
+    def _check_grads(self, sg):
+        for p, pid, _, _ in sg.slices():
+            g = p.grad
+            if g.dtype != p.dtype or g.shape != p.shape or g.is_sparse \
+                    or not g.is_contiguous() or g.device != p.device:
+                raise ConfigError(
+                    f"the gradient of parameter {pid} must be a dense contiguous "
+                    f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}")
+
+    def _stage(self, g):
+        """Statistics and (for owned subgroups) the D2H copy of subgroup g."""
+        sg = self._subgroups[g]
+        self._check_grads(sg)
+        grads = [p.grad for p in sg.params]
+        if self.cuda:
+            producer = torch.cuda.current_stream(self.device)
+            self._d2h.wait_stream(producer)
+            with torch.cuda.stream(self._d2h):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._grad_stats(g, grads)
+                if g in self._owned:
+                    host = self._grad_host[g]
+                    for p, _, off, n in sg.slices():
+                        host[off:off + n].copy_(p.grad.view(-1), non_blocking=True)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+            for t in grads:
+                t.record_stream(self._d2h)  # the allocator must not reuse them early
+            self._d2h_done[g] = done
+            self._d2h_timing.append((start, done))
+        else:
+            self._grad_stats(g, grads)
+            if g in self._owned:
+                host = self._grad_host[g]
+                for p, _, off, n in sg.slices():
+                    host[off:off + n].copy_(p.grad.view(-1))
+        self._staged[g] = self._identity(sg)
+        opt = self._opt()
+        if opt is not None and g in self._owned and opt._initialized \
+                and not opt._techniques["delayed_grad_conversion"]:
+            # Baseline: convert and write during backward, as ZeRO-Infinity does.
+            self._offload_one(opt, g)
+
+    def _grad_stats(self, g, grads):
+        """Sum of squares and NaN/Inf flag of one subgroup, on its device."""
+        self._sumsq[g].zero_()
+        self._bad[g].zero_()
+        if self.grad_stats == "cuda-kernel":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            sumsq = self._sumsq[g:g + 1].data_ptr()
+            bad = self._bad[g:g + 1].data_ptr()
+            for t in grads:
+                _C.cuda.grad_stats(t.data_ptr(), self._dtype_name, t.numel(), sumsq, bad,
+                                   stream)
+            return
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        sq = torch.stack(norms).square()
+        self._sumsq[g] = sq.sum()
+        self._bad[g] = (~torch.isfinite(sq)).any().to(torch.int32)
+
+    def refresh(self, force=False):
+        """Stages again every subgroup whose gradients changed since their copy."""
+        for sg in self._subgroups:
+            ident = self._identity(sg)
+            if ident is None:
+                raise OffloadError(f"subgroup {sg.index} has parameters without gradient")
+            if force or self._staged[sg.index] != ident:
+                self._stage(sg.index)
+        self._seen = {}
+
+    # ------------------------------------------------------- norm, clipping
+
+    def total_norm(self):
+        """The global L2 norm of the staged gradients (a 0-dim device tensor)."""
+        self.refresh()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._d2h)
+        return self._sumsq.sum().sqrt()
+
+    def clip_grad_norm_(self, max_norm):
+        """Records a clip to max_norm applied inside the update (gradients are
+        left as they are); returns the total norm before clipping."""
+        norm = self.total_norm()
+        self._clip = float(max_norm)
+        return norm
+
+    def _nonfinite(self):
+        """Whether a staged gradient is NaN/Inf (waits for backward's kernels)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._d2h)
+        return bool(self._bad.any().item())
+
+    # ----------------------------------------------------------------- step
+
+    def step(self, grad_scale, skip_nonfinite, refresh_all=False):
+        """One update of this rank's subgroups; returns the stats dict."""
+        opt = self._opt()
+        t_start = time.perf_counter()
+        self.refresh(force=refresh_all)
+        clip, self._clip = self._clip, None
+        extra = {"pinning": self.pinning, "grad_stats": self.grad_stats}
+        t = time.perf_counter()
+        bad = skip_nonfinite and self._nonfinite()
+        extra["grad_check_seconds"] = time.perf_counter() - t
+        if bad:
+            self._d2h_timing = []
+            return dict(extra, skipped=True)
+        if clip is not None:
+            # The norm of the unscaled gradients; the coefficient joins the
+            # loss-scale factor, so the gradients are read once, in the kernel.
+            norm = float(self._sumsq.sum().sqrt().item()) * grad_scale
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                grad_scale *= coef
+            extra["grad_norm"] = norm
+        engine = opt._engine
+        if not opt._techniques["delayed_grad_conversion"]:
+            self._offload_to_engine(opt)
+
+        d2h_wait = h2d_wait = compute = 0.0
+        h2d_timing = []
+        if self.cuda:
+            # Backward kernels still in flight may read the parameters.
+            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+        threads = opt._engine_settings["compute_threads"]
+        slot = 0
+        engine.begin_step()
+        try:
+            while True:
+                view = engine.next()
+                if view.subgroup < 0:
+                    break
+                g = opt._owned[view.subgroup]
+                sg = self._subgroups[g]
+                t = time.perf_counter()
+                if self.cuda and self._d2h_done[g] is not None:
+                    self._d2h_done[g].synchronize()
+                d2h_wait += time.perf_counter() - t
+                k = slot % len(self._ring)
+                slot += 1
+                t = time.perf_counter()
+                if self._ring_busy[k] is not None:
+                    self._ring_busy[k].synchronize()
+                    self._ring_busy[k] = None
+                h2d_wait += time.perf_counter() - t
+                out = self._ring[k][:sg.numel]
+                t = time.perf_counter()
+                if opt._family is not None:
+                    self._native_update(opt, sg, view, out, grad_scale, threads)
+                else:
+                    self._generic_update(opt, sg, view, out, grad_scale)
+                compute += time.perf_counter() - t
+                engine.done()
+                h2d_timing.append(self._to_device(sg, out, k))
+            stats = engine.end_step()
+        except BaseException:
+            engine.abort_step()
+            raise
+        t = time.perf_counter()
+        if self.cuda:
+            self._h2d.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)
+        tail = time.perf_counter() - t
+        stats.update(extra)
+        stats["compute_seconds"] = compute
+        stats["d2h_wait_seconds"] = d2h_wait
+        stats["h2d_wait_seconds"] = h2d_wait + tail
+        stats["d2h_seconds"] = self._elapsed(self._d2h_timing)
+        stats["h2d_seconds"] = self._elapsed(h2d_timing)
+        stats["transfer_wait_seconds"] = d2h_wait + h2d_wait + tail
+        stats["seconds"] = time.perf_counter() - t_start
+        self._d2h_timing = []
+        return stats
+
+    def _native_update(self, opt, sg, view, out, grad_scale, threads):
+        hp = dict(opt._group_hps[sg.group])
+        hp["step"] = view.step + 1
+        if view.grad32:
+            grad, grad_dtype = view.grad32, "float32"
+        else:
+            grad, grad_dtype = self._grad_host[sg.index].data_ptr(), self._dtype_name
+        state = list(view.state[:_hp.num_state_arrays(hp)])
+        _C.kernels.apply_optimizer(hp, view.master, state, grad, grad_dtype, view.numel,
+                                   out.data_ptr(), self._dtype_name, grad_scale, False,
+                                   threads)
+
+    def _generic_update(self, opt, sg, view, out, grad_scale):
+        master = _layout.float_view(view.master, view.numel)
+        arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
+        keys = opt._keys[sg.group]
+        if view.grad32:
+            grad32 = _layout.float_view(view.grad32, view.numel)
+        else:
+            grad32 = self._grad_host[sg.index].to(torch.float32)
+        _generic.update_subgroup(opt.optimizer, sg, keys, master, arrays[:len(keys)],
+                                 opt._py_state, opt._has_state, grad_scale, grad32)
+        out.copy_(master)
+
+    def _to_device(self, sg, out, k):
+        """Issues the H2D copy of one subgroup's new parameters from ring slot k."""
+        if not self.cuda:
+            for p, _, off, n in sg.slices():
+                p.detach().view(-1).copy_(out[off:off + n])
+            return None
+        with torch.cuda.stream(self._h2d):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for p, _, off, n in sg.slices():
+                p.detach().view(-1).copy_(out[off:off + n], non_blocking=True)
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        self._ring_busy[k] = done
+        return start, done
+
+    @staticmethod
+    def _elapsed(pairs):
+        total = 0.0
+        for pair in pairs:
+            if pair is None:
+                continue
+            start, done = pair
+            done.synchronize()
+            total += start.elapsed_time(done) / 1e3
+        return total
+
+    def _offload_to_engine(self, opt):
+        """Baseline: hands the staged gradients to the engine (fp32 conversion
+        and tier write) where backward did not already."""
+        for g in opt._owned:
+            if self._offloaded[g] is None or self._offloaded[g] != self._staged[g]:
+                self._offload_one(opt, g)
+
+    def _offload_one(self, opt, g):
+        sg = self._subgroups[g]
+        if self.cuda and self._d2h_done[g] is not None:
+            self._d2h_done[g].synchronize()
+        host = self._grad_host[g]
+        base, size = host.data_ptr(), host.element_size()
+        segs = [(off, n, base + off * size, 0) for _, _, off, n in sg.slices()]
+        opt._engine.offload_gradients(opt._local[g], segs)
+        self._offloaded[g] = self._staged[g]

@@ -1,0 +1,233 @@
+"""Crash recovery of a training run, as the Python wrapper sees it.
+
+The engine keeps the live offloaded state crash-consistent on its own: two
+slots per subgroup and a COMMIT record per tier naming the slots of the last
+committed step (mlp_offload/engine.h). What the engine does not hold is the
+small Python-side state: the param_groups' hyperparameters as last used and,
+for the generic path, the wrapped optimizer's per-parameter scalars. This
+module stores that state as one small file per committed step in the run
+directory of tier 0, and finds the run's committed state when it restarts.
+
+Ordering, so that a crash at any moment leaves a consistent pair: the file
+for step N is written (atomically: a temporary name, fsync, rename, fsync of
+the directory) *before* the engine commits step N, once everything it holds
+is final. A crash before the commit leaves the engine at step N-1, whose file
+is still there (older files are removed only after a commit); a crash after
+it finds the file for N. On resume the file matching the engine's committed
+step is read and every other one removed.
+
+Also here: the per-run directory names of a persistent run, and the mapping
+of an engine error to the tier it happened on, so that every error raised
+by a step names the tier, its path and the operation.
+"""
+
+import errno
+import hashlib
+import io
+import os
+import re
+
+import torch
+
+from mlp_offload.errors import (ConfigError, CorruptStateError, OffloadError, TierError,
+                                TierFullError, TierIOError, TierNotFoundError,
+                                TierPermissionError)
+
+_PYSTATE_RE = re.compile(r"^pystate-(\d{12})\.pt$")
+_PYSTATE_FORMAT = "mlp_offload.pystate"
+_DIGEST_BYTES = 64  # hex sha256, then a newline, then the torch.save payload
+RESUME_MODES = ("never", "auto", "require")
+
+
+def run_dir_name(run_name, rank):
+    """The directory a persistent run keeps under every tier (per rank)."""
+    if not isinstance(run_name, str) or not run_name or "/" in run_name \
+            or run_name in (".", "..") or "\0" in run_name:
+        raise ConfigError(f"run_name must be a plain directory name, got {run_name!r}")
+    return f"{run_name}.r{rank}"
+
+
+def run_dirs(tiers, dirname):
+    return [os.path.join(t["path"], dirname) for t in tiers]
+
+
+def has_committed_state(dirs):
+    """Whether every tier's run directory holds a manifest and a commit record.
+
+    A tier without them means the run never committed (or a fresh start was
+    under way when it died): nothing there to resume.
+    """
+    for d in dirs:
+        for name in ("MANIFEST", "COMMIT"):
+            try:
+                st = os.lstat(os.path.join(d, name))
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                raise os_error_to_tier_error(e, f"looking for committed state ({name})",
+                                             d) from e
+            if not _is_regular(st):
+                return False
+    return True
+
+
+def _is_regular(st):
+    import stat
+    return stat.S_ISREG(st.st_mode)
+
+
+def os_error_to_tier_error(err, operation, path, tier=None):
+    """A TierError subclass for an OSError raised by Python file operations."""
+    code = getattr(err, "errno", None)
+    if code == errno.ENOSPC or code == errno.EDQUOT:
+        cls = TierFullError
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cls = TierPermissionError
+    elif code in (errno.ENOENT, errno.ENOTDIR):
+        cls = TierNotFoundError
+    else:
+        cls = TierIOError
+    where = f"tier {tier}: " if tier is not None else ""
+    return cls(f"{where}{operation} {path}: {getattr(err, 'strerror', None) or err}")
+
+
+def pystate_path(run_dir, step):
+    return os.path.join(run_dir, f"pystate-{int(step):012d}.pt")
+
+
+def write_pystate(run_dir, step, state, tier_label="tier 0"):
+    """Writes `state` (torch.save-able) for committed step `step`, atomically, 0600."""
+    buf = io.BytesIO()
+    torch.save(dict(state, format=_PYSTATE_FORMAT, step=int(step)), buf)
+    payload = buf.getvalue()
+    data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    path = pystate_path(run_dir, step)
+    try:
+        write_file_atomically(path, data)
+    except OSError as e:
+        raise os_error_to_tier_error(e, "writing the Python-side state of step "
+                                        f"{step} to", path, tier=tier_label) from e
+
+
+def read_pystate(run_dir, step):
+    """The state written for `step`; CorruptStateError if missing or damaged."""
+    path = pystate_path(run_dir, step)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CorruptStateError(
+            f"{path} is missing: the Python-side state (param_groups) of committed step "
+            f"{step}") from None
+    except OSError as e:
+        raise os_error_to_tier_error(e, "opening", path) from e
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    digest, payload = data[:_DIGEST_BYTES], data[_DIGEST_BYTES + 1:]
+    if len(data) <= _DIGEST_BYTES or data[_DIGEST_BYTES:_DIGEST_BYTES + 1] != b"\n" \
+            or hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise CorruptStateError(f"{path}: checksum mismatch (the Python-side state of "
+                                f"committed step {step} is corrupt)")
+    try:
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as e:  # a valid checksum over an unreadable payload
+        raise CorruptStateError(f"{path}: unreadable ({e})") from e
+    if not isinstance(state, dict) or state.get("format") != _PYSTATE_FORMAT \
+            or state.get("step") != int(step):
+        raise CorruptStateError(f"{path}: not the Python-side state of step {step}")
+    return state
+
+
+def prune_pystate(run_dir, keep_step):
+    """Removes every Python-side state file but the one of `keep_step`."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return
+    keep = os.path.basename(pystate_path(run_dir, keep_step))
+    for name in names:
+        if name == keep:
+            continue
+        if _PYSTATE_RE.match(name) or (name.startswith("pystate-") and ".tmp" in name):
+            try:
+                os.remove(os.path.join(run_dir, name))
+            except OSError:
+                pass  # garbage only: the next prune retries
+
+
+def write_file_atomically(path, data, mode=0o600):
+    """Writes `data` to a fresh temporary name, fsyncs, renames it over `path`.
+
+    The file is created `mode` (0600) and symlinks are never followed.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# Transfers cut short are I/O failures of the tier, whatever status code the
+# io layer gave them (DataLoss from the fault injector, OutOfRange for an
+# unexpected end of file).
+_SHORT_TRANSFER = ("short read", "short write", "unexpected end of file")
+
+
+def annotate(exc, tiers, dirname, operation):
+    """The exception to raise for `exc` (an OffloadError) from `operation`.
+
+    Names the tier (index, name, path) the failure happened on when its
+    message names a path on one, and types a transfer cut short as
+    TierIOError. Other errors come back unchanged.
+    """
+    if not isinstance(exc, OffloadError):
+        return exc
+    msg = str(exc)
+    tier = None
+    for i, t in enumerate(tiers):
+        candidates = {os.path.join(t["path"], dirname),
+                      os.path.join(os.path.realpath(t["path"]), dirname)}
+        if any(c in msg for c in candidates):
+            tier = i
+            break
+    cls = type(exc)
+    if tier is not None and not isinstance(exc, TierError) \
+            and any(s in msg for s in _SHORT_TRANSFER):
+        cls = TierIOError
+    if tier is None:
+        if cls is type(exc):
+            return exc
+        return cls(f"{operation}: {msg}")
+    t = tiers[tier]
+    return cls(f"tier {tier} ({t.get('name', f'tier{tier}')}, {t['path']}): {operation}: {msg}")

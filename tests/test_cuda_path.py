@@ -1,0 +1,302 @@
+"""MLPOffloadOptimizer with parameters on a GPU (python/mlp_offload/cuda_path.py).
+
+Two halves. The CPU half runs everywhere: the staged path's bookkeeping
+(hooks, re-staging of gradients changed after their copy, the per-subgroup
+update loop, clipping from statistics, baseline mode) is forced onto CPU
+parameters, with synchronous copies standing in for the streams, and checked
+against the plain torch optimizer; and the extension's `_C.cuda` module has
+the same shape with and without CUDA. The GPU half needs a CUDA device and
+skips, with the reason, where there is none: parity with torch on CUDA (fp32
+and bf16), the transfer/update overlap in the step statistics, the device
+gradient statistics, and no pinned memory left after the optimizer is gone.
+"""
+
+import contextlib
+import copy
+import gc
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # CI shares 2 cores between test processes
+
+from mlp_offload import MLPOffloadOptimizer, _C, build_info
+from mlp_offload import cuda_path
+from mlp_offload.errors import NonFiniteGradientError
+
+HAVE_GPU = torch.cuda.is_available()
+NO_GPU_REASON = (f"needs a CUDA device (torch {torch.__version__}: "
+                 f"torch.cuda.is_available() is False)")
+gpu = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU_REASON)
+
+
+def _model(dtype, device, seed=0, width=64):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                            torch.nn.Linear(2 * width, width))
+    return m.to(device=device, dtype=dtype)
+
+
+def _batches(steps, device, dtype, width=64, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, width, generator=gen).to(device=device, dtype=dtype)
+            for _ in range(steps)]
+
+
+def _loss(model, x):
+    return (model(x).float() ** 2).mean()
+
+
+@contextlib.contextmanager
+def _staged_cpu():
+    saved = cuda_path._STAGE_CPU_PARAMS
+    cuda_path._STAGE_CPU_PARAMS = True
+    try:
+        yield
+    finally:
+        cuda_path._STAGE_CPU_PARAMS = saved
+
+
+def _tiers(tmp_path, n=2):
+    out = []
+    for i in range(n):
+        d = tmp_path / f"tier{i}"
+        d.mkdir()
+        out.append(str(d))
+    return out
+
+
+def _reference_step(ref_model, master, ref_opt, model_grads):
+    """torch's optimizer on fp32 masters fed the model-dtype gradients."""
+    for m, g in zip(master, model_grads):
+        m.grad = g.detach().float()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, m in zip(ref_model.parameters(), master):
+            p.copy_(m.to(p.dtype))
+
+
+def _run_parity(tmp_path, device, dtype, make_opt, steps=6, mode="mlp", clip=None,
+                poke=None):
+    model = _model(dtype, device)
+    ref_model = copy.deepcopy(model)
+    master = [p.detach().float().clone().requires_grad_(True) for p in ref_model.parameters()]
+    ref_opt = make_opt(master)
+    opt = MLPOffloadOptimizer(make_opt(model.parameters()), tiers=_tiers(tmp_path),
+                              subgroup_numel=4096, mode=mode, compute_threads=1)
+    assert opt._staging is not None
+    for x in _batches(steps, device, dtype):
+        _loss(model, x).backward()
+        if poke is not None:
+            poke(model)
+        if clip is not None:
+            norm = opt.clip_grad_norm_(clip)
+            ref_norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters()]))
+            torch.testing.assert_close(norm.float().cpu(), ref_norm.float().cpu(),
+                                       rtol=1e-4, atol=1e-6)
+            grads = [p.grad.detach().float() * min(1.0, clip / (float(ref_norm) + 1e-6))
+                     for p in model.parameters()]
+        else:
+            grads = [p.grad for p in model.parameters()]
+        opt.step()
+        _reference_step(ref_model, master, ref_opt, grads)
+        opt.zero_grad(set_to_none=True)
+        # Same weights going into the next step, whatever the rounding.
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref_model.parameters()):
+                tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else \
+                    dict(rtol=2 ** -7, atol=1e-5)
+                torch.testing.assert_close(p.float().cpu(), r.float().cpu(), **tol)
+                r.copy_(p)
+    stats = opt.last_step_stats
+    opt.close()
+    return stats
+
+
+ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+
+
+# ------------------------------------------------------------------ CPU half
+
+def test_cuda_module_has_one_shape_with_or_without_cuda():
+    assert _C.cuda.compiled == build_info()["cuda"]
+    count, reason = _C.cuda.device_count()
+    if count == 0:
+        assert reason  # says why
+    enabled, why = _C.cuda.enable_host_pinning()
+    assert enabled == (count > 0)
+    if not enabled:
+        assert why
+        assert not _C.cuda.host_pinning_enabled()
+
+
+def test_host_buffer_is_aligned_zeroed_and_viewable():
+    buf = _C.cuda.HostBuffer(10_000, pin=False)
+    assert buf.nbytes == 12_288 and buf.data_ptr % 4096 == 0 and not buf.pinned
+    t = torch.frombuffer(buf, dtype=torch.bfloat16, count=5000)
+    assert t.data_ptr() == buf.data_ptr and int(t.float().abs().sum()) == 0
+    del buf  # the tensor keeps the memory alive
+    t.fill_(1.5)
+    assert float(t.float().sum()) == 7500.0
+
+
+def test_cpu_parameters_take_the_host_path_by_default(tmp_path):
+    opt = MLPOffloadOptimizer(ADAMW(_model(torch.float32, "cpu").parameters()),
+                              tiers=_tiers(tmp_path, 1), subgroup_numel=4096)
+    assert opt._staging is None
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+def test_staged_path_matches_torch_on_cpu(tmp_path, dtype, mode):
+    with _staged_cpu():
+        stats = _run_parity(tmp_path, "cpu", dtype, ADAMW, mode=mode)
+    for key in ("d2h_wait_seconds", "h2d_wait_seconds", "d2h_seconds", "h2d_seconds",
+                "transfer_wait_seconds", "compute_seconds"):
+        assert stats[key] >= 0
+    assert stats["pinning"] == "aligned" and stats["grad_stats"] == "torch"
+    assert stats["compute_seconds"] > 0
+
+
+def test_staged_generic_optimizer_matches_torch_on_cpu(tmp_path):
+    rms = lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9)
+    with _staged_cpu():
+        _run_parity(tmp_path, "cpu", torch.float32, rms)
+
+
+def test_staged_clip_uses_the_statistics_and_leaves_grads_alone(tmp_path):
+    with _staged_cpu():
+        _run_parity(tmp_path, "cpu", torch.float32, ADAMW, clip=0.05)
+
+
+def test_gradients_changed_after_their_copy_are_copied_again(tmp_path):
+    def halve(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.mul_(0.5)  # bumps the version: must be re-staged
+
+    with _staged_cpu():
+        _run_parity(tmp_path, "cpu", torch.float32, ADAMW, poke=halve)
+
+
+def test_staged_nonfinite_raises_and_updates_nothing(tmp_path):
+    with _staged_cpu():
+        model = _model(torch.float32, "cpu")
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+                                  subgroup_numel=4096)
+        _loss(model, _batches(1, "cpu", torch.float32)[0]).backward()
+        with torch.no_grad():
+            next(model.parameters()).grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)
+        opt.close()
+
+
+def test_torch_grad_stats_match_a_float64_reference(tmp_path):
+    with _staged_cpu():
+        model = _model(torch.bfloat16, "cpu")
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+                                  subgroup_numel=4096)
+        _loss(model, _batches(1, "cpu", torch.bfloat16)[0]).backward()
+        want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+        got = opt._staging.total_norm()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+        opt.close()
+
+
+# ------------------------------------------------------------------ GPU half
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_torch_on_cuda(tmp_path, dtype):
+    stats = _run_parity(tmp_path, "cuda", dtype, ADAMW)
+    assert stats["pinning"] in ("cudaHostRegister", "torch.pin_memory")
+    assert stats["d2h_seconds"] > 0 and stats["h2d_seconds"] > 0
+
+
+@gpu
+def test_matches_torch_on_cuda_baseline_mode_and_clipping(tmp_path):
+    _run_parity(tmp_path, "cuda", torch.bfloat16, ADAMW, mode="baseline", clip=0.05)
+
+
+@gpu
+def test_staging_buffers_are_pinned(tmp_path):
+    model = _model(torch.bfloat16, "cuda")
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+                              subgroup_numel=4096)
+    st = opt._staging
+    if _C.cuda.compiled:
+        assert st.pinning == "cudaHostRegister", st._alloc.reason
+        assert st.grad_stats == "cuda-kernel"
+    for t in list(st._grad_host.values()) + st._ring:
+        assert t.is_pinned()
+    opt.close()
+
+
+@gpu
+def test_device_grad_stats_match_torch():
+    if not _C.cuda.compiled:
+        pytest.skip("the extension was built without --config=cuda (torch ops are used)")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        g = torch.randn(1_000_003, device="cuda").to(dtype)
+        acc = torch.zeros(1, device="cuda")
+        bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+        stream = torch.cuda.current_stream().cuda_stream
+        _C.cuda.grad_stats(g.data_ptr(), str(dtype).split(".")[1], g.numel(),
+                           acc.data_ptr(), bad.data_ptr(), stream)
+        want = (g.double() ** 2).sum()
+        torch.testing.assert_close(acc.double()[0], want, rtol=1e-4, atol=0)
+        assert int(bad) == 0
+        g[12345] = float("inf")
+        _C.cuda.grad_stats(g.data_ptr(), str(dtype).split(".")[1], g.numel(),
+                           acc.data_ptr(), bad.data_ptr(), stream)
+        assert int(bad) == 1
+
+
+@gpu
+def test_transfers_overlap_the_update(tmp_path):
+    # 8 subgroups of 4M fp32 parameters: the CPU update of one subgroup takes
+    # far longer than the H2D copy of the previous one, so the host should
+    # wait only for the copy of the last subgroup.
+    width = 2048
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                  for _ in range(8)]).cuda()
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+                              host_cache_bytes=1 << 30, subgroup_numel=width * width)
+    x = torch.randn(32, width, device="cuda")
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    s = opt.last_step_stats
+    assert s["h2d_seconds"] > 0
+    assert s["h2d_wait_seconds"] < 0.5 * s["h2d_seconds"], s
+    assert s["transfer_wait_seconds"] < 0.5 * (s["h2d_seconds"] + s["d2h_seconds"]), s
+    opt.close()
+
+
+@gpu
+def test_no_pinned_memory_left_after_delete(tmp_path):
+    def pinned_now():
+        if _C.cuda.compiled:
+            return _C.cuda.registered_host_bytes()
+        stats = torch.cuda.memory.host_memory_stats()
+        return stats.get("allocated_bytes.all.current", 0)
+
+    before = pinned_now()
+    model = _model(torch.bfloat16, "cuda")
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+                              subgroup_numel=4096)
+    _loss(model, _batches(1, "cuda", torch.bfloat16)[0]).backward()
+    opt.step()
+    assert pinned_now() != before  # something was pinned
+    del opt
+    gc.collect()
+    torch.cuda.synchronize()
+    assert pinned_now() == before
