@@ -13,7 +13,7 @@ APT_PACKAGES=(
   bazel-bootstrap bazel-skylib bazel-rules-java
   libabsl-dev libhwy-dev liburing-dev libgtest-dev libgmock-dev
   pybind11-dev python3-dev libpython3.11-dev python3-venv python3-pip
-  g++ fio clang libclang-rt-14-dev
+  g++ fio clang libclang-rt-14-dev clang-format
 )
 
 say() { echo "[setup] $*" >&2; }
