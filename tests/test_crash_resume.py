@@ -22,10 +22,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
-STEPS = 36
+STEPS = 60
 CKPT_EVERY = 4
 KILLS = 24
 
@@ -85,6 +84,7 @@ SERVER = r'''
 import json, os, sys, traceback
 sys.path[:0] = json.loads(sys.argv[1])
 import torch, mlp_offload
+import torch._dynamo  # torch.optim imports it on first use: seconds, so here
 import crash_child
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -193,13 +193,14 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
                                ckpt=str(ckpt), out=str(out))
             if kills < KILLS:
                 how = rng.random()
+                next_ckpt = (done // CKPT_EVERY + 1) * CKPT_EVERY
                 if how < 0.2:  # while starting / resuming
                     time.sleep(rng.uniform(0, 0.05))
-                elif how < 0.5:  # mid-checkpoint
+                elif how < 0.6 and next_ckpt - done <= 2:  # mid-checkpoint
                     wait_for(progress, lambda ev: ev and ev[-1][0] == "ckpt-begin", pid)
                     time.sleep(rng.uniform(0, 0.003))
                 else:  # mid-step
-                    target = done + rng.randint(0, 2)
+                    target = done + rng.randint(0, 1)
                     wait_for(progress, lambda ev: any(
                         e[0] == "done" and int(e[1]) >= target for e in ev), pid)
                     time.sleep(rng.uniform(0, 0.01))
@@ -227,8 +228,8 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
                     allowed = {ckpt_done, ckpt_open} - {None}
                     if frm == "checkpoint":
                         assert step in allowed, (run, ready, allowed)
-                    elif frm is None:
-                        assert not allowed, (run, ready, allowed)
+                    elif frm is None:  # only if no save ever completed
+                        assert ckpt_done is None, (run, ready, allowed)
                     else:
                         assert committed_ok, (run, ready, done)
                 elif frm is None:

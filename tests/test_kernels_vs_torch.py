@@ -109,8 +109,12 @@ def test_ten_steps_match_torch(case, dtypes):
                                    msg=lambda m: f"param, {msg}: {m}")
         torch_state = opt.state[ref]
         for key, ours in zip(names, state):
+            # torch updates exp_avg with lerp (m + (1-b1)(g-m)), the kernel
+            # with b1*m + (1-b1)*g: both round once per term, so the
+            # difference is a few ulps of the terms (|g| ~ 1), not of a
+            # result that cancels towards 0.
             torch.testing.assert_close(
-                ours, torch_state[key], rtol=2e-5, atol=1e-7,
+                ours, torch_state[key], rtol=2e-5, atol=1e-6,
                 msg=lambda m, key=key: f"{key}, {msg}: {m}")
         if out is not None:
             # The fused copy is the fp32 result rounded to nearest even,

@@ -39,7 +39,7 @@ def subgroup_sizes(params, subgroup_numel):
     return [subgroup_numel] * full + ([rest] if rest else [])
 
 
-def run_benchmark(params=20_000_000, subgroup_numel=1_000_000, tiers=None,
+def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                   fast_bytes_per_sec=120e6, slow_ratio=0.5, budget_fraction=0.25,
                   steps=3, threads=2, configs=CONFIGS, seed=1, progress=None):
     """Runs the benchmark; returns one result dict per configuration.

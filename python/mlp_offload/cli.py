@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -69,6 +70,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+_NUMERIC = re.compile(r"-?\d")
+
+
 def _table(headers, rows, out):
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
@@ -77,7 +81,7 @@ def _table(headers, rows, out):
     out.write(line.rstrip() + "\n")
     out.write("  ".join("-" * w for w in widths) + "\n")
     for r in cells:
-        out.write("  ".join(c.ljust(w) if i == 0 or c[:1].isalpha() else c.rjust(w)
+        out.write("  ".join(c.rjust(w) if i > 0 and _NUMERIC.match(c) else c.ljust(w)
                             for i, (c, w) in enumerate(zip(r, widths))).rstrip() + "\n")
 
 
@@ -437,7 +441,7 @@ def build_parser():
                        "one warm-up step then measured steps per configuration.")
     p.add_argument("--params", type=_positive_int, default="20M",
                    help="parameters (12 B of fp32 state each)")
-    p.add_argument("--subgroup-numel", type=_positive_int, default="1M",
+    p.add_argument("--subgroup-numel", type=_positive_int, default="250K",
                    help="parameters per subgroup")
     p.add_argument("--tiers", nargs=2, metavar=("FAST_DIR", "SLOW_DIR"),
                    help="the two tier directories (default: two temporary directories)")

@@ -52,13 +52,17 @@ def wanted(device):
     return device.type == "cuda" or (_STAGE_CPU_PARAMS and device.type == "cpu")
 
 
+def _remove_handles(handles):
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 def _release(handles, streams):
     """Finalizer: no copy may still use the buffers about to be freed."""
     for s in streams:
         s.synchronize()
-    for h in handles:
-        h.remove()
-    handles.clear()
+    _remove_handles(handles)
 
 
 class _Allocator:

@@ -1,0 +1,416 @@
+"""Faults on the tiers, corrupt state and bad input, seen from the optimizer.
+
+I/O faults are injected per tier (EIO on read or write, ENOSPC, EACCES/EROFS
+for a tier made read-only, a transfer cut short): step() raises a typed
+error naming the tier and the operation, the model's parameters are as they
+were before the step, and once the fault is cleared training continues to
+exactly the fault-free result. Bad input is refused with a clear error
+before anything is written; state files are 0600 in a 0700 run directory
+and planted symlinks are not followed.
+"""
+
+import errno
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+from mlp_offload import MLPOffloadOptimizer, _C, errors
+
+torch.set_num_threads(1)  # CI shares 2 cores between test processes
+
+
+def make_model(out=8):
+    """Six subgroups of at most 300 parameters: more than the streaming
+    buffers hold, so every step reads and writes every tier."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, out))
+
+
+def backward(model, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def tier_dirs(tmp_path, n=2, prefix="t"):
+    dirs = []
+    for i in range(n):
+        d = tmp_path / f"{prefix}{i}"
+        d.mkdir()
+        dirs.append(str(d))
+    return dirs
+
+
+def wrap(model, tiers, make=None, **kwargs):
+    kwargs.setdefault("subgroup_numel", 300)
+    kwargs.setdefault("compute_threads", 1)
+    make = make or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    return MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, **kwargs)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_equal(a, b, what):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: parameter {i} differs"
+
+
+def reference(tmp_path, steps, make=None):
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path, prefix="ref"), make=make)
+    for k in range(steps):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    opt.close()
+    return params_of(model), sd
+
+
+# (fault kwargs for engine.add_fault, the exception, words the message names)
+FAULTS = {
+    "eio_read": (dict(kind="error", op="read", error=errno.EIO), errors.TierIOError,
+                 ["read", "Input/output error"]),
+    "eio_write": (dict(kind="error", op="write", error=errno.EIO), errors.TierIOError,
+                  ["write", "Input/output error"]),
+    "enospc_write": (dict(kind="error", op="write", error=errno.ENOSPC),
+                     errors.TierFullError, ["write", "No space left"]),
+    "short_write": (dict(kind="short", op="write"), errors.TierIOError, ["short write"]),
+    "short_read": (dict(kind="short", op="read"), errors.TierIOError, ["short read"]),
+    # A tier made read-only or unwritable mid-run (root ignores chmod, so the
+    # io layer's answer is injected instead).
+    "read_only": (dict(kind="error", op="write", error=errno.EACCES),
+                  errors.TierPermissionError, ["write", "Permission denied"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+@pytest.mark.parametrize("path", ["native", "generic"])
+def test_fault_fails_the_step_whole_and_training_continues(tmp_path, name, path):
+    make = None
+    if path == "generic":
+        make = lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5)  # noqa: E731
+    steps = 4
+    want_params, want_sd = reference(tmp_path, steps, make)
+    model = make_model()
+    tiers = tier_dirs(tmp_path)
+    opt = wrap(model, tiers, make=make, fault_injection=True)
+    engine = opt.engine
+    assert sorted(set(engine.plan.tier_of_subgroup)) == [0, 1]
+    spec, exc_type, words = FAULTS[name]
+    for k in range(steps):
+        backward(model, k)
+        if k == 2:
+            before = params_of(model)
+            engine.add_fault(1, nth=-1, **spec)
+            with pytest.raises(exc_type) as info:
+                opt.step()
+            msg = str(info.value)
+            assert "tier 1" in msg and tiers[1] in msg and "optimizer step 3" in msg, msg
+            for w in words:
+                assert w in msg, msg
+            assert engine.faults_fired(1) > 0
+            # All or nothing: the parameters are the pre-step ones.
+            assert_equal(params_of(model), before, "after a failed step")
+            # Still failing: the same error, the same parameters.
+            with pytest.raises(exc_type):
+                opt.step()
+            assert_equal(params_of(model), before, "after a second failed step")
+            engine.clear_faults(1)
+        opt.step()
+        opt.zero_grad()
+    assert_equal(params_of(model), want_params, "after the retried step")
+    sd = opt.state_dict()
+    for pid, st in want_sd["state"].items():
+        for key, value in st.items():
+            assert torch.equal(sd["state"][pid][key], value), (pid, key)
+    opt.close()
+
+
+def test_tier_directory_removed_mid_run(tmp_path):
+    want_params, _ = reference(tmp_path, 3)
+    model = make_model()
+    tiers = tier_dirs(tmp_path)
+    opt = wrap(model, tiers, run_name="gone", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    run_dir = os.path.join(tiers[1], "gone.r0")
+    os.rename(run_dir, run_dir + ".moved")  # open files live on, the directory is gone
+    backward(model, 1)
+    before = params_of(model)
+    with pytest.raises(errors.TierNotFoundError) as info:
+        opt.step()
+    assert "tier 1" in str(info.value) and "COMMIT" in str(info.value), str(info.value)
+    assert_equal(params_of(model), before, "after a failed step")
+    os.rename(run_dir + ".moved", run_dir)  # the fault is gone
+    opt.step()
+    opt.zero_grad()
+    backward(model, 2)
+    opt.step()
+    assert_equal(params_of(model), want_params, "after the directory came back")
+    opt.close()
+
+
+def test_flipped_byte_in_live_state_names_file_and_subgroup(tmp_path):
+    model = make_model()
+    tiers = tier_dirs(tmp_path, 1)
+    opt = wrap(model, tiers, run_name="flip", commit_every=1)
+    for k in range(2):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    path = os.path.join(tiers[0], "flip.r0", "sg_1.state")
+    # Flip a byte of the payload of both slots (whichever is current).
+    data = bytearray(open(path, "rb").read())
+    half = len(data) // 2
+    for off in (4096 + 64, half + 4096 + 64):
+        data[off] ^= 0x40
+    open(path, "r+b").write(bytes(data))
+    with pytest.raises(errors.CorruptStateError) as info:
+        wrap(make_model(), tiers, run_name="flip", commit_every=1, resume="auto")
+    msg = str(info.value)
+    assert "sg_1.state" in msg and "subgroup 1" in msg and "checksum" in msg, msg
+
+
+def test_corrupt_checkpoint_manifest_is_refused(tmp_path):
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path, 1))
+    backward(model, 0)
+    opt.step()
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    manifest = ckpt / "manifest.rank0.json"
+    good = manifest.read_bytes()
+    # Every byte of the manifest flipped in turn: always damage, never a
+    # silent load (nor another error type).
+    for off in range(len(good)):
+        bad = bytearray(good)
+        bad[off] ^= 0x01
+        manifest.write_bytes(bytes(bad))
+        with pytest.raises(errors.CorruptStateError, match="manifest"):
+            opt.load_checkpoint(ckpt)
+    manifest.write_bytes(good)
+    # The engine's own manifest and the Python state are checked too.
+    engine_dir = ckpt / json.loads(good)["engine_dir"]
+    for victim in (engine_dir / "MANIFEST", ckpt / json.loads(good)["python_state"]):
+        saved = victim.read_bytes()
+        bad = bytearray(saved)
+        bad[len(bad) // 2] ^= 0x01
+        victim.write_bytes(bytes(bad))
+        with pytest.raises(errors.CorruptStateError):
+            opt.load_checkpoint(ckpt)
+        victim.write_bytes(saved)
+    opt.load_checkpoint(ckpt)
+    opt.close()
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path, 1, "a"))
+    backward(model, 0)
+    opt.step()
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.close()
+    other = make_model(out=4)
+    opt2 = wrap(other, tier_dirs(tmp_path, 1, "b"))
+    with pytest.raises(errors.StateMismatchError, match="another model"):
+        opt2.load_checkpoint(tmp_path / "ckpt")
+    opt2.close()
+    # And through resume: refused, not silently started fresh.
+    with pytest.raises(errors.StateMismatchError, match="another model"):
+        wrap(other, tier_dirs(tmp_path, 1, "c"), run_name="x", resume="auto",
+             checkpoint_dir=tmp_path / "ckpt")
+
+
+def listing(dirs):
+    return {d: sorted(os.listdir(d)) for d in dirs}
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path):
+    model = make_model()
+    tiers = tier_dirs(tmp_path)
+    with pytest.raises(errors.TierNotFoundError, match="missing"):
+        wrap(model, [tiers[0], str(tmp_path / "missing")], run_name="r", commit_every=1)
+    with pytest.raises(errors.ConfigError, match="same directory"):
+        wrap(model, [tiers[0], tiers[0] + "/."], run_name="r", commit_every=1)
+    with pytest.raises(errors.ConfigError, match="subgroup_numel"):
+        wrap(model, tiers, subgroup_numel=0)
+    with pytest.raises(errors.ConfigError, match="run_name"):
+        wrap(model, tiers, commit_every=1)
+    with pytest.raises(errors.ConfigError, match="run_name"):
+        wrap(model, tiers, run_name="../escape", commit_every=1)
+    with pytest.raises(errors.ConfigError, match="resume"):
+        wrap(model, tiers, run_name="r", resume="yes")
+    with pytest.raises(errors.StateMismatchError, match="no committed step"):
+        wrap(model, tiers, run_name="r", resume="require")
+    if os.geteuid() != 0:  # root writes anywhere
+        os.chmod(tiers[1], 0o500)
+        with pytest.raises(errors.TierPermissionError):
+            wrap(model, tiers, run_name="r", commit_every=1)
+        os.chmod(tiers[1], 0o700)
+    mixed = [torch.nn.Parameter(torch.randn(3)),
+             torch.nn.Parameter(torch.randn(3, device="meta"))]
+    with pytest.raises(errors.ConfigError, match="device"):
+        wrap(torch.nn.ParameterList(mixed), tiers)
+    assert listing(tiers) == {t: [] for t in tiers}
+
+    # A host budget too small for one record, straight to the engine.
+    with pytest.raises(errors.TierFullError):
+        _C.engine.Engine.create(tiers=[{"path": tiers[0]}], host_budget_bytes=100,
+                                subgroup_numel=[1000], num_state_arrays=2,
+                                grad_dtype="float32")
+    with pytest.raises(errors.ConfigError, match="size 0"):
+        _C.engine.Engine.create(tiers=[{"path": tiers[0]}], host_budget_bytes=1 << 24,
+                                subgroup_numel=[1000, 0], num_state_arrays=2,
+                                grad_dtype="float32")
+
+
+def test_bad_gradients_are_refused_before_the_state_changes(tmp_path):
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    tiers = tier_dirs(tmp_path, 1)
+    opt = wrap(emb, tiers, run_name="sparse", commit_every=1,
+               make=lambda ps: torch.optim.Adam(ps, lr=0.1))
+    emb(torch.tensor([1, 2])).sum().backward()
+    state = os.path.join(tiers[0], "sparse.r0", "sg_0.state")
+    before = params_of(emb)
+    with pytest.raises(errors.ConfigError, match="sparse"):
+        opt.step()
+    assert_equal(params_of(emb), before, "after a refused step")
+    assert not os.path.exists(state) or opt.engine.steps == 0
+    opt.close()
+
+
+def test_parameters_without_gradient_are_skipped(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 8))
+    model[0].bias.requires_grad_(False)  # frozen: a subgroup of its own
+    opt = wrap(model, tier_dirs(tmp_path, 1))
+    assert [sg.param_ids for sg in opt.subgroups] == [[0], [1], [2, 3]]
+    frozen = model[0].bias.detach().clone()
+    for k in range(2):
+        gen = torch.Generator().manual_seed(k)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model[0].bias, frozen)
+    sd = opt.state_dict()
+    assert 1 not in sd["state"]  # never updated: no state, as with torch
+    assert sd["state"][0]["step"].item() == 2
+    assert sd["state"][2]["step"].item() == 2
+    # Only some parameters of one subgroup with a gradient: refused.
+    model(torch.ones(2, 16)).sum().backward()
+    model[2].bias.grad = None
+    with pytest.raises(errors.OffloadError, match="no gradient"):
+        opt.step()
+    opt.close()
+
+
+def test_param_groups_with_different_state_layouts(tmp_path):
+    model = make_model()
+    make = lambda ps: torch.optim.Adam(  # noqa: E731
+        [{"params": list(model[0].parameters()), "amsgrad": True},
+         {"params": list(model[2].parameters())}], lr=1e-2)
+    opt = wrap(model, tier_dirs(tmp_path, 1), make=make)
+    ref_model = make_model()
+    ref = torch.optim.Adam([{"params": list(ref_model[0].parameters()), "amsgrad": True},
+                            {"params": list(ref_model[2].parameters())}], lr=1e-2)
+    for k in range(3):
+        backward(model, k)
+        backward(ref_model, k)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+    assert "max_exp_avg_sq" in opt.state_dict()["state"][0]
+    assert "max_exp_avg_sq" not in opt.state_dict()["state"][2]
+    opt.close()
+
+
+def test_files_are_private_and_symlinks_are_not_followed(tmp_path):
+    model = make_model()
+    tiers = tier_dirs(tmp_path)
+    opt = wrap(model, tiers, run_name="priv", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.close()
+    checked = 0
+    for root in tiers + [str(tmp_path / "ckpt")]:
+        for dirpath, dirnames, filenames in os.walk(root):
+            for d in dirnames:
+                mode = stat.S_IMODE(os.lstat(os.path.join(dirpath, d)).st_mode)
+                assert mode == 0o700, (os.path.join(dirpath, d), oct(mode))
+            for f in filenames:
+                if f == ".mlp_offload_tier_lock":  # shared by every run on the tier
+                    continue
+                mode = stat.S_IMODE(os.lstat(os.path.join(dirpath, f)).st_mode)
+                assert mode == 0o600, (os.path.join(dirpath, f), oct(mode))
+                checked += 1
+    assert checked >= 8
+    assert stat.S_IMODE(os.lstat(tmp_path / "ckpt").st_mode) == 0o700
+
+    # A state file planted as a symlink to a file elsewhere.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    fresh = tier_dirs(tmp_path, 1, "planted")
+    run_dir = os.path.join(fresh[0], "plant.r0")
+    os.mkdir(run_dir, 0o700)
+    os.symlink(victim, os.path.join(run_dir, "sg_0.state"))
+    with pytest.raises(errors.OffloadError, match="symlink"):
+        wrap(make_model(), fresh, run_name="plant", commit_every=1)
+    assert victim.read_bytes() == b"precious"
+    # A run directory planted as a symlink to a directory elsewhere.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    fresh = tier_dirs(tmp_path, 1, "planted_dir")
+    os.symlink(elsewhere, os.path.join(fresh[0], "plant.r0"))
+    with pytest.raises(errors.OffloadError, match="symlink"):
+        wrap(make_model(), fresh, run_name="plant", commit_every=1)
+    assert os.listdir(elsewhere) == []
+
+
+def test_tier_in_use_by_another_live_run_is_refused(tmp_path):
+    model = make_model()
+    tiers = tier_dirs(tmp_path, 1)
+    opt = wrap(model, tiers, run_name="busy", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    # Another process (forked: it only calls the engine) on the same run.
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _C.engine.Engine.create(tiers=[{"path": tiers[0]}], host_budget_bytes=1 << 24,
+                                    subgroup_numel=[1000], num_state_arrays=2,
+                                    grad_dtype="float32", run_name="busy.r0")
+            msg = "created"
+        except errors.TierInUseError as e:
+            msg = f"refused: {e}"
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            msg = f"{type(e).__name__}: {e}"
+        os.write(write_end, msg.encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end) as f:
+        msg = f.read()
+    assert msg.startswith("refused:") and "busy.r0" in msg, msg
+    opt.close()
+    # Once the first run is gone, the tier is free again.
+    opt = wrap(make_model(), tiers, run_name="busy", commit_every=1, resume="require")
+    assert opt.resumed_from == "committed_step" and opt.resumed_step == 1
+    opt.close()
