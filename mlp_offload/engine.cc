@@ -493,7 +493,11 @@ struct Engine::Impl {
   }
 
   absl::Status WriteCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Checks every tier path (exists, a writable directory, no two the same)
+  // without touching them; OpenTiers then creates the run directories.
+  absl::Status CheckTiers();
   absl::Status OpenTiers();
+  std::vector<std::string> real_paths;
   absl::Status LoadCommitted();
 
   // --- step pipeline ----------------------------------------------------
@@ -549,9 +553,10 @@ absl::Status Engine::Impl::WriteCommit() {
   return absl::OkStatus();
 }
 
-absl::Status Engine::Impl::OpenTiers() {
+absl::Status Engine::Impl::CheckTiers() {
   const int num_tiers = static_cast<int>(config.tiers.size());
-  std::vector<std::string> real(num_tiers);
+  real_paths.assign(num_tiers, "");
+  std::vector<std::string>& real = real_paths;
   for (int t = 0; t < num_tiers; ++t) {
     const std::string& path = config.tiers[t].path;
     struct stat st;
@@ -575,6 +580,12 @@ absl::Status Engine::Impl::OpenTiers() {
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::OpenTiers() {
+  const int num_tiers = static_cast<int>(config.tiers.size());
+  const std::vector<std::string>& real = real_paths;
   tiers.resize(num_tiers);
   for (int t = 0; t < num_tiers; ++t) {
     Tier& tier = tiers[t];
@@ -717,9 +728,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   }
   Impl& e = *impl;
   const int n = static_cast<int>(config.subgroup_numel.size());
-  // Check the tiers before planning so a bad path is named as such.
-  MLP_RETURN_IF_ERROR(e.OpenTiers());
+  // Check the tiers before planning so a bad path is named as such, and
+  // plan before creating anything, so a refused config leaves no trace.
+  MLP_RETURN_IF_ERROR(e.CheckTiers());
   MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
+  MLP_RETURN_IF_ERROR(e.OpenTiers());
   e.numel = config.subgroup_numel;
   e.payload_bytes.resize(n);
   e.record_bytes.resize(n);

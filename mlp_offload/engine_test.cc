@@ -251,6 +251,9 @@ TEST(EngineTest, RefusesBadTiers) {
   cfg.host_budget_bytes = 100;
   e = Engine::Create(cfg);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted);
+  // Refused before anything was written: no run directory.
+  struct stat st;
+  EXPECT_NE(stat((cfg.tiers[0].path + "/" + cfg.run_name).c_str(), &st), 0);
 
   cfg = SmallConfig(1);
   cfg.subgroup_numel[2] = 0;
