@@ -6,8 +6,8 @@
 
 namespace mlp_offload {
 
-absl::Status EnqueueGradStats(const void* grad, DType dtype, uint64_t n, float* sumsq,
-                              int32_t* nonfinite, void* stream) {
+absl::Status EnqueueGradStats(int device, const void* grad, DType dtype, uint64_t n,
+                              float* sumsq, int32_t* nonfinite, void* stream) {
   int type;
   switch (dtype) {
     case DType::kFloat32:
@@ -24,7 +24,7 @@ absl::Status EnqueueGradStats(const void* grad, DType dtype, uint64_t n, float* 
   }
   const char* error = "";
   const int rc =
-      internal_gpu::LaunchGradStats(grad, type, n, sumsq, nonfinite, stream, &error);
+      internal_gpu::LaunchGradStats(device, grad, type, n, sumsq, nonfinite, stream, &error);
   if (rc != 0) {
     return absl::InternalError(
         absl::StrCat("gradient statistics kernel launch failed (", rc, "): ", error));

@@ -12,13 +12,15 @@
 
 namespace mlp_offload {
 
-// Enqueues on `stream` (a cudaStream_t as an opaque pointer) the accumulation
+// Enqueues on `stream` (a cudaStream_t of CUDA device `device`, as an opaque
+// pointer) the accumulation
 // of the sum of squares of `n` gradient elements of `dtype` at device address
 // `grad` into *sumsq (fp32, device) and of a NaN/Inf flag into *nonfinite
 // (int32, device, set to 1, never cleared). Asynchronous. InvalidArgument for
 // an unsupported dtype, Internal for a launch failure.
-[[nodiscard]] absl::Status EnqueueGradStats(const void* grad, DType dtype, uint64_t n,
-                                            float* sumsq, int32_t* nonfinite, void* stream);
+[[nodiscard]] absl::Status EnqueueGradStats(int device, const void* grad, DType dtype,
+                                            uint64_t n, float* sumsq, int32_t* nonfinite,
+                                            void* stream);
 
 }  // namespace mlp_offload
 

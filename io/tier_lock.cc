@@ -177,6 +177,13 @@ void TierLock::Release() {
 
 bool TierLock::held() const { return impl_->held; }
 
+bool TierLock::HasWaiters() const {
+  if (!impl_ || !impl_->held) return false;
+  int64_t counter = 0;
+  if (pread(impl_->fd, &counter, sizeof(counter), 0) != sizeof(counter)) return true;
+  return counter > impl_->ticket + 1;
+}
+
 RunLock::RunLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
 
 RunLock::~RunLock() {

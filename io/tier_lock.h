@@ -27,6 +27,10 @@ class TierLock {
   absl::Status Acquire();
   void Release();
   bool held() const;
+  // Whether another holder took a ticket after ours (someone is waiting or
+  // holds another slot). A cheap read without locking: a stale answer only
+  // shifts when a holder yields. False when not held.
+  bool HasWaiters() const;
 
  private:
   struct Impl;

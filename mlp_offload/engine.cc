@@ -109,6 +109,9 @@ class TierChannel {
             return !queue_.empty() || in_flight_ == 0;
           };
           mu_.Await(ready);
+          if (!queue_.empty() && turn >= kTurnBytes && !lock_->HasWaiters()) {
+            turn = 0;  // nobody else wants the tier: keep it
+          }
           if (queue_.empty() || turn >= kTurnBytes) {
             // Drained (nothing in flight either) or the turn is over: let
             // another process have the tier.

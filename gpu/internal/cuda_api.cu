@@ -100,9 +100,11 @@ int HostUnregister(int device, void* data, const char** error) {
   return e == cudaSuccess ? 0 : Fail(e, error);
 }
 
-int LaunchGradStats(const void* grad, int type, uint64_t n, float* sumsq, int* nonfinite,
-                    void* stream, const char** error) {
+int LaunchGradStats(int device, const void* grad, int type, uint64_t n, float* sumsq,
+                    int* nonfinite, void* stream, const char** error) {
   if (n == 0) return 0;
+  const cudaError_t set = cudaSetDevice(device);
+  if (set != cudaSuccess) return Fail(set, error);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (type) {
     case kGradFloat32:

@@ -123,10 +123,10 @@ void RegisterCudaBindings(py::module_& parent) {
   m.def(
       "grad_stats",
       [](uintptr_t grad, const std::string& dtype, uint64_t n, uintptr_t sumsq,
-         uintptr_t nonfinite, uintptr_t stream) {
+         uintptr_t nonfinite, uintptr_t stream, int device) {
 #ifdef MLP_OFFLOAD_WITH_CUDA
         const DType dt = ValueOrThrow(ParseDType(dtype));
-        ThrowIfError(EnqueueGradStats(reinterpret_cast<const void*>(grad), dt, n,
+        ThrowIfError(EnqueueGradStats(device, reinterpret_cast<const void*>(grad), dt, n,
                                       reinterpret_cast<float*>(sumsq),
                                       reinterpret_cast<int32_t*>(nonfinite),
                                       reinterpret_cast<void*>(stream)));
@@ -135,8 +135,8 @@ void RegisterCudaBindings(py::module_& parent) {
 #endif
       },
       py::arg("grad"), py::arg("dtype"), py::arg("n"), py::arg("sumsq"), py::arg("nonfinite"),
-      py::arg("stream"),
-      "Enqueues on `stream` the addition of the sum of squares of n device "
+      py::arg("stream"), py::arg("device") = 0,
+      "Enqueues on `stream` (of CUDA device `device`) the addition of the sum of squares of n device "
       "elements of dtype at `grad` to the fp32 at device address `sumsq`, and "
       "sets the int32 at `nonfinite` to 1 if one is NaN/Inf. Asynchronous.");
 }

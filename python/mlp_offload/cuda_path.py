@@ -72,13 +72,14 @@ class _Allocator:
         self.cuda = device.type == "cuda"
         self.kind = "aligned"
         self.reason = "CPU parameters: nothing to pin"
+        self.index = -1
         if self.cuda:
+            self.index = device.index if device.index is not None \
+                else torch.cuda.current_device()
             if _C.cuda.compiled:
                 # The context exists before the first registration.
                 torch.cuda.init()
-                index = device.index if device.index is not None \
-                    else torch.cuda.current_device()
-                enabled, reason = _C.cuda.enable_host_pinning(index)
+                enabled, reason = _C.cuda.enable_host_pinning(self.index)
                 self.reason = reason
                 self.kind = "cudaHostRegister" if enabled else "torch.pin_memory"
             else:
@@ -107,6 +108,7 @@ class DeviceStaging:
         self._subgroups = opt._subgroups
         self._owned = set(opt._owned)
         self._alloc = _Allocator(self.device)
+        self._index = self._alloc.index
         n = len(self._subgroups)
 
         # Staged gradients of the subgroups this rank updates, in model dtype.
@@ -237,7 +239,7 @@ class DeviceStaging:
             bad = self._bad[g:g + 1].data_ptr()
             for t in grads:
                 _C.cuda.grad_stats(t.data_ptr(), self._dtype_name, t.numel(), sumsq, bad,
-                                   stream)
+                                   stream, self._index)
             return
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         sq = torch.stack(norms).square()
