@@ -504,9 +504,13 @@ struct Engine::Impl {
   absl::Status LoadCommitted();
 
   // --- step pipeline ----------------------------------------------------
+  // Keeps up to prefetch_depth reads in flight, in the step's order. Cache
+  // hits are skipped without counting against the depth, so the tiers start
+  // reading the first records that miss while the step begins on the hits.
   void IssueReads() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    const size_t limit = std::min(order.size(), pos + 1 + plan.prefetch_depth);
-    while (next_read < limit) {
+    int reading = 0;
+    for (const Buffer& buf : buffers) reading += buf.state == BufState::kReading;
+    while (next_read < order.size()) {
       int i = order[next_read];
       if (done_in_step[i]) {
         ++next_read;
@@ -518,10 +522,12 @@ struct Engine::Impl {
         ++next_read;
         continue;
       }
+      if (reading >= plan.prefetch_depth) return;
       int b = FindFreeBuffer();
       if (b < 0) return;
       Claim(b, i, BufState::kReading);
       IssueRead(i, b);
+      ++reading;
       ++next_read;
     }
   }

@@ -200,7 +200,9 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
                           ? static_cast<int>(std::min<uint64_t>(slots - plan.num_buffers, n))
                           : 0;
   }
-  plan.prefetch_depth = std::max(1, plan.num_buffers - 2);
+  // Reads may run ahead into every streaming buffer but the one being
+  // computed; writes behind free them again.
+  plan.prefetch_depth = std::max(1, plan.num_buffers - 1);
   plan.host_bytes_used = (plan.num_cached + plan.num_buffers) * plan.buffer_bytes;
 
   // Placement: targets proportional to each tier's throughput for streamed

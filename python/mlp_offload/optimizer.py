@@ -1175,10 +1175,4 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
         self._has_state.update({int(k): v for k, v in python_state["has_state"].items()})
         if restore_params:
-            with torch.no_grad():
-                for g in self._owned:
-                    master, _, _ = self._read_subgroup(g)
-                    for p, _, off, n in self._subgroups[g].slices():
-                        p.copy_(master[off:off + n].view(p.shape))
-                if self._group is not None:
-                    self._broadcast_params()
+            self._params_from_masters()
