@@ -1,4 +1,5 @@
-// absl::Status face of the gradient statistics kernel (gpu/internal/cuda_api.cu).
+// absl::Status face of the gradient statistics kernel
+// (gpu/internal/cuda_api.cu).
 #include "gpu/grad_stats.h"
 
 #include "absl/strings/str_cat.h"
@@ -6,8 +7,9 @@
 
 namespace mlp_offload {
 
-absl::Status EnqueueGradStats(int device, const void* grad, DType dtype, uint64_t n,
-                              float* sumsq, int32_t* nonfinite, void* stream) {
+absl::Status EnqueueGradStats(int device, const void* grad, DType dtype,
+                              uint64_t n, float* sumsq, int32_t* nonfinite,
+                              void* stream) {
   int type;
   switch (dtype) {
     case DType::kFloat32:
@@ -20,14 +22,15 @@ absl::Status EnqueueGradStats(int device, const void* grad, DType dtype, uint64_
       type = internal_gpu::kGradFloat16;
       break;
     default:
-      return absl::InvalidArgumentError("EnqueueGradStats: unsupported gradient dtype");
+      return absl::InvalidArgumentError(
+          "EnqueueGradStats: unsupported gradient dtype");
   }
   const char* error = "";
-  const int rc =
-      internal_gpu::LaunchGradStats(device, grad, type, n, sumsq, nonfinite, stream, &error);
+  const int rc = internal_gpu::LaunchGradStats(device, grad, type, n, sumsq,
+                                               nonfinite, stream, &error);
   if (rc != 0) {
-    return absl::InternalError(
-        absl::StrCat("gradient statistics kernel launch failed (", rc, "): ", error));
+    return absl::InternalError(absl::StrCat(
+        "gradient statistics kernel launch failed (", rc, "): ", error));
   }
   return absl::OkStatus();
 }

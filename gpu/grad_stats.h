@@ -18,8 +18,9 @@ namespace mlp_offload {
 // `grad` into *sumsq (fp32, device) and of a NaN/Inf flag into *nonfinite
 // (int32, device, set to 1, never cleared). Asynchronous. InvalidArgument for
 // an unsupported dtype, Internal for a launch failure.
-[[nodiscard]] absl::Status EnqueueGradStats(int device, const void* grad, DType dtype,
-                                            uint64_t n, float* sumsq, int32_t* nonfinite,
+[[nodiscard]] absl::Status EnqueueGradStats(int device, const void* grad,
+                                            DType dtype, uint64_t n,
+                                            float* sumsq, int32_t* nonfinite,
                                             void* stream);
 
 }  // namespace mlp_offload

@@ -17,12 +17,14 @@ std::atomic<int64_t> registered_buffers{0};
 
 absl::Status Pin(void* data, size_t bytes) {
   const char* error = "";
-  const int rc = internal_gpu::HostRegister(pin_device.load(), data, bytes, &error);
+  const int rc =
+      internal_gpu::HostRegister(pin_device.load(), data, bytes, &error);
   if (rc != 0) {
     // cudaErrorMemoryAllocation (2): the OS would not lock that much memory.
-    const std::string message = absl::StrCat("cudaHostRegister of ", bytes, " bytes failed (",
-                                             rc, "): ", error);
-    return rc == 2 ? absl::ResourceExhaustedError(message) : absl::InternalError(message);
+    const std::string message = absl::StrCat(
+        "cudaHostRegister of ", bytes, " bytes failed (", rc, "): ", error);
+    return rc == 2 ? absl::ResourceExhaustedError(message)
+                   : absl::InternalError(message);
   }
   registered_bytes.fetch_add(bytes, std::memory_order_relaxed);
   registered_buffers.fetch_add(1, std::memory_order_relaxed);
@@ -45,7 +47,8 @@ absl::StatusOr<int> CudaDeviceCount() {
   int count = 0;
   const char* error = "";
   if (internal_gpu::DeviceCount(&count, &error) != 0) {
-    return absl::UnavailableError(absl::StrCat("no usable CUDA device: ", error));
+    return absl::UnavailableError(
+        absl::StrCat("no usable CUDA device: ", error));
   }
   if (count == 0) return absl::UnavailableError("no CUDA device is visible");
   return count;
@@ -55,8 +58,8 @@ absl::Status InstallCudaHostPinning(int device) {
   absl::StatusOr<int> count = CudaDeviceCount();
   if (!count.ok()) return count.status();
   if (device < 0 || device >= *count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("CUDA device ", device, " does not exist (", *count, " visible)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CUDA device ", device, " does not exist (", *count, " visible)"));
   }
   pin_device.store(device);
   HostPinningHooks hooks;
@@ -68,7 +71,9 @@ absl::Status InstallCudaHostPinning(int device) {
 
 void UninstallCudaHostPinning() { SetHostPinningHooks(HostPinningHooks()); }
 
-uint64_t CudaRegisteredHostBytes() { return registered_bytes.load(std::memory_order_relaxed); }
+uint64_t CudaRegisteredHostBytes() {
+  return registered_bytes.load(std::memory_order_relaxed);
+}
 
 int64_t CudaRegisteredHostBuffers() {
   return registered_buffers.load(std::memory_order_relaxed);

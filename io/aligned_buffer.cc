@@ -41,15 +41,15 @@ absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes,
                                                       size_t alignment) {
   // posix_memalign also needs a multiple of sizeof(void*).
   if (!IsPowerOfTwo(alignment) || alignment < sizeof(void*)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AlignedBuffer::Allocate: alignment ", alignment,
-        " is not a power of two >= ", sizeof(void*)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("AlignedBuffer::Allocate: alignment ", alignment,
+                     " is not a power of two >= ", sizeof(void*)));
   }
   AlignedBuffer buffer;
   if (bytes == 0) return buffer;
   if (bytes > SIZE_MAX - alignment) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("AlignedBuffer::Allocate: ", bytes, " bytes is too large"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "AlignedBuffer::Allocate: ", bytes, " bytes is too large"));
   }
   const size_t rounded = (bytes + alignment - 1) & ~(alignment - 1);
   void* data = nullptr;
@@ -79,9 +79,9 @@ absl::StatusOr<AlignedBuffer> AlignedBuffer::AllocatePinned(size_t bytes,
   if (hooks.pin == nullptr || hooks.unpin == nullptr) return buffer;
   absl::Status pinned = hooks.pin(buffer->data_, buffer->size_);
   if (!pinned.ok()) {
-    return absl::Status(pinned.code(),
-                        absl::StrCat("pinning ", buffer->size_,
-                                     " bytes of host memory: ", pinned.message()));
+    return absl::Status(pinned.code(), absl::StrCat("pinning ", buffer->size_,
+                                                    " bytes of host memory: ",
+                                                    pinned.message()));
   }
   buffer->unpin_ = hooks.unpin;
   return buffer;

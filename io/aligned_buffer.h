@@ -33,8 +33,8 @@ class AlignedBuffer {
   // Allocates `bytes` rounded up to a multiple of `alignment` (a power of
   // two), aligned to `alignment`, zero-filled. ResourceExhausted when the
   // allocation fails, InvalidArgument for a bad alignment.
-  static absl::StatusOr<AlignedBuffer> Allocate(size_t bytes,
-                                                size_t alignment = kDirectIoAlignment);
+  static absl::StatusOr<AlignedBuffer> Allocate(
+      size_t bytes, size_t alignment = kDirectIoAlignment);
 
   // Like Allocate, then pins the buffer through the installed hooks. Without
   // hooks the buffer is returned unpinned (pinned() is false): pinning only
@@ -52,7 +52,9 @@ class AlignedBuffer {
 
   void* data() const { return data_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
   size_t size() const { return size_; }  // the rounded-up size
   bool empty() const { return data_ == nullptr; }
   bool pinned() const { return unpin_ != nullptr; }

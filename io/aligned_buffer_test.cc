@@ -12,7 +12,8 @@ namespace {
 TEST(AlignedBufferTest, AlignedRoundedUpAndZeroed) {
   absl::StatusOr<AlignedBuffer> buffer = AlignedBuffer::Allocate(5000);
   ASSERT_TRUE(buffer.ok()) << buffer.status();
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer->data()) % kDirectIoAlignment, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer->data()) % kDirectIoAlignment,
+            0u);
   EXPECT_EQ(buffer->size(), 8192u);
   for (size_t i = 0; i < buffer->size(); ++i) {
     ASSERT_EQ(buffer->as<unsigned char>()[i], 0) << i;
@@ -66,7 +67,8 @@ absl::Status FailingPin(void* data, size_t bytes) {
 
 TEST(AlignedBufferTest, PinningHooksPinAndUnpinOnce) {
   {
-    absl::StatusOr<AlignedBuffer> unpinned = AlignedBuffer::AllocatePinned(4096);
+    absl::StatusOr<AlignedBuffer> unpinned =
+        AlignedBuffer::AllocatePinned(4096);
     ASSERT_TRUE(unpinned.ok());
     EXPECT_FALSE(unpinned->pinned());  // no hooks installed
   }
@@ -86,7 +88,8 @@ TEST(AlignedBufferTest, PinningHooksPinAndUnpinOnce) {
   SetHostPinningHooks({&FailingPin, &FakeUnpin});
   absl::StatusOr<AlignedBuffer> failed = AlignedBuffer::AllocatePinned(4096);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal);
-  EXPECT_NE(failed.status().message().find("cudaHostRegister"), std::string::npos);
+  EXPECT_NE(failed.status().message().find("cudaHostRegister"),
+            std::string::npos);
   SetHostPinningHooks({});
   EXPECT_FALSE(HostPinningAvailable());
 }

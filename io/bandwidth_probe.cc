@@ -12,10 +12,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "mlp_offload/base/mutex.h"
-#include "mlp_offload/base/mutex.h"
 #include "absl/time/clock.h"
 #include "io/aligned_buffer.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -25,16 +24,19 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
                                               size_t block_size,
                                               unsigned queue_depth, bool sync) {
   if (block_size == 0 || queue_depth == 0) {
-    return absl::InvalidArgumentError("TimeSequentialTransfer: zero block size or queue depth");
+    return absl::InvalidArgumentError(
+        "TimeSequentialTransfer: zero block size or queue depth");
   }
-  MLP_ASSIGN_OR_RETURN(AlignedBuffer buffers,
-                       AlignedBuffer::Allocate(uint64_t{block_size} * queue_depth));
+  MLP_ASSIGN_OR_RETURN(
+      AlignedBuffer buffers,
+      AlignedBuffer::Allocate(uint64_t{block_size} * queue_depth));
   if (op == IoOp::kWrite) {
     // Incompressible data, so a compressing or deduplicating device is not
     // flattered.
     std::mt19937_64 rng(42);
     uint64_t* words = buffers.as<uint64_t>();
-    for (size_t i = 0; i < buffers.size() / sizeof(uint64_t); ++i) words[i] = rng();
+    for (size_t i = 0; i < buffers.size() / sizeof(uint64_t); ++i)
+      words[i] = rng();
   }
   struct Shared {
     ::mlp_offload::Mutex mu;
@@ -63,7 +65,8 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     request.op = op;
     request.file = &file;
     request.offset = offset;
-    request.length = static_cast<size_t>(std::min<uint64_t>(block_size, bytes - offset));
+    request.length =
+        static_cast<size_t>(std::min<uint64_t>(block_size, bytes - offset));
     request.buffer = buffers.as<char>() + uint64_t{slot} * block_size;
     engine.Submit(request, [&shared, slot](absl::StatusOr<size_t> result) {
       ::mlp_offload::MutexLock lock(&shared.mu);
@@ -74,8 +77,9 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
   }
   {
     ::mlp_offload::MutexLock lock(&shared.mu);
-    shared.mu.Await(
-        [&shared]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared.mu) { return shared.in_flight == 0; });
+    shared.mu.Await([&shared]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared.mu) {
+      return shared.in_flight == 0;
+    });
     MLP_RETURN_IF_ERROR(shared.error);
   }
   if (sync && op == IoOp::kWrite) MLP_RETURN_IF_ERROR(file.Sync());
@@ -94,15 +98,17 @@ struct DirProbe {
 std::atomic<int> g_probe_counter{0};
 
 // Bytes per second of one sequential pass over the directory's file.
-absl::StatusOr<double> Measure(DirProbe& p, IoOp op, const ProbeOptions& options) {
+absl::StatusOr<double> Measure(DirProbe& p, IoOp op,
+                               const ProbeOptions& options) {
   if (op == IoOp::kRead && !p.file->direct()) {
     // Without O_DIRECT the read would come from the page cache.
     (void)posix_fadvise(p.file->fd(), 0, 0, POSIX_FADV_DONTNEED);
   }
-  MLP_ASSIGN_OR_RETURN(const double seconds,
-                       TimeSequentialTransfer(*p.engine, *p.file, op, options.bytes,
-                                              options.block_size, options.queue_depth,
-                                              /*sync=*/op == IoOp::kWrite));
+  MLP_ASSIGN_OR_RETURN(
+      const double seconds,
+      TimeSequentialTransfer(*p.engine, *p.file, op, options.bytes,
+                             options.block_size, options.queue_depth,
+                             /*sync=*/op == IoOp::kWrite));
   return static_cast<double>(options.bytes) / std::max(seconds, 1e-9);
 }
 
@@ -110,11 +116,12 @@ absl::StatusOr<double> Measure(DirProbe& p, IoOp op, const ProbeOptions& options
 
 absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     const std::vector<std::string>& dirs, const ProbeOptions& options) {
-  if (dirs.empty()) return absl::InvalidArgumentError("ProbeBandwidth: no directories");
+  if (dirs.empty())
+    return absl::InvalidArgumentError("ProbeBandwidth: no directories");
   if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ProbeBandwidth: bytes (", options.bytes, ") must be a positive multiple of ",
-        kDirectIoAlignment));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ProbeBandwidth: bytes (", options.bytes,
+                     ") must be a positive multiple of ", kDirectIoAlignment));
   }
   std::vector<PathBandwidth> results(dirs.size());
   std::vector<DirProbe> probes(dirs.size());
@@ -140,10 +147,11 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     PathBandwidth& r = results[i];
     p.dir = r.dir = dirs[i];
     struct stat st;
-    if (stat(dirs[i].c_str(), &st) < 0) return ErrnoStatus(errno, "stat", dirs[i]);
+    if (stat(dirs[i].c_str(), &st) < 0)
+      return ErrnoStatus(errno, "stat", dirs[i]);
     if (!S_ISDIR(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat("ProbeBandwidth: ", dirs[i],
-                                                     " is not a directory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ProbeBandwidth: ", dirs[i], " is not a directory"));
     }
     r.device = st.st_dev;
     p.path = absl::StrCat(dirs[i], "/.mlp_offload_probe.", getpid(), ".",
@@ -152,7 +160,8 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     file_options.create = true;
     file_options.truncate = true;
     file_options.preallocate_bytes = options.bytes;
-    absl::StatusOr<std::unique_ptr<File>> file = File::Open(p.path, file_options);
+    absl::StatusOr<std::unique_ptr<File>> file =
+        File::Open(p.path, file_options);
     if (!file.ok()) {
       p.path.clear();  // not ours to remove if it could not be created
       return Annotate(file.status(), absl::StrCat("probing ", dirs[i]));
@@ -168,9 +177,12 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
   for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
     for (size_t i = 0; i < dirs.size(); ++i) {
       absl::StatusOr<double> alone = Measure(probes[i], op, options);
-      if (!alone.ok()) return Annotate(alone.status(), absl::StrCat("probing ", dirs[i]));
-      (op == IoOp::kWrite ? results[i].write_alone : results[i].read_alone) = *alone;
-      (op == IoOp::kWrite ? results[i].write_together : results[i].read_together) = *alone;
+      if (!alone.ok())
+        return Annotate(alone.status(), absl::StrCat("probing ", dirs[i]));
+      (op == IoOp::kWrite ? results[i].write_alone : results[i].read_alone) =
+          *alone;
+      (op == IoOp::kWrite ? results[i].write_together
+                          : results[i].read_together) = *alone;
     }
     if (!options.together || dirs.size() < 2) continue;
     // All directories at once, started together.
@@ -188,11 +200,12 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     for (auto& t : threads) t.join();
     for (size_t i = 0; i < dirs.size(); ++i) {
       if (!together[i].ok()) {
-        return Annotate(together[i].status(),
-                        absl::StrCat("probing ", dirs[i], " together with the others"));
+        return Annotate(
+            together[i].status(),
+            absl::StrCat("probing ", dirs[i], " together with the others"));
       }
-      (op == IoOp::kWrite ? results[i].write_together : results[i].read_together) =
-          *together[i];
+      (op == IoOp::kWrite ? results[i].write_together
+                          : results[i].read_together) = *together[i];
     }
   }
 
@@ -200,14 +213,17 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
   // noise of a sequential transfer, and two paths that both lose it are
   // competing for one pool. Same st_dev is conclusive on its own.
   auto dropped = [](const PathBandwidth& r) {
-    return r.write_together < 0.75 * r.write_alone || r.read_together < 0.75 * r.read_alone;
+    return r.write_together < 0.75 * r.write_alone ||
+           r.read_together < 0.75 * r.read_alone;
   };
   for (size_t i = 0; i < results.size(); ++i) {
     for (size_t j = 0; j < results.size(); ++j) {
       if (i == j) continue;
       const bool same_dev = results[i].device == results[j].device;
-      const bool both_dropped = options.together && dropped(results[i]) && dropped(results[j]);
-      if (same_dev || both_dropped) results[i].shares_device_with.push_back(results[j].dir);
+      const bool both_dropped =
+          options.together && dropped(results[i]) && dropped(results[j]);
+      if (same_dev || both_dropped)
+        results[i].shares_device_with.push_back(results[j].dir);
     }
   }
   return results;

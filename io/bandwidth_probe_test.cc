@@ -30,7 +30,8 @@ TEST(BandwidthProbeTest, TwoDirsOnOneDeviceAreReportedAsSharing) {
   options.bytes = 8 << 20;
   options.block_size = 1 << 20;
   options.queue_depth = 4;
-  absl::StatusOr<std::vector<PathBandwidth>> result = ProbeBandwidth({a, b}, options);
+  absl::StatusOr<std::vector<PathBandwidth>> result =
+      ProbeBandwidth({a, b}, options);
   ASSERT_TRUE(result.ok()) << result.status();
   ASSERT_EQ(result->size(), 2u);
   for (const PathBandwidth& r : *result) {
@@ -51,12 +52,14 @@ TEST(BandwidthProbeTest, TwoDirsOnOneDeviceAreReportedAsSharing) {
 
 TEST(BandwidthProbeTest, ErrorsNameTheDirectory) {
   const std::string missing = internal_io::ScratchPath("no_such_dir");
-  absl::StatusOr<std::vector<PathBandwidth>> result = ProbeBandwidth({missing}, ProbeOptions());
+  absl::StatusOr<std::vector<PathBandwidth>> result =
+      ProbeBandwidth({missing}, ProbeOptions());
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.status().message().find(missing), std::string::npos);
   ProbeOptions bad;
   bad.bytes = 1000;
-  EXPECT_EQ(ProbeBandwidth({"/tmp"}, bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ProbeBandwidth({"/tmp"}, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

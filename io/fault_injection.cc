@@ -8,10 +8,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
-#include "mlp_offload/base/mutex.h"
 #include "io/aligned_buffer.h"
 #include "io/internal/delay_queue.h"
 #include "io/internal/request.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -42,11 +42,13 @@ struct FaultInjectingEngine::Impl {
     for (ActiveFault& f : faults) {
       if (f.spec.op != request.op) continue;
       if (!f.spec.path_substring.empty() &&
-          request.file->path().find(f.spec.path_substring) == std::string::npos) {
+          request.file->path().find(f.spec.path_substring) ==
+              std::string::npos) {
         continue;
       }
       const int index = f.seen++;
-      if (!hit.has_value() && (f.spec.nth < 0 || f.spec.nth == index)) hit = f.spec;
+      if (!hit.has_value() && (f.spec.nth < 0 || f.spec.nth == index))
+        hit = f.spec;
     }
     if (hit.has_value()) ++fired;
     return hit;
@@ -102,7 +104,8 @@ void FaultInjectingEngine::Submit(const IoRequest& request, IoCallback done) {
   }
   switch (fault->kind) {
     case FaultSpec::Kind::kError:
-      done(ErrnoStatus(fault->error, absl::StrCat(OpName(request.op), " (injected)"),
+      done(ErrnoStatus(fault->error,
+                       absl::StrCat(OpName(request.op), " (injected)"),
                        Where(*request.file, request.offset)));
       return;
     case FaultSpec::Kind::kShortTransfer: {
@@ -116,10 +119,10 @@ void FaultInjectingEngine::Submit(const IoRequest& request, IoCallback done) {
           done(std::move(result));
           return;
         }
-        done(absl::DataLossError(absl::StrCat(
-            "short ", OpName(request.op), " (injected) ",
-            Where(*request.file, request.offset), ": ", half, " of ",
-            request.length, " bytes transferred")));
+        done(absl::DataLossError(
+            absl::StrCat("short ", OpName(request.op), " (injected) ",
+                         Where(*request.file, request.offset), ": ", half,
+                         " of ", request.length, " bytes transferred")));
       });
       return;
     }
@@ -196,7 +199,8 @@ class ThrottledEngine final : public IoEngine {
         ::mlp_offload::MutexLock lock(&mu_);
         absl::Time& next = next_release_[static_cast<int>(request.op)];
         release = std::max(next, absl::Now());
-        next = release + absl::Seconds(static_cast<double>(piece.length) / rate);
+        next =
+            release + absl::Seconds(static_cast<double>(piece.length) / rate);
       }
       IoRequest part = request;
       part.offset = piece.offset;

@@ -27,7 +27,7 @@ struct FaultSpec {
   // Which matching request (0-based, counted from when the fault was added)
   // is hit; -1: every matching request.
   int nth = 0;
-  int error = 5;  // errno for kError (EIO)
+  int error = 5;               // errno for kError (EIO)
   std::string path_substring;  // only requests whose path contains this
   absl::Duration delay = absl::ZeroDuration();  // for kDelay
 };

@@ -20,7 +20,8 @@ namespace {
 using internal_io::FillRandom;
 using internal_io::ScratchPath;
 
-class FaultInjectionTest : public testing::TestWithParam<IoEngineOptions::Kind> {
+class FaultInjectionTest
+    : public testing::TestWithParam<IoEngineOptions::Kind> {
  protected:
   void SetUp() override {
     path_ = ScratchPath("fault");
@@ -62,13 +63,15 @@ TEST_P(FaultInjectionTest, NthRequestFailsWithTheGivenErrno) {
   fault.error = ENOSPC;
   engine.AddFault(fault);
   std::vector<absl::StatusOr<size_t>> results;
-  for (int i = 0; i < 4; ++i) results.push_back(engine.Submit(Req(IoOp::kWrite, i * 8192, 8192)).Wait());
+  for (int i = 0; i < 4; ++i)
+    results.push_back(engine.Submit(Req(IoOp::kWrite, i * 8192, 8192)).Wait());
   EXPECT_TRUE(results[0].ok());
   EXPECT_TRUE(results[1].ok());
   EXPECT_TRUE(results[3].ok());
   ASSERT_FALSE(results[2].ok());
   EXPECT_EQ(results[2].status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(results[2].status().message().find(absl::StrCat(path_, " at offset 16384")),
+  EXPECT_NE(results[2].status().message().find(
+                absl::StrCat(path_, " at offset 16384")),
             std::string::npos)
       << results[2].status();
   EXPECT_NE(results[2].status().message().find("write"), std::string::npos);
@@ -106,7 +109,8 @@ TEST_P(FaultInjectionTest, ShortTransferIsNeverASilentShortRead) {
   fault.nth = 0;
   engine.AddFault(fault);
   std::memset(in_.data(), 0, kSize);
-  absl::StatusOr<size_t> result = engine.Submit(Req(IoOp::kRead, 0, 12288)).Wait();
+  absl::StatusOr<size_t> result =
+      engine.Submit(Req(IoOp::kRead, 0, 12288)).Wait();
   ASSERT_FALSE(result.ok()) << "a short read completed as success";
   EXPECT_EQ(result.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(result.status().message().find(absl::StrCat(path_, " at offset 0")),
@@ -129,7 +133,8 @@ TEST_P(FaultInjectionTest, DelayedRequestsStillCompleteAndShutdownDrains) {
   fault.delay = absl::Milliseconds(20);
   engine.AddFault(fault);
   std::vector<IoFuture> futures;
-  for (int i = 0; i < 8; ++i) futures.push_back(engine.Submit(Req(IoOp::kWrite, i * 65536, 65536)));
+  for (int i = 0; i < 8; ++i)
+    futures.push_back(engine.Submit(Req(IoOp::kWrite, i * 65536, 65536)));
   engine.Shutdown();
   for (auto& f : futures) {
     ASSERT_TRUE(f.Ready());  // Shutdown drained the delayed requests
@@ -151,7 +156,9 @@ TEST_P(FaultInjectionTest, ManyThreadsWithFaultsEachRequestCompletesOnce) {
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 25; ++i) {
-        if (!engine.Submit(Req(IoOp::kWrite, (t * 25 + i) * 4096, 4096)).Wait().ok()) {
+        if (!engine.Submit(Req(IoOp::kWrite, (t * 25 + i) * 4096, 4096))
+                 .Wait()
+                 .ok()) {
           ++failures[t];
         }
       }
@@ -167,25 +174,31 @@ TEST_P(FaultInjectionTest, ThrottledEngineRoundTripsAndNamesItself) {
   EXPECT_EQ(engine->name(), absl::StrCat("throttle(", Inner()->name(), ")"));
   // 2.5 MiB-ish requests are cut into pieces and reassembled.
   ASSERT_TRUE(engine->Submit(Req(IoOp::kWrite, 0, kSize)).Wait().ok());
-  absl::StatusOr<size_t> read = engine->Submit(Req(IoOp::kRead, 0, kSize)).Wait();
+  absl::StatusOr<size_t> read =
+      engine->Submit(Req(IoOp::kRead, 0, kSize)).Wait();
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(*read, kSize);
   EXPECT_EQ(std::memcmp(in_.data(), out_.data(), kSize), 0);
   // Errors of a piece surface with path and offset.
   absl::StatusOr<size_t> past_end =
-      engine->Submit(IoRequest{IoOp::kRead, file_.get(), kSize - 4096, 8192, in_.data()}).Wait();
+      engine
+          ->Submit(IoRequest{IoOp::kRead, file_.get(), kSize - 4096, 8192,
+                             in_.data()})
+          .Wait();
   EXPECT_EQ(past_end.status().code(), absl::StatusCode::kOutOfRange);
   engine->Shutdown();
   EXPECT_EQ(engine->Submit(Req(IoOp::kRead, 0, 4096)).Wait().status().code(),
             absl::StatusCode::kFailedPrecondition);
 }
 
-std::string KindName(const testing::TestParamInfo<IoEngineOptions::Kind>& info) {
+std::string KindName(
+    const testing::TestParamInfo<IoEngineOptions::Kind>& info) {
   return internal_io::KindName(info.param);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, FaultInjectionTest,
-                         testing::ValuesIn(internal_io::EngineKinds()), KindName);
+                         testing::ValuesIn(internal_io::EngineKinds()),
+                         KindName);
 
 }  // namespace
 }  // namespace mlp_offload

@@ -20,7 +20,8 @@ namespace {
 // A one-block aligned read settles it: a filesystem without direct I/O answers
 // EINVAL. Reading past EOF (a new file) is fine: it returns 0.
 absl::Status ProbeDirectRead(int fd, const std::string& path) {
-  absl::StatusOr<AlignedBuffer> block = AlignedBuffer::Allocate(kDirectIoAlignment);
+  absl::StatusOr<AlignedBuffer> block =
+      AlignedBuffer::Allocate(kDirectIoAlignment);
   if (!block.ok()) return block.status();
   ssize_t n;
   do {
@@ -68,7 +69,8 @@ absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
         close(fd);
         return probe;
       } else {
-        // Keep the descriptor (O_CREAT/O_TRUNC already happened), drop O_DIRECT.
+        // Keep the descriptor (O_CREAT/O_TRUNC already happened), drop
+        // O_DIRECT.
         reason = absl::StrCat(probe.message(),
                               ": filesystem rejects direct transfers");
         const int current = fcntl(fd, F_GETFL);
@@ -102,8 +104,7 @@ absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
       return ErrnoStatus(saved, "open", path);
     }
   }
-  std::unique_ptr<File> file(
-      new File(fd, path, direct, std::move(reason)));
+  std::unique_ptr<File> file(new File(fd, path, direct, std::move(reason)));
   if (options.preallocate_bytes > 0) {
     MLP_RETURN_IF_ERROR(file->Allocate(options.preallocate_bytes));
   }

@@ -12,11 +12,11 @@
 namespace mlp_offload {
 
 struct FileOptions {
-  bool create = false;      // O_CREAT (mode 0600)
-  bool truncate = false;    // O_TRUNC
-  bool read_only = false;   // O_RDONLY instead of O_RDWR
-  bool try_direct = true;   // O_DIRECT if the filesystem accepts it
-  bool no_follow = true;    // O_NOFOLLOW: refuse a symlink planted in a tier
+  bool create = false;     // O_CREAT (mode 0600)
+  bool truncate = false;   // O_TRUNC
+  bool read_only = false;  // O_RDONLY instead of O_RDWR
+  bool try_direct = true;  // O_DIRECT if the filesystem accepts it
+  bool no_follow = true;   // O_NOFOLLOW: refuse a symlink planted in a tier
   uint64_t preallocate_bytes = 0;  // fallocate this many bytes (if > 0)
 };
 

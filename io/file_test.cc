@@ -51,7 +51,8 @@ TEST(FileTest, FallbackAlwaysHasAReason) {
   // tmpfs accepts O_DIRECT on recent kernels and refuses it on older ones;
   // either way the outcome is reported consistently.
   if (access("/dev/shm", W_OK) != 0) GTEST_SKIP() << "no /dev/shm";
-  const std::string path = "/dev/shm/mlp_offload_file_test." + std::to_string(getpid());
+  const std::string path =
+      "/dev/shm/mlp_offload_file_test." + std::to_string(getpid());
   FileOptions options;
   options.create = true;
   absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);

@@ -2,7 +2,8 @@
 // once, to compare with fio on the same path, block size and queue depth:
 //
 //   bazel run -c opt //io:io_benchmark -- --paths=/nvme/x,/pfs/y --size=2G \
-//       --block_size=1M --queue_depth=32 --engine=uring [--read_cap=300M] [--json]
+//       --block_size=1M --queue_depth=32 --engine=uring [--read_cap=300M]
+//       [--json]
 //
 // Each path gets its own file (io_benchmark.<pid>.dat, removed afterwards
 // unless --keep) and its own engine (one ring per path, as in the engine
@@ -22,28 +23,33 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "mlp_offload/base/mutex.h"
 #include "io/bandwidth_probe.h"
 #include "io/fault_injection.h"
 #include "io/file.h"
 #include "io/io_engine.h"
+#include "mlp_offload/base/mutex.h"
 
-ABSL_FLAG(std::string, paths, "/tmp", "comma-separated directories to test at once");
-ABSL_FLAG(std::string, size, "1G", "file size per path (K/M/G suffixes, powers of 2)");
+ABSL_FLAG(std::string, paths, "/tmp",
+          "comma-separated directories to test at once");
+ABSL_FLAG(std::string, size, "1G",
+          "file size per path (K/M/G suffixes, powers of 2)");
 ABSL_FLAG(std::string, block_size, "1M", "request size");
 ABSL_FLAG(int, queue_depth, 32, "requests in flight per path");
 ABSL_FLAG(std::string, engine, "uring", "uring | threadpool | auto");
 ABSL_FLAG(int, threads, 0, "threadpool engine threads (0: queue_depth)");
 ABSL_FLAG(std::string, ops, "write,read", "passes to run, in order");
-ABSL_FLAG(std::string, read_cap, "", "per-path read cap in bytes/s (K/M/G: powers of 10), "
-                                     "one value or one per path");
-ABSL_FLAG(std::string, write_cap, "", "per-path write cap in bytes/s, like --read_cap");
+ABSL_FLAG(std::string, read_cap, "",
+          "per-path read cap in bytes/s (K/M/G: powers of 10), "
+          "one value or one per path");
+ABSL_FLAG(std::string, write_cap, "",
+          "per-path write cap in bytes/s, like --read_cap");
 ABSL_FLAG(bool, direct, true, "use O_DIRECT where the filesystem allows it");
 ABSL_FLAG(bool, sync, false, "include an fdatasync in each write pass");
 ABSL_FLAG(int, repeat, 1, "repetitions of each pass");
 ABSL_FLAG(bool, json, false, "one JSON object per line instead of text");
 ABSL_FLAG(bool, keep, false, "keep the files");
-ABSL_FLAG(bool, probe, false, "run ProbeBandwidth on --paths instead (alone and together)");
+ABSL_FLAG(bool, probe, false,
+          "run ProbeBandwidth on --paths instead (alone and together)");
 
 namespace mlp_offload {
 namespace {
@@ -74,7 +80,8 @@ std::vector<double> Caps(const std::string& flag, size_t paths) {
   std::vector<double> caps(paths, 0);
   if (flag.empty()) return caps;
   std::vector<std::string> parts = absl::StrSplit(flag, ',');
-  if (parts.size() != 1 && parts.size() != paths) Die("a cap list needs one value or one per path");
+  if (parts.size() != 1 && parts.size() != paths)
+    Die("a cap list needs one value or one per path");
   for (size_t i = 0; i < paths; ++i) {
     if (!ParseBytes(parts.size() == 1 ? parts[0] : parts[i], true, &caps[i])) {
       Die("bad cap " + flag);
@@ -89,27 +96,35 @@ std::string JsonList(const std::vector<std::string>& items) {
   return absl::StrCat("[", absl::StrJoin(quoted, ","), "]");
 }
 
-int Probe(const std::vector<std::string>& dirs, uint64_t bytes, size_t block, int qd) {
+int Probe(const std::vector<std::string>& dirs, uint64_t bytes, size_t block,
+          int qd) {
   ProbeOptions options;
   options.bytes = bytes;
   options.block_size = block;
   options.queue_depth = qd;
-  absl::StatusOr<std::vector<PathBandwidth>> result = ProbeBandwidth(dirs, options);
+  absl::StatusOr<std::vector<PathBandwidth>> result =
+      ProbeBandwidth(dirs, options);
   if (!result.ok()) Die(std::string(result.status().ToString()));
   for (const PathBandwidth& r : *result) {
     if (absl::GetFlag(FLAGS_json)) {
       std::printf(
-          "{\"op\":\"probe\",\"path\":\"%s\",\"direct\":%s,\"write_alone_gb_per_s\":%.4f,"
+          "{\"op\":\"probe\",\"path\":\"%s\",\"direct\":%s,\"write_alone_gb_"
+          "per_s\":%.4f,"
           "\"read_alone_gb_per_s\":%.4f,\"write_together_gb_per_s\":%.4f,"
           "\"read_together_gb_per_s\":%.4f,\"shares_device_with\":%s}\n",
-          r.dir.c_str(), r.direct ? "true" : "false", r.write_alone / 1e9, r.read_alone / 1e9,
-          r.write_together / 1e9, r.read_together / 1e9, JsonList(r.shares_device_with).c_str());
+          r.dir.c_str(), r.direct ? "true" : "false", r.write_alone / 1e9,
+          r.read_alone / 1e9, r.write_together / 1e9, r.read_together / 1e9,
+          JsonList(r.shares_device_with).c_str());
     } else {
-      std::printf("%s: write %.3f GB/s alone, %.3f together; read %.3f alone, %.3f together;"
-                  " shares with [%s]%s\n",
-                  r.dir.c_str(), r.write_alone / 1e9, r.write_together / 1e9, r.read_alone / 1e9,
-                  r.read_together / 1e9, absl::StrJoin(r.shares_device_with, ",").c_str(),
-                  r.direct ? "" : (" (buffered: " + r.direct_fallback_reason + ")").c_str());
+      std::printf(
+          "%s: write %.3f GB/s alone, %.3f together; read %.3f alone, %.3f "
+          "together;"
+          " shares with [%s]%s\n",
+          r.dir.c_str(), r.write_alone / 1e9, r.write_together / 1e9,
+          r.read_alone / 1e9, r.read_together / 1e9,
+          absl::StrJoin(r.shares_device_with, ",").c_str(),
+          r.direct ? ""
+                   : (" (buffered: " + r.direct_fallback_reason + ")").c_str());
     }
   }
   return 0;
@@ -121,12 +136,14 @@ int Main() {
   if (dirs.empty()) Die("no --paths");
   double size_d, block_d;
   if (!ParseBytes(absl::GetFlag(FLAGS_size), false, &size_d)) Die("bad --size");
-  if (!ParseBytes(absl::GetFlag(FLAGS_block_size), false, &block_d)) Die("bad --block_size");
+  if (!ParseBytes(absl::GetFlag(FLAGS_block_size), false, &block_d))
+    Die("bad --block_size");
   const uint64_t size = static_cast<uint64_t>(size_d);
   const size_t block = static_cast<size_t>(block_d);
   const int qd = absl::GetFlag(FLAGS_queue_depth);
   if (qd < 1 || block == 0 || size == 0 || size % block != 0) {
-    Die("need queue_depth >= 1 and a size that is a positive multiple of block_size");
+    Die("need queue_depth >= 1 and a size that is a positive multiple of "
+        "block_size");
   }
   if (absl::GetFlag(FLAGS_probe)) return Probe(dirs, size, block, qd);
 
@@ -143,9 +160,12 @@ int Main() {
   }
   options.block_size = block;
   options.queue_depth = static_cast<unsigned>(qd);
-  options.num_threads = absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : qd;
-  const std::vector<double> read_caps = Caps(absl::GetFlag(FLAGS_read_cap), dirs.size());
-  const std::vector<double> write_caps = Caps(absl::GetFlag(FLAGS_write_cap), dirs.size());
+  options.num_threads =
+      absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : qd;
+  const std::vector<double> read_caps =
+      Caps(absl::GetFlag(FLAGS_read_cap), dirs.size());
+  const std::vector<double> write_caps =
+      Caps(absl::GetFlag(FLAGS_write_cap), dirs.size());
 
   std::vector<std::unique_ptr<File>> files;
   std::vector<std::unique_ptr<IoEngine>> engines;
@@ -156,10 +176,13 @@ int Main() {
     file_options.create = true;
     file_options.try_direct = absl::GetFlag(FLAGS_direct);
     file_options.preallocate_bytes = size;
-    absl::StatusOr<std::unique_ptr<File>> file = File::Open(paths.back(), file_options);
+    absl::StatusOr<std::unique_ptr<File>> file =
+        File::Open(paths.back(), file_options);
     if (!file.ok()) Die(std::string(file.status().ToString()));
-    if (!(*file)->direct() && absl::GetFlag(FLAGS_direct) && !absl::GetFlag(FLAGS_json)) {
-      std::fprintf(stderr, "warning: %s is buffered: %s\n", paths.back().c_str(),
+    if (!(*file)->direct() && absl::GetFlag(FLAGS_direct) &&
+        !absl::GetFlag(FLAGS_json)) {
+      std::fprintf(stderr, "warning: %s is buffered: %s\n",
+                   paths.back().c_str(),
                    (*file)->direct_fallback_reason().c_str());
     }
     files.push_back(std::move(*file));
@@ -172,10 +195,12 @@ int Main() {
     engines.push_back(std::move(eng));
   }
 
-  const std::vector<std::string> ops = absl::StrSplit(absl::GetFlag(FLAGS_ops), ',', absl::SkipEmpty());
+  const std::vector<std::string> ops =
+      absl::StrSplit(absl::GetFlag(FLAGS_ops), ',', absl::SkipEmpty());
   for (int rep = 0; rep < absl::GetFlag(FLAGS_repeat); ++rep) {
     for (const std::string& op_name : ops) {
-      if (op_name != "read" && op_name != "write") Die("bad --ops entry " + op_name);
+      if (op_name != "read" && op_name != "write")
+        Die("bad --ops entry " + op_name);
       const IoOp op = op_name == "read" ? IoOp::kRead : IoOp::kWrite;
       std::vector<absl::StatusOr<double>> seconds(dirs.size(), 0.0);
       ::mlp_offload::Notification go;
@@ -183,8 +208,8 @@ int Main() {
       for (size_t i = 0; i < dirs.size(); ++i) {
         threads.emplace_back([&, i] {
           go.WaitForNotification();
-          seconds[i] = TimeSequentialTransfer(*engines[i], *files[i], op, size, block,
-                                              static_cast<unsigned>(qd),
+          seconds[i] = TimeSequentialTransfer(*engines[i], *files[i], op, size,
+                                              block, static_cast<unsigned>(qd),
                                               absl::GetFlag(FLAGS_sync));
         });
       }
@@ -202,20 +227,26 @@ int Main() {
       if (absl::GetFlag(FLAGS_json)) {
         std::printf(
             "{\"op\":\"%s\",\"engine\":\"%s\",\"paths\":%s,\"block_size\":%zu,"
-            "\"queue_depth\":%d,\"bytes\":%llu,\"seconds\":%.4f,\"gb_per_s\":%.4f,"
-            "\"per_path_gb_per_s\":[%s],\"direct\":%s,\"read_cap\":\"%s\",\"write_cap\":\"%s\"}\n",
-            op_name.c_str(), engines[0]->name().c_str(), JsonList(dirs).c_str(), block, qd,
-            static_cast<unsigned long long>(total), slowest, gbps,
-            absl::StrJoin(per_path, ",",
-                          [](std::string* out, double v) { absl::StrAppend(out, v); })
+            "\"queue_depth\":%d,\"bytes\":%llu,\"seconds\":%.4f,\"gb_per_s\":%."
+            "4f,"
+            "\"per_path_gb_per_s\":[%s],\"direct\":%s,\"read_cap\":\"%s\","
+            "\"write_cap\":\"%s\"}\n",
+            op_name.c_str(), engines[0]->name().c_str(), JsonList(dirs).c_str(),
+            block, qd, static_cast<unsigned long long>(total), slowest, gbps,
+            absl::StrJoin(
+                per_path, ",",
+                [](std::string* out, double v) { absl::StrAppend(out, v); })
                 .c_str(),
-            files[0]->direct() ? "true" : "false", absl::GetFlag(FLAGS_read_cap).c_str(),
+            files[0]->direct() ? "true" : "false",
+            absl::GetFlag(FLAGS_read_cap).c_str(),
             absl::GetFlag(FLAGS_write_cap).c_str());
       } else {
-        std::printf("%-5s %-22s bs=%zu qd=%d paths=%zu bytes=%llu: %.3f GB/s (per path: %s)\n",
-                    op_name.c_str(), engines[0]->name().c_str(), block, qd, dirs.size(),
-                    static_cast<unsigned long long>(total), gbps,
-                    absl::StrJoin(per_path, ", ").c_str());
+        std::printf(
+            "%-5s %-22s bs=%zu qd=%d paths=%zu bytes=%llu: %.3f GB/s (per "
+            "path: %s)\n",
+            op_name.c_str(), engines[0]->name().c_str(), block, qd, dirs.size(),
+            static_cast<unsigned long long>(total), gbps,
+            absl::StrJoin(per_path, ", ").c_str());
       }
       std::fflush(stdout);
     }

@@ -5,9 +5,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "mlp_offload/base/mutex.h"
 #include "io/aligned_buffer.h"
 #include "io/internal/engines.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 
@@ -22,7 +22,9 @@ IoFuture::IoFuture() : state_(std::make_shared<State>()) {}
 absl::StatusOr<size_t> IoFuture::Wait() const {
   ::mlp_offload::MutexLock lock(&state_->mu);
   State* state = state_.get();
-  state->mu.Await([state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) { return state->ready; });
+  state->mu.Await([state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
+    return state->ready;
+  });
   return state_->result;
 }
 
@@ -50,13 +52,14 @@ void IoEngine::SubmitBatch(absl::Span<const IoRequest> requests,
                            absl::Span<IoCallback> done) {
   if (requests.size() != done.size()) {
     for (auto& d : done) {
-      d(absl::InvalidArgumentError(absl::StrCat("SubmitBatch: ", requests.size(),
-                                                " requests but ", done.size(),
-                                                " callbacks")));
+      d(absl::InvalidArgumentError(
+          absl::StrCat("SubmitBatch: ", requests.size(), " requests but ",
+                       done.size(), " callbacks")));
     }
     return;
   }
-  for (size_t i = 0; i < requests.size(); ++i) Submit(requests[i], std::move(done[i]));
+  for (size_t i = 0; i < requests.size(); ++i)
+    Submit(requests[i], std::move(done[i]));
 }
 
 absl::Status IoEngine::RegisterBuffers(absl::Span<const iovec> buffers) {
@@ -72,7 +75,8 @@ IoFuture IoEngine::Submit(const IoRequest& request) {
 absl::StatusOr<std::unique_ptr<IoEngine>> CreateIoEngine(
     const IoEngineOptions& options) {
   if (options.queue_depth == 0) {
-    return absl::InvalidArgumentError("CreateIoEngine: queue_depth must be > 0");
+    return absl::InvalidArgumentError(
+        "CreateIoEngine: queue_depth must be > 0");
   }
   // Pieces of an O_DIRECT request must stay aligned.
   if (options.block_size == 0 || options.block_size % kDirectIoAlignment != 0) {

@@ -7,13 +7,13 @@
 #ifndef MLP_OFFLOAD_IO_IO_ENGINE_H_
 #define MLP_OFFLOAD_IO_IO_ENGINE_H_
 
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
-
-#include <sys/uio.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -26,10 +26,10 @@ enum class IoOp : uint8_t { kRead, kWrite };
 
 struct IoRequest {
   IoOp op = IoOp::kRead;
-  File* file = nullptr;   // must outlive the request
-  uint64_t offset = 0;    // for O_DIRECT files: multiple of kDirectIoAlignment
-  size_t length = 0;      // likewise (the engine rejects misaligned direct I/O)
-  void* buffer = nullptr; // likewise aligned; must outlive the request
+  File* file = nullptr;  // must outlive the request
+  uint64_t offset = 0;   // for O_DIRECT files: multiple of kDirectIoAlignment
+  size_t length = 0;     // likewise (the engine rejects misaligned direct I/O)
+  void* buffer = nullptr;  // likewise aligned; must outlive the request
 };
 
 // Called exactly once per request, on an engine thread: the number of bytes
@@ -56,10 +56,10 @@ class IoFuture {
 
 struct IoEngineOptions {
   enum class Kind { kAuto, kUring, kThreadPool };
-  Kind kind = Kind::kAuto;        // kAuto: io_uring if it works, else threads
-  unsigned queue_depth = 32;      // requests (pieces) in flight
-  size_t block_size = 1 << 20;    // large requests are split into pieces
-  int num_threads = 4;            // thread-pool engine only
+  Kind kind = Kind::kAuto;      // kAuto: io_uring if it works, else threads
+  unsigned queue_depth = 32;    // requests (pieces) in flight
+  size_t block_size = 1 << 20;  // large requests are split into pieces
+  int num_threads = 4;          // thread-pool engine only
 };
 
 class IoEngine {

@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "mlp_offload/base/mutex.h"
 #include "gtest/gtest.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
 #include "io/internal/request.h"
 #include "io/internal/test_util.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 namespace {
@@ -30,7 +30,8 @@ struct Param {
 };
 
 std::string ParamName(const testing::TestParamInfo<Param>& info) {
-  return internal_io::KindName(info.param.kind) + (info.param.direct ? "Direct" : "Buffered");
+  return internal_io::KindName(info.param.kind) +
+         (info.param.direct ? "Direct" : "Buffered");
 }
 
 std::vector<Param> AllParams() {
@@ -53,7 +54,8 @@ class IoEngineTest : public testing::TestWithParam<Param> {
     absl::StatusOr<std::unique_ptr<File>> file = File::Open(path_, options);
     ASSERT_TRUE(file.ok()) << file.status();
     file_ = std::move(*file);
-    ASSERT_EQ(file_->direct(), GetParam().direct) << file_->direct_fallback_reason();
+    ASSERT_EQ(file_->direct(), GetParam().direct)
+        << file_->direct_fallback_reason();
     engine_ = MakeEngine(/*block_size=*/64 << 10, /*queue_depth=*/8);
     ASSERT_NE(engine_, nullptr);
     // Shadow of the file, and a scratch area for I/O.
@@ -67,7 +69,8 @@ class IoEngineTest : public testing::TestWithParam<Param> {
     unlink(path_.c_str());
   }
 
-  std::unique_ptr<IoEngine> MakeEngine(size_t block_size, unsigned queue_depth) {
+  std::unique_ptr<IoEngine> MakeEngine(size_t block_size,
+                                       unsigned queue_depth) {
     IoEngineOptions options;
     options.kind = GetParam().kind;
     options.block_size = block_size;
@@ -79,13 +82,16 @@ class IoEngineTest : public testing::TestWithParam<Param> {
   }
 
   // A random partition of the file into extents (aligned when direct).
-  std::vector<std::pair<uint64_t, size_t>> RandomPartition(std::mt19937_64& rng) {
+  std::vector<std::pair<uint64_t, size_t>> RandomPartition(
+      std::mt19937_64& rng) {
     const size_t unit = GetParam().direct ? kDirectIoAlignment : 1;
     std::vector<std::pair<uint64_t, size_t>> extents;
     uint64_t offset = 0;
     while (offset < kFileSize) {
-      const size_t max_units = std::min<uint64_t>((300 << 10) / unit, (kFileSize - offset) / unit);
-      const size_t len = unit * std::uniform_int_distribution<size_t>(1, max_units)(rng);
+      const size_t max_units =
+          std::min<uint64_t>((300 << 10) / unit, (kFileSize - offset) / unit);
+      const size_t len =
+          unit * std::uniform_int_distribution<size_t>(1, max_units)(rng);
       extents.push_back({offset, len});
       offset += len;
     }
@@ -127,22 +133,26 @@ class IoEngineTest : public testing::TestWithParam<Param> {
     // Each read gets its own destination so they can all be in flight.
     std::vector<AlignedBuffer> buffers;
     for (int i = 0; i < count; ++i) {
-      const uint64_t offset =
-          unit * std::uniform_int_distribution<uint64_t>(0, kFileSize / unit - 1)(rng);
-      const size_t max_units = std::min<uint64_t>((700 << 10) / unit, (kFileSize - offset) / unit);
-      const size_t len = unit * std::uniform_int_distribution<size_t>(1, max_units)(rng);
+      const uint64_t offset = unit * std::uniform_int_distribution<uint64_t>(
+                                         0, kFileSize / unit - 1)(rng);
+      const size_t max_units =
+          std::min<uint64_t>((700 << 10) / unit, (kFileSize - offset) / unit);
+      const size_t len =
+          unit * std::uniform_int_distribution<size_t>(1, max_units)(rng);
       buffers.push_back(*AlignedBuffer::Allocate(len + kDirectIoAlignment));
       char* dst = buffers.back().as<char>() + (GetParam().direct ? 0 : 3);
       std::memset(dst, 0xAB, len);
       Read read{offset, len, dst, IoFuture()};
-      read.future = engine_->Submit(IoRequest{IoOp::kRead, file_.get(), offset, len, dst});
+      read.future = engine_->Submit(
+          IoRequest{IoOp::kRead, file_.get(), offset, len, dst});
       reads.push_back(std::move(read));
     }
     for (Read& read : reads) {
       absl::StatusOr<size_t> result = read.future.Wait();
       ASSERT_TRUE(result.ok()) << result.status();
       ASSERT_EQ(*result, read.len);
-      ASSERT_EQ(std::memcmp(read.dst, shadow_.data() + read.offset, read.len), 0)
+      ASSERT_EQ(std::memcmp(read.dst, shadow_.data() + read.offset, read.len),
+                0)
           << "mismatch reading " << read.len << " bytes at " << read.offset;
     }
   }
@@ -177,10 +187,14 @@ TEST_P(IoEngineTest, ReadPastEndIsAnErrorNeverAShortSuccess) {
   ASSERT_TRUE(file_->Allocate(kFileSize).ok());
   const uint64_t offset = kFileSize - 8192;
   absl::StatusOr<size_t> result =
-      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), offset, 3 * 8192, io_.data()}).Wait();
+      engine_
+          ->Submit(
+              IoRequest{IoOp::kRead, file_.get(), offset, 3 * 8192, io_.data()})
+          .Wait();
   ASSERT_FALSE(result.ok());
   EXPECT_EQ(result.status().code(), absl::StatusCode::kOutOfRange);
-  EXPECT_NE(result.status().message().find(path_), std::string::npos) << result.status();
+  EXPECT_NE(result.status().message().find(path_), std::string::npos)
+      << result.status();
   EXPECT_NE(result.status().message().find("read"), std::string::npos);
   EXPECT_NE(result.status().message().find(absl::StrCat("offset ", kFileSize)),
             std::string::npos)
@@ -194,29 +208,40 @@ TEST_P(IoEngineTest, KernelErrorNamesOperationPathAndOffset) {
   absl::StatusOr<std::unique_ptr<File>> read_only = File::Open(path_, ro);
   ASSERT_TRUE(read_only.ok());
   absl::StatusOr<size_t> result =
-      engine_->Submit(IoRequest{IoOp::kWrite, read_only->get(), 8192, 4096, io_.data()}).Wait();
+      engine_
+          ->Submit(
+              IoRequest{IoOp::kWrite, read_only->get(), 8192, 4096, io_.data()})
+          .Wait();
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.status().message().find(absl::StrCat("write ", path_, " at offset 8192")),
+  EXPECT_NE(result.status().message().find(
+                absl::StrCat("write ", path_, " at offset 8192")),
             std::string::npos)
       << result.status();
 }
 
 TEST_P(IoEngineTest, InvalidRequestsAreRejected) {
   absl::StatusOr<size_t> no_buffer =
-      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096, nullptr}).Wait();
+      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096, nullptr})
+          .Wait();
   EXPECT_EQ(no_buffer.status().code(), absl::StatusCode::kInvalidArgument);
   absl::StatusOr<size_t> no_file =
-      engine_->Submit(IoRequest{IoOp::kRead, nullptr, 0, 4096, io_.data()}).Wait();
+      engine_->Submit(IoRequest{IoOp::kRead, nullptr, 0, 4096, io_.data()})
+          .Wait();
   EXPECT_EQ(no_file.status().code(), absl::StatusCode::kInvalidArgument);
   absl::StatusOr<size_t> empty =
-      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 0, io_.data()}).Wait();
+      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 0, io_.data()})
+          .Wait();
   ASSERT_TRUE(empty.ok());
   EXPECT_EQ(*empty, 0u);
   if (GetParam().direct) {
     absl::StatusOr<size_t> misaligned =
-        engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), 100, 4096, io_.data()}).Wait();
+        engine_
+            ->Submit(
+                IoRequest{IoOp::kWrite, file_.get(), 100, 4096, io_.data()})
+            .Wait();
     EXPECT_EQ(misaligned.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(misaligned.status().message().find(absl::StrCat(path_, " at offset 100")),
+    EXPECT_NE(misaligned.status().message().find(
+                  absl::StrCat(path_, " at offset 100")),
               std::string::npos)
         << misaligned.status();
   }
@@ -237,23 +262,28 @@ TEST_P(IoEngineTest, ManyThreadsSubmitAtOnce) {
         // Four requests per slice so pieces of different threads interleave.
         std::vector<IoFuture> writes;
         for (int q = 0; q < 4; ++q) {
-          writes.push_back(engine_->Submit(IoRequest{IoOp::kWrite, file_.get(),
-                                                     t * slice + q * slice / 4, slice / 4,
-                                                     out.as<char>() + q * slice / 4}));
+          writes.push_back(engine_->Submit(
+              IoRequest{IoOp::kWrite, file_.get(), t * slice + q * slice / 4,
+                        slice / 4, out.as<char>() + q * slice / 4}));
         }
         for (auto& w : writes) {
-          if (!w.Wait().ok()) failures[t] = std::string(w.Wait().status().message());
+          if (!w.Wait().ok())
+            failures[t] = std::string(w.Wait().status().message());
         }
         absl::StatusOr<size_t> read =
-            engine_->Submit(IoRequest{IoOp::kRead, file_.get(), t * slice, slice, in.data()})
+            engine_
+                ->Submit(IoRequest{IoOp::kRead, file_.get(), t * slice, slice,
+                                   in.data()})
                 .Wait();
         if (!read.ok()) failures[t] = std::string(read.status().message());
-        if (std::memcmp(in.data(), out.data(), slice) != 0) failures[t] = "data mismatch";
+        if (std::memcmp(in.data(), out.data(), slice) != 0)
+          failures[t] = "data mismatch";
       }
     });
   }
   for (auto& th : threads) th.join();
-  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(failures[t], "") << "thread " << t;
+  for (int t = 0; t < kThreads; ++t)
+    EXPECT_EQ(failures[t], "") << "thread " << t;
 }
 
 TEST_P(IoEngineTest, BatchCompletesEachRequest) {
@@ -262,8 +292,8 @@ TEST_P(IoEngineTest, BatchCompletesEachRequest) {
   std::vector<IoFuture> futures(16);
   std::vector<IoCallback> callbacks;
   for (int i = 0; i < 16; ++i) {
-    requests.push_back(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 65536, 65536,
-                                 io_.as<char>() + i * 65536});
+    requests.push_back(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 65536,
+                                 65536, io_.as<char>() + i * 65536});
     callbacks.push_back(futures[i].AsCallback());
   }
   // One bad request in the batch fails alone.
@@ -285,8 +315,8 @@ TEST_P(IoEngineTest, ShutdownDrainsThenRefuses) {
   ::mlp_offload::Mutex mu;
   int ok = 0;
   for (int i = 0; i < 64; ++i) {
-    engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 65536, 65536,
-                              io_.as<char>() + i * 65536},
+    engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 65536,
+                              65536, io_.as<char>() + i * 65536},
                     [&](absl::StatusOr<size_t> r) {
                       ::mlp_offload::MutexLock lock(&mu);
                       if (r.ok()) ++ok;
@@ -299,7 +329,8 @@ TEST_P(IoEngineTest, ShutdownDrainsThenRefuses) {
   }
   engine_->Shutdown();  // idempotent
   absl::StatusOr<size_t> after =
-      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096, io_.data()}).Wait();
+      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096, io_.data()})
+          .Wait();
   EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
@@ -309,8 +340,8 @@ TEST_P(IoEngineTest, CallbacksMaySubmitMore) {
   FillRandom(io_.data(), kFileSize, 8);
   IoFuture last;
   std::function<void(int)> step = [&](int i) {
-    engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 4096, 4096,
-                              io_.as<char>() + i * 4096},
+    engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), uint64_t(i) * 4096,
+                              4096, io_.as<char>() + i * 4096},
                     [&, i](absl::StatusOr<size_t> r) {
                       if (!r.ok() || i == 19) {
                         last.Set(r);
@@ -329,32 +360,37 @@ TEST_P(IoEngineTest, RegisteredBuffersRoundTrip) {
   const iovec regions[] = {{out.data(), out.size()}, {in.data(), in.size()}};
   ASSERT_TRUE(engine_->RegisterBuffers(regions).ok());
   FillRandom(out.data(), out.size(), 11);
-  ASSERT_TRUE(engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), 1 << 20, 1 << 20, out.data()})
+  ASSERT_TRUE(engine_
+                  ->Submit(IoRequest{IoOp::kWrite, file_.get(), 1 << 20,
+                                     1 << 20, out.data()})
                   .Wait()
                   .ok());
   // A piece inside a registered buffer, not at its start.
   ASSERT_TRUE(engine_
-                  ->Submit(IoRequest{IoOp::kRead, file_.get(), (1 << 20) + 8192, 65536,
-                                     in.as<char>() + 8192})
+                  ->Submit(IoRequest{IoOp::kRead, file_.get(), (1 << 20) + 8192,
+                                     65536, in.as<char>() + 8192})
                   .Wait()
                   .ok());
   EXPECT_EQ(std::memcmp(in.as<char>() + 8192, out.as<char>() + 8192, 65536), 0);
   ASSERT_TRUE(engine_->RegisterBuffers({}).ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, IoEngineTest, testing::ValuesIn(AllParams()), ParamName);
+INSTANTIATE_TEST_SUITE_P(Engines, IoEngineTest, testing::ValuesIn(AllParams()),
+                         ParamName);
 
 TEST(IoEngineFactoryTest, DisableEnvVarForcesThreadPool) {
   ASSERT_EQ(setenv("MLP_OFFLOAD_DISABLE_IO_URING", "1", 1), 0);
   std::string reason;
   EXPECT_FALSE(IoUringAvailable(&reason));
-  EXPECT_NE(reason.find("MLP_OFFLOAD_DISABLE_IO_URING"), std::string::npos) << reason;
+  EXPECT_NE(reason.find("MLP_OFFLOAD_DISABLE_IO_URING"), std::string::npos)
+      << reason;
   IoEngineOptions options;
   absl::StatusOr<std::unique_ptr<IoEngine>> engine = CreateIoEngine(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->name(), "threadpool");
   options.kind = IoEngineOptions::Kind::kUring;
-  EXPECT_EQ(CreateIoEngine(options).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(CreateIoEngine(options).status().code(),
+            absl::StatusCode::kUnavailable);
   ASSERT_EQ(unsetenv("MLP_OFFLOAD_DISABLE_IO_URING"), 0);
   if (IoUringAvailable(&reason)) {
     options.kind = IoEngineOptions::Kind::kAuto;
@@ -365,10 +401,12 @@ TEST(IoEngineFactoryTest, DisableEnvVarForcesThreadPool) {
 TEST(IoEngineFactoryTest, RejectsBadOptions) {
   IoEngineOptions options;
   options.block_size = 1000;
-  EXPECT_EQ(CreateIoEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateIoEngine(options).status().code(),
+            absl::StatusCode::kInvalidArgument);
   options.block_size = 4096;
   options.queue_depth = 0;
-  EXPECT_EQ(CreateIoEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateIoEngine(options).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(IoFutureTest, FirstSetWins) {

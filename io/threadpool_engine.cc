@@ -15,9 +15,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "mlp_offload/base/mutex.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 namespace internal_io {
@@ -50,9 +50,9 @@ class ThreadPoolEngine final : public IoEngine {
                    absl::Span<IoCallback> done) override {
     if (requests.size() != done.size()) {
       for (auto& d : done) {
-        d(absl::InvalidArgumentError(absl::StrCat("SubmitBatch: ", requests.size(),
-                                                  " requests but ", done.size(),
-                                                  " callbacks")));
+        d(absl::InvalidArgumentError(
+            absl::StrCat("SubmitBatch: ", requests.size(), " requests but ",
+                         done.size(), " callbacks")));
       }
       return;
     }
@@ -151,7 +151,8 @@ class ThreadPoolEngine final : public IoEngine {
     const int fd = request.file->fd();
     while (piece->done < piece->length) {
       size_t len = piece->length - piece->done;
-      if (const size_t cap = MaxTransferForTesting(); cap > 0) len = std::min(len, cap);
+      if (const size_t cap = MaxTransferForTesting(); cap > 0)
+        len = std::min(len, cap);
       char* buf = piece->buffer + piece->done;
       const off_t off = static_cast<off_t>(piece->offset + piece->done);
       ssize_t n = request.op == IoOp::kRead ? pread(fd, buf, len, off)
@@ -162,7 +163,8 @@ class ThreadPoolEngine final : public IoEngine {
         err = EAGAIN;
       }
       if (n < 0) {
-        if ((err == EAGAIN || err == EINTR) && ++piece->retries <= kMaxRetries) {
+        if ((err == EAGAIN || err == EINTR) &&
+            ++piece->retries <= kMaxRetries) {
           continue;
         }
         return TransferError(request.op, *request.file,
@@ -194,7 +196,8 @@ class ThreadPoolEngine final : public IoEngine {
 
 }  // namespace
 
-std::unique_ptr<IoEngine> CreateThreadPoolEngine(const IoEngineOptions& options) {
+std::unique_ptr<IoEngine> CreateThreadPoolEngine(
+    const IoEngineOptions& options) {
   return std::make_unique<ThreadPoolEngine>(options);
 }
 

@@ -94,7 +94,8 @@ struct TierLock::Impl {
     if (n < 0) {
       const int err = errno;
       OfdLock(fd, F_UNLCK, 0, false);
-      return ErrnoStatus(err, "pread of the ticket counter", absl::StrCat(path, " at offset 0"));
+      return ErrnoStatus(err, "pread of the ticket counter",
+                         absl::StrCat(path, " at offset 0"));
     }
     if (n != sizeof(counter) || counter < 0) counter = 0;  // new file
     int64_t t = counter;
@@ -116,7 +117,8 @@ struct TierLock::Impl {
       const int saved = errno;
       OfdLock(fd, F_UNLCK, kTicketBase + t, false);
       OfdLock(fd, F_UNLCK, 0, false);
-      return ErrnoStatus(saved == 0 ? EIO : saved, "pwrite of the ticket counter",
+      return ErrnoStatus(saved == 0 ? EIO : saved,
+                         "pwrite of the ticket counter",
                          absl::StrCat(path, " at offset 0"));
     }
     OfdLock(fd, F_UNLCK, 0, false);
@@ -128,17 +130,19 @@ TierLock::TierLock(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 TierLock::~TierLock() { Release(); }
 
-absl::StatusOr<std::unique_ptr<TierLock>> TierLock::Open(const std::string& lock_path,
-                                                         int max_holders) {
+absl::StatusOr<std::unique_ptr<TierLock>> TierLock::Open(
+    const std::string& lock_path, int max_holders) {
   if (max_holders < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "TierLock::Open ", lock_path, ": max_holders must be >= 1, got ", max_holders));
+    return absl::InvalidArgumentError(
+        absl::StrCat("TierLock::Open ", lock_path,
+                     ": max_holders must be >= 1, got ", max_holders));
   }
   auto impl = std::make_unique<Impl>();
   impl->path = lock_path + ".tickets";
   impl->max_holders = max_holders;
   do {
-    impl->fd = open(impl->path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    impl->fd = open(impl->path.c_str(),
+                    O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   } while (impl->fd < 0 && errno == EINTR);
   if (impl->fd < 0) return ErrnoStatus(errno, "open", impl->path);
   return std::unique_ptr<TierLock>(new TierLock(std::move(impl)));
@@ -180,7 +184,8 @@ bool TierLock::held() const { return impl_->held; }
 bool TierLock::HasWaiters() const {
   if (!impl_ || !impl_->held) return false;
   int64_t counter = 0;
-  if (pread(impl_->fd, &counter, sizeof(counter), 0) != sizeof(counter)) return true;
+  if (pread(impl_->fd, &counter, sizeof(counter), 0) != sizeof(counter))
+    return true;
   return counter > impl_->ticket + 1;
 }
 
@@ -195,7 +200,8 @@ RunLock::~RunLock() {
   close(fd_);
 }
 
-absl::StatusOr<std::unique_ptr<RunLock>> RunLock::Acquire(const std::string& path) {
+absl::StatusOr<std::unique_ptr<RunLock>> RunLock::Acquire(
+    const std::string& path) {
   int fd;
   do {
     fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
@@ -219,7 +225,9 @@ absl::StatusOr<std::unique_ptr<RunLock>> RunLock::Acquire(const std::string& pat
     close(fd);
     int pid = 0;
     std::string holder = "pid unknown";
-    if (n > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(text, n)), &pid)) {
+    if (n > 0 &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(text, n)),
+                         &pid)) {
       holder = absl::StrCat("pid ", pid);
     }
     return absl::AlreadyExistsError(absl::StrCat(

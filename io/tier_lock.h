@@ -17,8 +17,8 @@ class TierLock {
  public:
   // Opens (creating, 0600) the lock files under `lock_path` (a file path
   // prefix on the tier) for at most `max_holders` concurrent holders.
-  static absl::StatusOr<std::unique_ptr<TierLock>> Open(const std::string& lock_path,
-                                                        int max_holders = 1);
+  static absl::StatusOr<std::unique_ptr<TierLock>> Open(
+      const std::string& lock_path, int max_holders = 1);
   ~TierLock();  // releases if held
 
   // Blocks until this process holds one of the K slots. Not reentrant per
@@ -43,7 +43,8 @@ class TierLock {
 // another live process holds it; taken over silently if the holder died.
 class RunLock {
  public:
-  static absl::StatusOr<std::unique_ptr<RunLock>> Acquire(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<RunLock>> Acquire(
+      const std::string& path);
   ~RunLock();
 
  private:

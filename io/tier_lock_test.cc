@@ -44,7 +44,8 @@ pid_t Spawn(F body) {
 
 bool WaitOk(pid_t pid) {
   int status = 0;
-  return waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  return waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
 }
 
 // Reads one byte from `fd` within `ms`; -1 when nothing came.
@@ -59,13 +60,15 @@ void Contend(const std::string& path, int max_holders, Shared* shared) {
   std::vector<pid_t> children;
   for (int i = 0; i < 4; ++i) {
     children.push_back(Spawn([&] {
-      absl::StatusOr<std::unique_ptr<TierLock>> lock = TierLock::Open(path, max_holders);
+      absl::StatusOr<std::unique_ptr<TierLock>> lock =
+          TierLock::Open(path, max_holders);
       if (!lock.ok()) return false;
       for (int iter = 0; iter < 25; ++iter) {
         if (!(*lock)->Acquire().ok()) return false;
         const int now = shared->inside.fetch_add(1) + 1;
         int seen = shared->max_inside.load();
-        while (now > seen && !shared->max_inside.compare_exchange_weak(seen, now)) {
+        while (now > seen &&
+               !shared->max_inside.compare_exchange_weak(seen, now)) {
         }
         usleep(2000);  // hold it long enough for the others to pile up
         shared->inside.fetch_sub(1);
@@ -96,7 +99,8 @@ TEST(TierLockTest, ThirdWaitsWhileTwoHoldThenEnters) {
   auto b = *TierLock::Open(path, 2);
   ASSERT_TRUE(a->Acquire().ok());
   ASSERT_TRUE(b->Acquire().ok());
-  EXPECT_EQ(a->Acquire().code(), absl::StatusCode::kFailedPrecondition);  // not reentrant
+  EXPECT_EQ(a->Acquire().code(),
+            absl::StatusCode::kFailedPrecondition);  // not reentrant
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
   const pid_t child = Spawn([&] {
@@ -126,7 +130,8 @@ TEST(TierLockTest, RecoversAfterHolderIsKilled) {
     if (!lock->Acquire().ok()) return false;
     return write(fds[1], "b", 1) == 1;
   });
-  EXPECT_EQ(ReadByte(fds[0], 300), -1) << "waiter entered while the holder lived";
+  EXPECT_EQ(ReadByte(fds[0], 300), -1)
+      << "waiter entered while the holder lived";
   ASSERT_EQ(kill(holder, SIGKILL), 0);
   int status;
   ASSERT_EQ(waitpid(holder, &status, 0), holder);
@@ -183,7 +188,8 @@ TEST(RunLockTest, SecondRunIsRefusedNamingPathAndPid) {
   absl::StatusOr<std::unique_ptr<RunLock>> second = RunLock::Acquire(path);
   ASSERT_EQ(second.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(second.status().message().find(path), std::string::npos);
-  EXPECT_NE(second.status().message().find(absl::StrCat("pid ", getpid())), std::string::npos)
+  EXPECT_NE(second.status().message().find(absl::StrCat("pid ", getpid())),
+            std::string::npos)
       << second.status();
   first->reset();
   EXPECT_TRUE(RunLock::Acquire(path).ok());
@@ -199,7 +205,8 @@ TEST(RunLockTest, DeadHolderIsTakenOver) {
     for (;;) pause();
   });
   ASSERT_EQ(ReadByte(fds[0], 30000), 'a');
-  EXPECT_EQ(RunLock::Acquire(path).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(RunLock::Acquire(path).status().code(),
+            absl::StatusCode::kAlreadyExists);
   kill(holder, SIGKILL);
   int status;
   waitpid(holder, &status, 0);

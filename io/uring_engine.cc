@@ -5,11 +5,12 @@
 // are not thread-safe, and sharing them between submitters and a reaper needs
 // a lock around every SQE and a reaper woken for every submission. Instead,
 // submitters only append pieces to a locked queue and poke an eventfd; the
-// loop keeps a poll on that eventfd in the ring, so one io_uring_submit_and_wait
-// both pushes new SQEs and sleeps until either a transfer completes or new
-// work arrives. The loop follows liburing's io_uring-cp pattern: at most
-// queue_depth pieces in flight, the piece pointer in user_data, every CQE
-// consumed (failed ones too), short transfers and -EAGAIN resubmitted.
+// loop keeps a poll on that eventfd in the ring, so one
+// io_uring_submit_and_wait both pushes new SQEs and sleeps until either a
+// transfer completes or new work arrives. The loop follows liburing's
+// io_uring-cp pattern: at most queue_depth pieces in flight, the piece pointer
+// in user_data, every CQE consumed (failed ones too), short transfers and
+// -EAGAIN resubmitted.
 #include <fcntl.h>
 #include <liburing.h>
 #include <poll.h>
@@ -29,9 +30,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "mlp_offload/base/mutex.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -140,15 +141,16 @@ class UringEngine final : public IoEngine {
       fixed_.clear();
     }
     if (buffers.empty()) return absl::OkStatus();
-    const int rc = io_uring_register_buffers(&ring_, buffers.data(),
-                                             static_cast<unsigned>(buffers.size()));
+    const int rc = io_uring_register_buffers(
+        &ring_, buffers.data(), static_cast<unsigned>(buffers.size()));
     if (rc < 0) {
       return ErrnoStatus(-rc, "io_uring_register_buffers",
                          absl::StrCat(buffers.size(), " buffers"));
     }
     for (size_t i = 0; i < buffers.size(); ++i) {
       const auto start = reinterpret_cast<uintptr_t>(buffers[i].iov_base);
-      fixed_[start] = FixedBuffer{start + buffers[i].iov_len, static_cast<int>(i)};
+      fixed_[start] =
+          FixedBuffer{start + buffers[i].iov_len, static_cast<int>(i)};
     }
     return absl::OkStatus();
   }
@@ -163,10 +165,12 @@ class UringEngine final : public IoEngine {
     return absl::FailedPreconditionError("io_uring engine is shut down");
   }
 
-  static void FailMismatchedBatch(size_t requests, absl::Span<IoCallback> done) {
+  static void FailMismatchedBatch(size_t requests,
+                                  absl::Span<IoCallback> done) {
     for (auto& d : done) {
-      d(absl::InvalidArgumentError(absl::StrCat(
-          "SubmitBatch: ", requests, " requests but ", done.size(), " callbacks")));
+      d(absl::InvalidArgumentError(absl::StrCat("SubmitBatch: ", requests,
+                                                " requests but ", done.size(),
+                                                " callbacks")));
     }
   }
 
@@ -181,7 +185,8 @@ class UringEngine final : public IoEngine {
   }
 
   // The buffer index if [addr, addr+len) lies inside a registered buffer.
-  int FixedIndex(const char* addr, size_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  int FixedIndex(const char* addr, size_t len)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (fixed_.empty()) return -1;
     const auto start = reinterpret_cast<uintptr_t>(addr);
     auto it = fixed_.upper_bound(start);
@@ -202,7 +207,8 @@ class UringEngine final : public IoEngine {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     const IoRequest& request = piece->tracker->request();
     size_t len = piece->length - piece->done;
-    if (const size_t cap = MaxTransferForTesting(); cap > 0) len = std::min(len, cap);
+    if (const size_t cap = MaxTransferForTesting(); cap > 0)
+      len = std::min(len, cap);
     char* buf = piece->buffer + piece->done;
     const uint64_t off = piece->offset + piece->done;
     const int fd = request.file->fd();
@@ -271,7 +277,8 @@ class UringEngine final : public IoEngine {
         int index;
         {
           ::mlp_offload::MutexLock lock(&mu_);
-          index = FixedIndex(piece->buffer + piece->done, piece->length - piece->done);
+          index = FixedIndex(piece->buffer + piece->done,
+                             piece->length - piece->done);
         }
         PrepPiece(piece, index);
         ++in_flight;
@@ -296,8 +303,8 @@ class UringEngine final : public IoEngine {
         // persistent failure here means the ring itself is broken, and the
         // completions of what is in flight are still reaped below.
       }
-      const unsigned n = io_uring_peek_batch_cqe(&ring_, cqes.data(),
-                                                 static_cast<unsigned>(cqes.size()));
+      const unsigned n = io_uring_peek_batch_cqe(
+          &ring_, cqes.data(), static_cast<unsigned>(cqes.size()));
       bool rearm = false;
       for (unsigned i = 0; i < n; ++i) {
         const uint64_t tag = io_uring_cqe_get_data64(cqes[i]);
@@ -307,7 +314,8 @@ class UringEngine final : public IoEngine {
           continue;
         }
         --in_flight;
-        HandleCompletion(static_cast<Piece*>(io_uring_cqe_get_data(cqes[i])), res);
+        HandleCompletion(static_cast<Piece*>(io_uring_cqe_get_data(cqes[i])),
+                         res);
       }
       io_uring_cq_advance(&ring_, n);
       if (rearm) {
@@ -347,7 +355,8 @@ absl::StatusOr<std::unique_ptr<IoEngine>> CreateUringEngine(
   std::string reason;
   if (!IoUringAvailable(&reason)) return absl::UnavailableError(reason);
   const int event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (event_fd < 0) return ErrnoStatus(errno, "eventfd", "for the io_uring engine");
+  if (event_fd < 0)
+    return ErrnoStatus(errno, "eventfd", "for the io_uring engine");
   auto engine = std::make_unique<UringEngine>(options, event_fd);
   absl::Status status = engine->Init();
   if (!status.ok()) return absl::UnavailableError(status.message());
@@ -361,8 +370,10 @@ bool IoUringAvailable(std::string* reason) {
     if (reason != nullptr) *reason = std::move(why);
   };
   const char* disable = getenv("MLP_OFFLOAD_DISABLE_IO_URING");
-  if (disable != nullptr && disable[0] != '\0' && std::strcmp(disable, "0") != 0) {
-    set_reason(absl::StrCat("disabled by MLP_OFFLOAD_DISABLE_IO_URING=", disable));
+  if (disable != nullptr && disable[0] != '\0' &&
+      std::strcmp(disable, "0") != 0) {
+    set_reason(
+        absl::StrCat("disabled by MLP_OFFLOAD_DISABLE_IO_URING=", disable));
     return false;
   }
   io_uring ring;
@@ -382,7 +393,8 @@ bool IoUringAvailable(std::string* reason) {
                    IORING_OP_READ_FIXED, IORING_OP_WRITE_FIXED}) {
       if (!io_uring_opcode_supported(probe, op)) {
         ok = false;
-        set_reason(absl::StrCat("io_uring opcode ", op, " not supported by the kernel"));
+        set_reason(absl::StrCat("io_uring opcode ", op,
+                                " not supported by the kernel"));
         break;
       }
     }

@@ -64,9 +64,10 @@ HWY_INLINE size_t ProbeRange(D d, const ProbeArrays& arrays, size_t i,
     if constexpr (kReadBytes == 4) {
       x = hn::LoadU(d, static_cast<const float*>(read) + i);
     } else if constexpr (kReadBytes == 2) {
-      x = hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(
-                             du32, hn::LoadU(du16, static_cast<const uint16_t*>(
-                                                       read) + i))));
+      x = hn::BitCast(
+          d,
+          hn::ShiftLeft<16>(hn::PromoteTo(
+              du32, hn::LoadU(du16, static_cast<const uint16_t*>(read) + i))));
     }
     x = hn::Abs(x);
     auto y = x;
@@ -184,9 +185,9 @@ void RunStreamPattern(const StreamPattern& pattern, float* const update[4],
   const int write_bytes = static_cast<int>(pattern.write_bytes);
   internal_kernels::ForEachChunk(n, pool, [&](size_t c) {
     const size_t begin = c * kChunkElements;
-    HWY_DYNAMIC_DISPATCH(internal_kernels::ProbeChunk)(
-        arrays, update_streams, read_bytes, write_bytes, begin,
-        std::min(n, begin + kChunkElements));
+    HWY_DYNAMIC_DISPATCH(internal_kernels::ProbeChunk)
+    (arrays, update_streams, read_bytes, write_bytes, begin,
+     std::min(n, begin + kChunkElements));
   });
 }
 
@@ -198,22 +199,23 @@ absl::StatusOr<double> MeasureStreamBandwidth(const StreamPattern& pattern,
       !internal_kernels::ValidStreamBytes(pattern.read_bytes) ||
       !internal_kernels::ValidStreamBytes(pattern.write_bytes) ||
       StreamPatternBytes(pattern) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unsupported stream pattern: ", pattern.update_streams,
-        " update streams, read ", pattern.read_bytes, " B, write ",
-        pattern.write_bytes, " B"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported stream pattern: ", pattern.update_streams,
+                     " update streams, read ", pattern.read_bytes, " B, write ",
+                     pattern.write_bytes, " B"));
   }
   if (n == 0 || repetitions < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "need n > 0 and repetitions >= 1, got n=", n,
-        " repetitions=", repetitions));
+    return absl::InvalidArgumentError(
+        absl::StrCat("need n > 0 and repetitions >= 1, got n=", n,
+                     " repetitions=", repetitions));
   }
   // Allocated without touching the pages; the first pass below touches them
   // chunk by chunk on the pool, as the kernels' InitState does.
   std::vector<std::unique_ptr<float[]>> update(pattern.update_streams);
   for (auto& array : update) array.reset(new float[n]);
   std::unique_ptr<float[]> read(
-      pattern.read_bytes ? new float[(n * pattern.read_bytes + 3) / 4] : nullptr);
+      pattern.read_bytes ? new float[(n * pattern.read_bytes + 3) / 4]
+                         : nullptr);
   std::unique_ptr<float[]> write(
       pattern.write_bytes ? new float[(n * pattern.write_bytes + 3) / 4]
                           : nullptr);

@@ -33,11 +33,16 @@ TEST(MemoryProbeTest, EveryPatternRunsAndReportsAPositiveRate) {
 }
 
 TEST(MemoryProbeTest, RejectsUnsupportedPatterns) {
-  EXPECT_FALSE(MeasureStreamBandwidth(StreamPattern{5, 4, 0}, 10, 1, nullptr).ok());
-  EXPECT_FALSE(MeasureStreamBandwidth(StreamPattern{3, 3, 0}, 10, 1, nullptr).ok());
-  EXPECT_FALSE(MeasureStreamBandwidth(StreamPattern{0, 0, 0}, 10, 1, nullptr).ok());
-  EXPECT_FALSE(MeasureStreamBandwidth(StreamPattern{3, 4, 0}, 0, 1, nullptr).ok());
-  EXPECT_FALSE(MeasureStreamBandwidth(StreamPattern{3, 4, 0}, 10, 0, nullptr).ok());
+  EXPECT_FALSE(
+      MeasureStreamBandwidth(StreamPattern{5, 4, 0}, 10, 1, nullptr).ok());
+  EXPECT_FALSE(
+      MeasureStreamBandwidth(StreamPattern{3, 3, 0}, 10, 1, nullptr).ok());
+  EXPECT_FALSE(
+      MeasureStreamBandwidth(StreamPattern{0, 0, 0}, 10, 1, nullptr).ok());
+  EXPECT_FALSE(
+      MeasureStreamBandwidth(StreamPattern{3, 4, 0}, 0, 1, nullptr).ok());
+  EXPECT_FALSE(
+      MeasureStreamBandwidth(StreamPattern{3, 4, 0}, 10, 0, nullptr).ok());
 }
 
 }  // namespace

@@ -160,8 +160,8 @@ int Run() {
                                         static_cast<double>(bytes_per_param) /
                                         best_probe / 1e9;
           const double mparams_per_s = static_cast<double>(n) / best / 1e6;
-          const double gb_per_s = mparams_per_s * 1e6 *
-                                  static_cast<double>(bytes_per_param) / 1e9;
+          const double gb_per_s =
+              mparams_per_s * 1e6 * static_cast<double>(bytes_per_param) / 1e9;
           const char* out_name = has_out ? DTypeName(out_dtype) : "none";
           if (json) {
             std::printf(

@@ -59,7 +59,7 @@ constexpr int kNoOut = -1;
 
 template <class D>
 HWY_INLINE hn::Vec<D> BF16BitsToF32(D d,
-                                   hn::Vec<hn::Rebind<uint16_t, D>> bits) {
+                                    hn::Vec<hn::Rebind<uint16_t, D>> bits) {
   const hn::RebindToUnsigned<D> du32;
   return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(du32, bits)));
 }
@@ -84,13 +84,13 @@ HWY_INLINE hn::Vec<D> F16BitsToF32(D d, hn::Vec<hn::Rebind<uint16_t, D>> bits) {
                               hn::ShiftLeft<13>(mant));
   // Zero/subnormal: mant * 2^-24 is an fp32 normal, so the product is exact
   // and immune to flush-to-zero / denormals-are-zero modes.
-  const auto subnormal = hn::BitCast(
-      du32, hn::Mul(hn::ConvertTo(d, hn::BitCast(di32, mant)),
-                    hn::Set(d, 1.0f / 16777216.0f)));
+  const auto subnormal =
+      hn::BitCast(du32, hn::Mul(hn::ConvertTo(d, hn::BitCast(di32, mant)),
+                                hn::Set(d, 1.0f / 16777216.0f)));
   auto magnitude =
       hn::IfThenElse(hn::Eq(exp, hn::Zero(du32)), subnormal, normal);
-  magnitude = hn::IfThenElse(hn::Eq(exp, hn::Set(du32, 0x1Fu)), inf_nan,
-                             magnitude);
+  magnitude =
+      hn::IfThenElse(hn::Eq(exp, hn::Set(du32, 0x1Fu)), inf_nan, magnitude);
   return hn::BitCast(d, hn::Or(sign, magnitude));
 }
 
@@ -116,14 +116,13 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> F32ToF16Bits(D d, hn::Vec<D> v) {
   // with the ulp of 0.5, so the FPU's own round-to-nearest-even does the
   // rounding and the low bits of the sum are the fp16 mantissa (0x400 when it
   // rounds up to the smallest normal, which is also correct).
-  const auto subnormal =
-      hn::Sub(hn::BitCast(du32, hn::Add(hn::BitCast(d, abs_bits),
-                                        hn::Set(d, 0.5f))),
-              hn::Set(du32, 0x3F000000u));
+  const auto subnormal = hn::Sub(
+      hn::BitCast(du32, hn::Add(hn::BitCast(d, abs_bits), hn::Set(d, 0.5f))),
+      hn::Set(du32, 0x3F000000u));
   // NaN: keep the top of the payload and force the quiet bit, as F16C does.
-  const auto nan = hn::Or(hn::Set(du32, 0x7E00u),
-                          hn::And(hn::ShiftRight<13>(abs_bits),
-                                  hn::Set(du32, 0x3FFu)));
+  const auto nan =
+      hn::Or(hn::Set(du32, 0x7E00u),
+             hn::And(hn::ShiftRight<13>(abs_bits), hn::Set(du32, 0x3FFu)));
   auto magnitude = hn::IfThenElse(hn::Lt(abs_i, hn::Set(di32, 0x38800000)),
                                   hn::BitCast(di32, subnormal), normal);
   magnitude = hn::IfThenElse(hn::Gt(abs_i, hn::Set(di32, 0x7F800000)),
@@ -139,8 +138,8 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> F32ToBF16Bits(D d, hn::Vec<D> v) {
   const hn::RebindToUnsigned<D> du32;
   const auto bits = hn::BitCast(du32, v);
   const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du32, 1u));
-  const auto rounded = hn::ShiftRight<16>(
-      hn::Add(hn::Add(bits, hn::Set(du32, 0x7FFFu)), lsb));
+  const auto rounded =
+      hn::ShiftRight<16>(hn::Add(hn::Add(bits, hn::Set(du32, 0x7FFFu)), lsb));
   // Rounding a NaN could carry it into Inf: truncate and set the quiet bit.
   const auto nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du32, 0x40u));
   return hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), nan, rounded);
@@ -153,8 +152,8 @@ HWY_INLINE hn::Vec<D> LoadAsF32(D d, const void* HWY_RESTRICT base, size_t i) {
     return hn::LoadU(d, static_cast<const float*>(base) + i);
   } else if constexpr (kT == DType::kBFloat16) {
     const hn::Rebind<uint16_t, D> du16;
-    return BF16BitsToF32(d,
-                         hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
+    return BF16BitsToF32(
+        d, hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
   } else {
 #if MLP_OFFLOAD_HW_F16
     const hn::Rebind<hwy::float16_t, D> df16;
@@ -162,8 +161,8 @@ HWY_INLINE hn::Vec<D> LoadAsF32(D d, const void* HWY_RESTRICT base, size_t i) {
         d, hn::LoadU(df16, static_cast<const hwy::float16_t*>(base) + i));
 #else
     const hn::Rebind<uint16_t, D> du16;
-    return F16BitsToF32(d,
-                        hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
+    return F16BitsToF32(
+        d, hn::LoadU(du16, static_cast<const uint16_t*>(base) + i));
 #endif
   }
 }
@@ -489,7 +488,8 @@ HWY_INLINE size_t SumSquaresRange(DD dd, const void* HWY_RESTRICT grad,
   const auto scale = hn::Set(df, grad_scale);
   const size_t N = hn::Lanes(dd);
   for (; i + N <= end; i += N) {
-    const auto g = hn::PromoteTo(dd, hn::Mul(LoadAsF32<kGrad>(df, grad, i), scale));
+    const auto g =
+        hn::PromoteTo(dd, hn::Mul(LoadAsF32<kGrad>(df, grad, i), scale));
     sum = hn::MulAdd(g, g, sum);
   }
   return i;
@@ -500,7 +500,8 @@ double SumSquaresChunkT(const void* grad, float grad_scale, size_t begin,
                         size_t end) {
   const hn::ScalableTag<double> dd;
   auto sum = hn::Zero(dd);
-  const size_t i = SumSquaresRange<kGrad>(dd, grad, grad_scale, begin, end, sum);
+  const size_t i =
+      SumSquaresRange<kGrad>(dd, grad, grad_scale, begin, end, sum);
   const hn::CappedTag<double, 1> d1;
   auto sum1 = hn::Zero(d1);
   SumSquaresRange<kGrad>(d1, grad, grad_scale, i, end, sum1);
@@ -641,7 +642,8 @@ absl::Status InvalidField(absl::string_view field, absl::string_view why) {
 // NaN fails every comparison, so `!(x >= 0)` also rejects NaN.
 absl::Status CheckNonNegative(absl::string_view field, float x) {
   if (!(x >= 0.0f) || std::isinf(x)) {
-    return InvalidField(field, absl::StrCat("must be finite and >= 0, got ", x));
+    return InvalidField(field,
+                        absl::StrCat("must be finite and >= 0, got ", x));
   }
   return absl::OkStatus();
 }
@@ -809,7 +811,7 @@ absl::Status ValidateHyperparams(const OptimizerHyperparams& hp) {
     case OptimizerKind::kAdagrad:
       MLP_RETURN_IF_ERROR(CheckNonNegative("lr_decay", hp.lr_decay));
       MLP_RETURN_IF_ERROR(CheckNonNegative("initial_accumulator_value",
-                                         hp.initial_accumulator_value));
+                                           hp.initial_accumulator_value));
       MLP_RETURN_IF_ERROR(CheckNonNegative("eps", hp.eps));
       return absl::OkStatus();
     case OptimizerKind::kLion:
@@ -817,8 +819,8 @@ absl::Status ValidateHyperparams(const OptimizerHyperparams& hp) {
       MLP_RETURN_IF_ERROR(CheckBeta("beta2", hp.beta2));
       return absl::OkStatus();
   }
-  return InvalidField("kind", absl::StrCat("unknown value ",
-                                           static_cast<int>(hp.kind)));
+  return InvalidField(
+      "kind", absl::StrCat("unknown value ", static_cast<int>(hp.kind)));
 }
 
 int NumStateArrays(const OptimizerHyperparams& hp) {
@@ -857,9 +859,8 @@ const char* StateArrayName(const OptimizerHyperparams& hp, int index) {
 void InitState(const OptimizerHyperparams& hp, float* const state[3], size_t n,
                ThreadPool* pool) {
   const int num_arrays = NumStateArrays(hp);
-  const float value = hp.kind == OptimizerKind::kAdagrad
-                          ? hp.initial_accumulator_value
-                          : 0.0f;
+  const float value =
+      hp.kind == OptimizerKind::kAdagrad ? hp.initial_accumulator_value : 0.0f;
   // Filled chunk by chunk on the pool so that first touch spreads the pages
   // the way the update will read them.
   ForEachChunk(n, pool, [&](size_t c) {
@@ -876,8 +877,8 @@ absl::StatusOr<UpdateResult> ApplyOptimizer(const OptimizerHyperparams& hp,
                                             ThreadPool* pool) {
   MLP_RETURN_IF_ERROR(ValidateHyperparams(hp));
   if (!std::isfinite(transform.grad_scale)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "grad_scale must be finite, got ", transform.grad_scale));
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad_scale must be finite, got ", transform.grad_scale));
   }
   if (!internal_kernels::IsValidDType(spans.grad_dtype) ||
       !internal_kernels::IsValidDType(spans.param_out_dtype)) {
@@ -895,9 +896,8 @@ absl::StatusOr<UpdateResult> ApplyOptimizer(const OptimizerHyperparams& hp,
   const int num_arrays = NumStateArrays(hp);
   for (int k = 0; k < num_arrays; ++k) {
     if (spans.state[k] == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("UpdateSpans.state[", k, "] (",
-                       StateArrayName(hp, k), ") is null"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UpdateSpans.state[", k, "] (", StateArrayName(hp, k), ") is null"));
     }
   }
 
@@ -940,16 +940,16 @@ GradStats ComputeGradStats(const void* grad, DType dtype, size_t n,
 void ConvertToFloat32(const void* src, DType src_dtype, float* dst, size_t n,
                       ThreadPool* pool) {
   ForEachChunk(n, pool, [&](size_t c) {
-    HWY_DYNAMIC_DISPATCH(internal_kernels::ConvertChunk)(
-        src, src_dtype, dst, DType::kFloat32, ChunkBegin(c), ChunkEnd(c, n));
+    HWY_DYNAMIC_DISPATCH(internal_kernels::ConvertChunk)
+    (src, src_dtype, dst, DType::kFloat32, ChunkBegin(c), ChunkEnd(c, n));
   });
 }
 
 void ConvertFromFloat32(const float* src, void* dst, DType dst_dtype, size_t n,
                         ThreadPool* pool) {
   ForEachChunk(n, pool, [&](size_t c) {
-    HWY_DYNAMIC_DISPATCH(internal_kernels::ConvertChunk)(
-        src, DType::kFloat32, dst, dst_dtype, ChunkBegin(c), ChunkEnd(c, n));
+    HWY_DYNAMIC_DISPATCH(internal_kernels::ConvertChunk)
+    (src, DType::kFloat32, dst, dst_dtype, ChunkBegin(c), ChunkEnd(c, n));
   });
 }
 

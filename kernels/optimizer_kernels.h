@@ -44,7 +44,8 @@ absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);
 struct OptimizerHyperparams {
   OptimizerKind kind = OptimizerKind::kAdamW;
   float lr = 1e-3f;
-  float weight_decay = 0.0f;  // L2 for Adam/SGD/Adagrad; decoupled for AdamW/Lion
+  float weight_decay =
+      0.0f;  // L2 for Adam/SGD/Adagrad; decoupled for AdamW/Lion
   bool maximize = false;
   // Adam, AdamW, Lion (Lion uses beta1 for the update, beta2 for the moment).
   float beta1 = 0.9f;
@@ -87,11 +88,11 @@ void InitState(const OptimizerHyperparams& hp, float* const state[3], size_t n,
 
 // The spans of one update. Pointers need no particular alignment.
 struct UpdateSpans {
-  float* param = nullptr;                      // fp32 master, updated in place
+  float* param = nullptr;  // fp32 master, updated in place
   float* state[3] = {nullptr, nullptr, nullptr};  // NumStateArrays() used
-  const void* grad = nullptr;                  // n elements of grad_dtype
+  const void* grad = nullptr;                     // n elements of grad_dtype
   DType grad_dtype = DType::kFloat32;
-  void* param_out = nullptr;                   // optional: n of param_out_dtype
+  void* param_out = nullptr;  // optional: n of param_out_dtype
   DType param_out_dtype = DType::kFloat32;
   size_t n = 0;
 };

@@ -45,7 +45,7 @@ uint16_t RefF32ToBF16(float f) {
   const double a = std::fabs(static_cast<double>(f));
   if (std::isinf(f) || a == 0.0) return static_cast<uint16_t>(bits >> 16);
   int e;
-  std::frexp(a, &e);                  // a in [2^(e-1), 2^e)
+  std::frexp(a, &e);                      // a in [2^(e-1), 2^e)
   const int exp = std::max(e - 1, -126);  // subnormals share the min quantum
   const double quantum = std::ldexp(1.0, exp - 7);
   const double r = std::nearbyint(a / quantum) * quantum;
@@ -90,12 +90,13 @@ float RefF16ToF32(uint16_t h) {
     return FloatOf((negative ? 0x80000000u : 0u) | 0x7FC00000u |
                    (static_cast<uint32_t>(m) << 13));
   }
-  const double v =
-      e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
   return static_cast<float>(negative ? -v : v);
 }
 
-float RefBF16ToF32(uint16_t h) { return FloatOf(static_cast<uint32_t>(h) << 16); }
+float RefBF16ToF32(uint16_t h) {
+  return FloatOf(static_cast<uint32_t>(h) << 16);
+}
 
 uint16_t RefFromF32(float f, DType dtype) {
   return dtype == DType::kBFloat16 ? RefF32ToBF16(f) : RefF32ToF16(f);
@@ -237,9 +238,8 @@ std::vector<NamedConfig> AllConfigs() {
         h.maximize = true, h.bias_correction = false, h.beta1 = 0.8f;
         h.beta2 = 0.95f, h.eps = 1e-6f;
       });
-  add("adamw", OptimizerKind::kAdamW, 10, [](OptimizerHyperparams& h) {
-    h.weight_decay = 0.1f, h.lr = 1e-2f;
-  });
+  add("adamw", OptimizerKind::kAdamW, 10,
+      [](OptimizerHyperparams& h) { h.weight_decay = 0.1f, h.lr = 1e-2f; });
   add("adamw_amsgrad_maximize", OptimizerKind::kAdamW, 2,
       [](OptimizerHyperparams& h) {
         h.weight_decay = 0.01f, h.amsgrad = true, h.maximize = true;
@@ -270,18 +270,16 @@ std::vector<NamedConfig> AllConfigs() {
   add("lion", OptimizerKind::kLion, 1, [](OptimizerHyperparams& h) {
     h.lr = 1e-4f, h.beta1 = 0.9f, h.beta2 = 0.99f;
   });
-  add("lion_wd_maximize", OptimizerKind::kLion, 9,
-      [](OptimizerHyperparams& h) {
-        h.lr = 3e-4f, h.weight_decay = 0.1f, h.maximize = true;
-        h.beta1 = 0.95f, h.beta2 = 0.98f;
-      });
+  add("lion_wd_maximize", OptimizerKind::kLion, 9, [](OptimizerHyperparams& h) {
+    h.lr = 3e-4f, h.weight_decay = 0.1f, h.maximize = true;
+    h.beta1 = 0.95f, h.beta2 = 0.98f;
+  });
   return configs;
 }
 
 std::mt19937_64 FreshRng(uint64_t* seed_out) {
-  const uint64_t seed =
-      (static_cast<uint64_t>(std::random_device{}()) << 32) ^
-      std::random_device{}();
+  const uint64_t seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^
+                        std::random_device{}();
   *seed_out = seed;
   return std::mt19937_64(seed);
 }
@@ -383,8 +381,8 @@ size_t CheckAgainstReference(const OptimizerHyperparams& hp, float grad_scale,
   auto report = [&](const char* what, size_t i, double got, double want,
                     double mag) {
     if (++failures <= 5) {
-      ADD_FAILURE() << what << "[" << i << "]: got " << got << ", want "
-                    << want << " (magnitude " << mag << ")";
+      ADD_FAILURE() << what << "[" << i << "]: got " << got << ", want " << want
+                    << " (magnitude " << mag << ")";
     }
   };
   for (size_t i = 0; i < pb.n; ++i) {
@@ -458,9 +456,9 @@ std::string TargetParamName(const ::testing::TestParamInfo<int64_t>& info) {
   return hwy::TargetName(info.param);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllTargets, KernelTargetTest,
-                         ::testing::ValuesIn(hwy::SupportedAndGeneratedTargets()),
-                         TargetParamName);
+INSTANTIATE_TEST_SUITE_P(
+    AllTargets, KernelTargetTest,
+    ::testing::ValuesIn(hwy::SupportedAndGeneratedTargets()), TargetParamName);
 
 TEST_P(KernelTargetTest, DispatchRunsTheForcedTarget) {
   EXPECT_EQ(SimdTargetName(), hwy::TargetName(GetParam()));
@@ -492,9 +490,9 @@ TEST_P(KernelTargetTest, EveryOptimizerMatchesFloat64Reference) {
           }
           const bool with_out = out >= 0;
           const DType out_dtype = with_out ? kAllDTypes[out] : DType::kFloat32;
-          SCOPED_TRACE(absl::StrCat(config.name, " n=", n, " grad=",
-                                    DTypeName(grad_dtype), " out=",
-                                    with_out ? DTypeName(out_dtype) : "none"));
+          SCOPED_TRACE(absl::StrCat(
+              config.name, " n=", n, " grad=", DTypeName(grad_dtype),
+              " out=", with_out ? DTypeName(out_dtype) : "none"));
           const float grad_scale = grad_dtype == DType::kFloat32 ? 1.0f : 0.25f;
           Outputs outputs(pb);
           GradTransform transform;
@@ -548,7 +546,8 @@ TEST_P(KernelTargetTest, NonfiniteGradientIsFlaggedInTheFusedPass) {
           if (skip) {
             // Nothing written at all.
             EXPECT_EQ(outputs.param, pb.param);
-            for (int k = 0; k < 3; ++k) EXPECT_EQ(outputs.state[k], pb.state[k]);
+            for (int k = 0; k < 3; ++k)
+              EXPECT_EQ(outputs.state[k], pb.state[k]);
             for (uint8_t b : outputs.param_out) ASSERT_EQ(b, 0xAB);
           } else {
             EXPECT_NE(outputs.param, pb.param);
@@ -593,14 +592,13 @@ TEST_P(KernelTargetTest, ResultsAreBitIdenticalForAnyThreadCount) {
   hp.weight_decay = 0.01f;
   hp.step = 4;
   Outputs serial(pb);
-  ASSERT_TRUE(ApplyOptimizer(hp,
-                             serial.Spans(pb, DType::kBFloat16, true,
-                                          DType::kBFloat16),
-                             GradTransform(), nullptr)
-                  .ok());
-  const GradStats serial_stats =
-      ComputeGradStats(pb.grad(DType::kFloat32), DType::kFloat32, pb.n, 0.5f,
-                       nullptr);
+  ASSERT_TRUE(
+      ApplyOptimizer(hp,
+                     serial.Spans(pb, DType::kBFloat16, true, DType::kBFloat16),
+                     GradTransform(), nullptr)
+          .ok());
+  const GradStats serial_stats = ComputeGradStats(
+      pb.grad(DType::kFloat32), DType::kFloat32, pb.n, 0.5f, nullptr);
   for (int threads : {1, 2, 3, 5}) {
     SCOPED_TRACE(absl::StrCat(threads, " threads"));
     ThreadPool pool(threads);
@@ -640,16 +638,16 @@ TEST_P(KernelTargetTest, GradStatsMatchFloat64Reference) {
         const double g = pb.GradValue(dtype, i) * scale;
         want += g * g;
       }
-      const GradStats stats = ComputeGradStats(pb.grad(dtype), dtype, n, scale,
-                                               &pool);
+      const GradStats stats =
+          ComputeGradStats(pb.grad(dtype), dtype, n, scale, &pool);
       EXPECT_FALSE(stats.nonfinite);
       EXPECT_NEAR(stats.sum_squares, want, 1e-12 * want);
     }
   }
   std::vector<uint16_t> grad(20, RefF32ToBF16(1.0f));
   grad[13] = RefF32ToBF16(std::numeric_limits<float>::infinity());
-  const GradStats stats =
-      ComputeGradStats(grad.data(), DType::kBFloat16, grad.size(), 1.0f, nullptr);
+  const GradStats stats = ComputeGradStats(grad.data(), DType::kBFloat16,
+                                           grad.size(), 1.0f, nullptr);
   EXPECT_TRUE(stats.nonfinite);
   EXPECT_TRUE(std::isnan(stats.sum_squares));
 }
@@ -671,21 +669,21 @@ std::vector<float> RoundingCases(std::mt19937_64& rng) {
     // fp16 tie between h and h + 1, for finite non-negative h.
     if (h < 0x7C00) {
       const double lo = RefF16ToF32(static_cast<uint16_t>(h));
-      const double hi = h + 1 == 0x7C00 ? 65536.0
-                                        : RefF16ToF32(static_cast<uint16_t>(h + 1));
+      const double hi =
+          h + 1 == 0x7C00 ? 65536.0 : RefF16ToF32(static_cast<uint16_t>(h + 1));
       const float mid = static_cast<float>((lo + hi) / 2);
       add_with_neighbours(mid);
       add_with_neighbours(-mid);
       cases.push_back(static_cast<float>(lo));
     }
   }
-  for (float f : {0.0f, -0.0f, 65504.0f, 65519.996f, 65520.0f, 1e-45f,
-                  std::numeric_limits<float>::min(),
-                  std::numeric_limits<float>::denorm_min(),
-                  std::numeric_limits<float>::max(),
-                  -std::numeric_limits<float>::max(),
-                  std::numeric_limits<float>::infinity(),
-                  -std::numeric_limits<float>::infinity()}) {
+  for (float f :
+       {0.0f, -0.0f, 65504.0f, 65519.996f, 65520.0f, 1e-45f,
+        std::numeric_limits<float>::min(),
+        std::numeric_limits<float>::denorm_min(),
+        std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+        std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()}) {
     add_with_neighbours(f);
   }
   for (uint32_t nan : {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0x7FBFFFFFu,

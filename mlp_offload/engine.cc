@@ -13,6 +13,7 @@
 // kernels run on a ThreadPool owned by the engine.
 #include "mlp_offload/engine.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -22,8 +23,6 @@
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <dirent.h>
-
 #include <deque>
 #include <random>
 #include <thread>
@@ -31,12 +30,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "mlp_offload/base/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
 #include "io/tier_lock.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 #include "mlp_offload/base/thread_pool.h"
 #include "mlp_offload/state_store.h"
@@ -47,7 +46,9 @@ namespace {
 constexpr uint64_t kAlign = kDirectIoAlignment;
 uint64_t RoundUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+double Seconds(absl::Time since) {
+  return absl::ToDoubleSeconds(absl::Now() - since);
+}
 
 // Sends a tier's requests through its engine, optionally taking the
 // cross-process tier lock around each burst of I/O (technique 4): a
@@ -115,7 +116,9 @@ class TierChannel {
           if (queue_.empty() || turn >= kTurnBytes) {
             // Drained (nothing in flight either) or the turn is over: let
             // another process have the tier.
-            auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+            auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+              return in_flight_ == 0;
+            };
             mu_.Await(idle);
             break;
           }
@@ -130,7 +133,8 @@ class TierChannel {
             continue;
           }
           IoCallback done = std::move(p.done);
-          engine_->Submit(p.request, [this, done = std::move(done)](absl::StatusOr<size_t> r) {
+          engine_->Submit(p.request, [this, done = std::move(done)](
+                                         absl::StatusOr<size_t> r) {
             done(std::move(r));
             Finished();
           });
@@ -186,25 +190,26 @@ struct Engine::Impl {
 
   // Per subgroup.
   std::vector<uint64_t> numel;
-  std::vector<uint64_t> payload_bytes;   // numel * 4 * arrays
-  std::vector<uint64_t> record_bytes;    // aligned payload
+  std::vector<uint64_t> payload_bytes;  // numel * 4 * arrays
+  std::vector<uint64_t> record_bytes;   // aligned payload
   std::vector<std::unique_ptr<File>> state_files;
   std::vector<std::unique_ptr<File>> grad_files;  // baseline only
-  std::vector<int> current_slot;         // slot with the latest on-disk version
-  std::vector<int> committed_slot;       // slot named by the last commit
-  std::vector<int64_t> disk_step;        // step of the latest on-disk version
-  std::vector<int64_t> sg_step;          // updates applied (latest version)
+  std::vector<int> current_slot;    // slot with the latest on-disk version
+  std::vector<int> committed_slot;  // slot named by the last commit
+  std::vector<int64_t> disk_step;   // step of the latest on-disk version
+  std::vector<int64_t> sg_step;     // updates applied (latest version)
   std::vector<bool> initialized;
-  std::vector<bool> grad_nonfinite;      // baseline: seen at offload time
-  std::vector<bool> grad_offloaded;      // baseline: fp32 grad on the tier
-  std::vector<bool> done_in_step;        // for a step resumed after a failure
+  std::vector<bool> grad_nonfinite;  // baseline: seen at offload time
+  std::vector<bool> grad_offloaded;  // baseline: fp32 grad on the tier
+  std::vector<bool> done_in_step;    // for a step resumed after a failure
 
   Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
   std::vector<int> buffer_of ABSL_GUARDED_BY(mu);  // subgroup -> buffer or -1
   int buffers_in_use ABSL_GUARDED_BY(mu) = 0;
   absl::Status step_error ABSL_GUARDED_BY(mu);  // first I/O error of the step
-  int grad_writes ABSL_GUARDED_BY(mu) = 0;      // baseline gradient writes in flight
+  int grad_writes ABSL_GUARDED_BY(mu) =
+      0;  // baseline gradient writes in flight
   absl::Status grad_error ABSL_GUARDED_BY(mu);  // the first one that failed
   int peak_in_use ABSL_GUARDED_BY(mu) = 0;
 
@@ -221,14 +226,20 @@ struct Engine::Impl {
   StepStats stats;
   absl::Time step_start;
 
-  explicit Impl(const EngineConfig& c) : config(c), pool(std::max(1, c.compute_threads)) {}
+  explicit Impl(const EngineConfig& c)
+      : config(c), pool(std::max(1, c.compute_threads)) {}
 
   int arrays() const { return 1 + config.num_state_arrays; }
-  bool eager_grads() const { return !config.techniques.delayed_grad_conversion; }
+  bool eager_grads() const {
+    return !config.techniques.delayed_grad_conversion;
+  }
   int n() const { return static_cast<int>(numel.size()); }
-  uint64_t slot_bytes(int i) const { return kRecordHeaderBytes + record_bytes[i]; }
+  uint64_t slot_bytes(int i) const {
+    return kRecordHeaderBytes + record_bytes[i];
+  }
   std::string where(int i, int slot) const {
-    return absl::StrCat(state_files[i]->path(), " (subgroup ", i, ", slot ", slot, ")");
+    return absl::StrCat(state_files[i]->path(), " (subgroup ", i, ", slot ",
+                        slot, ")");
   }
 
   // --- buffers ---------------------------------------------------------
@@ -238,7 +249,8 @@ struct Engine::Impl {
     }
     return -1;
   }
-  void Claim(int b, int subgroup, BufState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void Claim(int b, int subgroup, BufState state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     buffers[b].subgroup = subgroup;
     buffers[b].state = state;
     buffers[b].io_status = absl::OkStatus();
@@ -268,19 +280,23 @@ struct Engine::Impl {
     Claim(b, subgroup, state);
     return b;
   }
-  float* Payload(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return PayloadUnlocked(b); }
+  float* Payload(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return PayloadUnlocked(b);
+  }
   // For the thread that owns buffer b (the buffers vector never changes
   // after Create, so the address is stable).
   float* PayloadUnlocked(int b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return reinterpret_cast<float*>(buffers[b].mem.as<char>() + kRecordHeaderBytes);
+    return reinterpret_cast<float*>(buffers[b].mem.as<char>() +
+                                    kRecordHeaderBytes);
   }
   float* GradArea(int b, int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return reinterpret_cast<float*>(buffers[b].mem.as<char>() + kRecordHeaderBytes +
-                                    record_bytes[i]);
+    return reinterpret_cast<float*>(buffers[b].mem.as<char>() +
+                                    kRecordHeaderBytes + record_bytes[i]);
   }
 
   // --- I/O -------------------------------------------------------------
-  void OnIoDone(int b, uint64_t bytes, int tier, bool is_read, absl::StatusOr<size_t> r) {
+  void OnIoDone(int b, uint64_t bytes, int tier, bool is_read,
+                absl::StatusOr<size_t> r) {
     MutexLock l(&mu);
     Buffer& buf = buffers[b];
     if (!r.ok() && buf.io_status.ok()) buf.io_status = r.status();
@@ -362,7 +378,8 @@ struct Engine::Impl {
 
   // Seals buffer b's header for subgroup i at its current step and issues
   // the write to the slot that does not hold the committed version.
-  void IssueWrite(int i, int b, uint64_t checksum) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void IssueWrite(int i, int b, uint64_t checksum)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Buffer& buf = buffers[b];
     const int t = plan.tier_of_subgroup[i];
     RecordHeader h;
@@ -390,7 +407,9 @@ struct Engine::Impl {
 
   // Waits for buffer b's I/O; on success of a write, records the new slot.
   absl::Status WaitIo(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    auto idle = [this, b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return buffers[b].pending == 0; };
+    auto idle = [this, b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return buffers[b].pending == 0;
+    };
     mu.Await(idle);
     return buffers[b].io_status;
   }
@@ -430,11 +449,13 @@ struct Engine::Impl {
     Buffer& buf = buffers[b];
     if (!buf.from_disk) return absl::OkStatus();
     std::string w = where(i, current_slot[i]);
-    MLP_ASSIGN_OR_RETURN(RecordHeader h,
-                         DecodeRecordHeader(buf.mem.data(), kRecordHeaderBytes, w));
+    MLP_ASSIGN_OR_RETURN(
+        RecordHeader h,
+        DecodeRecordHeader(buf.mem.data(), kRecordHeaderBytes, w));
     if (h.subgroup != static_cast<uint32_t>(i) || h.numel != numel[i] ||
         h.num_arrays != static_cast<uint32_t>(arrays()) || h.run_id != run_id) {
-      return absl::DataLossError(absl::StrCat(w, ": record belongs to another subgroup or run"));
+      return absl::DataLossError(
+          absl::StrCat(w, ": record belongs to another subgroup or run"));
     }
     if (config.verify_checksums) {
       // The buffer belongs to this thread until it is handed on, so the
@@ -446,7 +467,8 @@ struct Engine::Impl {
       sum = PayloadChecksum(payload, bytes, &pool);
       mu.Lock();
       if (sum != h.payload_checksum) {
-        return absl::DataLossError(absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));
+        return absl::DataLossError(
+            absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));
       }
     }
     buf.from_disk = false;
@@ -457,9 +479,11 @@ struct Engine::Impl {
   // Brings subgroup i into a buffer outside a step (state access,
   // checkpoints). Returns the buffer; `claimed` says whether the caller must
   // free it afterwards (it was not cached).
-  absl::StatusOr<int> Resident(int i, bool* claimed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  absl::StatusOr<int> Resident(int i, bool* claimed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!initialized[i]) {
-      return absl::FailedPreconditionError(absl::StrCat("subgroup ", i, " is not initialised"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("subgroup ", i, " is not initialised"));
     }
     int b = buffer_of[i];
     if (b >= 0) {
@@ -509,7 +533,8 @@ struct Engine::Impl {
   // reading the first records that miss while the step begins on the hits.
   void IssueReads() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     int reading = 0;
-    for (const Buffer& buf : buffers) reading += buf.state == BufState::kReading;
+    for (const Buffer& buf : buffers)
+      reading += buf.state == BufState::kReading;
     while (next_read < order.size()) {
       int i = order[next_read];
       if (done_in_step[i]) {
@@ -539,7 +564,8 @@ absl::Status Engine::Impl::WriteCommit() {
   // durably so before a commit record names it.
   for (int i = 0; i < n(); ++i) {
     if (disk_step[i] != sg_step[i]) {
-      return absl::InternalError(absl::StrCat("commit: subgroup ", i, " is not on disk"));
+      return absl::InternalError(
+          absl::StrCat("commit: subgroup ", i, " is not on disk"));
     }
     MLP_RETURN_IF_ERROR(state_files[i]->Sync());
   }
@@ -555,7 +581,8 @@ absl::Status Engine::Impl::WriteCommit() {
       c.subgroup_step[i] = disk_step[i];
       c.subgroup_slot[i] = static_cast<uint8_t>(current_slot[i]);
     }
-    MLP_RETURN_IF_ERROR(WriteFileAtomically(tiers[t].dir + "/COMMIT", EncodeCommitRecord(c)));
+    MLP_RETURN_IF_ERROR(
+        WriteFileAtomically(tiers[t].dir + "/COMMIT", EncodeCommitRecord(c)));
   }
   for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
   committed = steps_done;
@@ -573,19 +600,22 @@ absl::Status Engine::Impl::CheckTiers() {
       return ErrnoStatus(errno, absl::StrCat("tier ", t, ": stat"), path);
     }
     if (!S_ISDIR(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat("tier ", t, ": ", path, " is not a directory"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tier ", t, ": ", path, " is not a directory"));
     }
     if (access(path.c_str(), W_OK | X_OK) != 0) {
-      return ErrnoStatus(errno, absl::StrCat("tier ", t, ": not writable:"), path);
+      return ErrnoStatus(errno, absl::StrCat("tier ", t, ": not writable:"),
+                         path);
     }
     char buf[PATH_MAX];
-    if (realpath(path.c_str(), buf) == nullptr) return ErrnoStatus(errno, "realpath", path);
+    if (realpath(path.c_str(), buf) == nullptr)
+      return ErrnoStatus(errno, "realpath", path);
     real[t] = buf;
     for (int u = 0; u < t; ++u) {
       if (real[u] == real[t]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tiers ", u, " and ", t, " are the same directory (", real[t],
-            "): give each tier its own path"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tiers ", u, " and ", t, " are the same directory (",
+                         real[t], "): give each tier its own path"));
       }
     }
   }
@@ -605,12 +635,15 @@ absl::Status Engine::Impl::OpenTiers() {
     struct stat st;
     if (lstat(tier.dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tier ", t, ": ", tier.dir, " is not a directory (a planted symlink?)"));
+          absl::StrCat("tier ", t, ": ", tier.dir,
+                       " is not a directory (a planted symlink?)"));
     }
     MLP_ASSIGN_OR_RETURN(tier.run_lock, RunLock::Acquire(tier.dir + "/LOCK"));
-    MLP_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io, CreateIoEngine(config.io));
+    MLP_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io,
+                         CreateIoEngine(config.io));
     const TierSpec& spec = config.tiers[t];
-    if (spec.throttle_read_bytes_per_sec > 0 || spec.throttle_write_bytes_per_sec > 0) {
+    if (spec.throttle_read_bytes_per_sec > 0 ||
+        spec.throttle_write_bytes_per_sec > 0) {
       io = MakeThrottledEngine(std::move(io), spec.throttle_read_bytes_per_sec,
                                spec.throttle_write_bytes_per_sec);
     }
@@ -622,10 +655,12 @@ absl::Status Engine::Impl::OpenTiers() {
     std::unique_ptr<TierLock> lock;
     if (config.techniques.tier_lock) {
       // The lock lives in the tier's root, shared by every run on it.
-      MLP_ASSIGN_OR_RETURN(lock, TierLock::Open(real[t] + "/.mlp_offload_tier_lock",
-                                                std::max(1, config.tier_lock_slots)));
+      MLP_ASSIGN_OR_RETURN(lock,
+                           TierLock::Open(real[t] + "/.mlp_offload_tier_lock",
+                                          std::max(1, config.tier_lock_slots)));
     }
-    tier.channel = std::make_unique<TierChannel>(std::move(io), std::move(lock));
+    tier.channel =
+        std::make_unique<TierChannel>(std::move(io), std::move(lock));
   }
   return absl::OkStatus();
 }
@@ -644,19 +679,22 @@ absl::Status Engine::Impl::LoadCommitted() {
     if (t == 0) {
       run_id = m.run_id;
       plan.tier_of_subgroup = m.tier_of_subgroup;
-    } else if (m.run_id != run_id || m.tier_of_subgroup != plan.tier_of_subgroup) {
+    } else if (m.run_id != run_id ||
+               m.tier_of_subgroup != plan.tier_of_subgroup) {
       return absl::FailedPreconditionError(absl::StrCat(
           mpath, " belongs to another run than ", tiers[0].dir, "/MANIFEST"));
     }
     std::string cpath = tiers[t].dir + "/COMMIT";
     auto bytes = ReadSmallFile(cpath);
     if (!bytes.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "no committed step on ", tiers[t].dir, " (", bytes.status().message(), ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("no committed step on ", tiers[t].dir, " (",
+                       bytes.status().message(), ")"));
     }
     MLP_ASSIGN_OR_RETURN(CommitRecord c, ParseCommitRecord(*bytes, cpath));
     if (c.subgroup_step.size() != numel.size()) {
-      return absl::DataLossError(absl::StrCat(cpath, ": subgroup count mismatch"));
+      return absl::DataLossError(
+          absl::StrCat(cpath, ": subgroup count mismatch"));
     }
     commits.push_back(std::move(c));
   }
@@ -668,20 +706,23 @@ absl::Status Engine::Impl::LoadCommitted() {
     // holds the older step in its other slots.
     const bool ahead = c.step == step + 1;
     if (c.step != step && !ahead) {
-      return absl::DataLossError(absl::StrCat("tiers disagree on the committed step (", step,
-                                              " vs ", c.step, " in ", tiers[t].dir, ")"));
+      return absl::DataLossError(
+          absl::StrCat("tiers disagree on the committed step (", step, " vs ",
+                       c.step, " in ", tiers[t].dir, ")"));
     }
     for (int i = 0; i < n(); ++i) {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
       int slot = ahead ? 1 - c.subgroup_slot[i] : c.subgroup_slot[i];
       current_slot[i] = committed_slot[i] = slot;
-      disk_step[i] = sg_step[i] = ahead ? c.subgroup_step[i] - 1 : c.subgroup_step[i];
+      disk_step[i] = sg_step[i] =
+          ahead ? c.subgroup_step[i] - 1 : c.subgroup_step[i];
       initialized[i] = true;
     }
   }
   for (int t : plan.tier_of_subgroup) {
     if (t < 0 || t >= static_cast<int>(tiers.size())) {
-      return absl::DataLossError("manifest names a tier that is not configured");
+      return absl::DataLossError(
+          "manifest names a tier that is not configured");
     }
   }
   steps_done = committed = step;
@@ -700,15 +741,18 @@ Engine::~Engine() {
   impl_->tiers.clear();  // channels drain and shut their engines down
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config) {
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
+    const EngineConfig& config) {
   if (config.num_state_arrays < 0 || config.num_state_arrays > 8) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_state_arrays must be in [0, 8], got ", config.num_state_arrays));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_state_arrays must be in [0, 8], got ", config.num_state_arrays));
   }
-  if (config.run_name.empty() || config.run_name.find('/') != std::string::npos ||
+  if (config.run_name.empty() ||
+      config.run_name.find('/') != std::string::npos ||
       config.run_name == "." || config.run_name == "..") {
     return absl::InvalidArgumentError(
-        absl::StrCat("run_name must be a plain directory name, got '", config.run_name, "'"));
+        absl::StrCat("run_name must be a plain directory name, got '",
+                     config.run_name, "'"));
   }
   if (config.commit_every < 0) {
     return absl::InvalidArgumentError("commit_every must be >= 0");
@@ -721,8 +765,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   in.tiers = config.tiers;
   for (TierSpec& t : in.tiers) {
     // Unknown bandwidths: treat the tiers as equal (the CLI's probe measures).
-    if (t.read_bytes_per_sec <= 0 && t.throttle_read_bytes_per_sec <= 0) t.read_bytes_per_sec = 1e9;
-    if (t.write_bytes_per_sec <= 0 && t.throttle_write_bytes_per_sec <= 0) t.write_bytes_per_sec = 1e9;
+    if (t.read_bytes_per_sec <= 0 && t.throttle_read_bytes_per_sec <= 0)
+      t.read_bytes_per_sec = 1e9;
+    if (t.write_bytes_per_sec <= 0 && t.throttle_write_bytes_per_sec <= 0)
+      t.write_bytes_per_sec = 1e9;
   }
   in.host_budget_bytes = config.host_budget_bytes;
   in.techniques = config.techniques;
@@ -762,7 +808,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     MLP_RETURN_IF_ERROR(e.LoadCommitted());
   } else {
     std::random_device rd;
-    e.run_id = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
+    e.run_id = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+               static_cast<uint64_t>(getpid());
     Manifest m;
     m.run_id = e.run_id;
     m.arrays_per_param = e.arrays();
@@ -771,7 +818,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     for (auto& tier : e.tiers) {
       // A fresh run: an old commit record must not be resumed against it.
       unlink((tier.dir + "/COMMIT").c_str());
-      MLP_RETURN_IF_ERROR(WriteFileAtomically(tier.dir + "/MANIFEST", EncodeManifest(m)));
+      MLP_RETURN_IF_ERROR(
+          WriteFileAtomically(tier.dir + "/MANIFEST", EncodeManifest(m)));
     }
   }
 
@@ -782,11 +830,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     FileOptions fo;
     fo.create = true;
     fo.preallocate_bytes = config.resume ? 0 : 2 * e.slot_bytes(i);
-    MLP_ASSIGN_OR_RETURN(e.state_files[i],
-                         File::Open(absl::StrCat(dir, "/sg_", i, ".state"), fo));
+    MLP_ASSIGN_OR_RETURN(
+        e.state_files[i],
+        File::Open(absl::StrCat(dir, "/sg_", i, ".state"), fo));
     if (e.eager_grads()) {
       fo.preallocate_bytes = RoundUp(e.numel[i] * 4);
-      MLP_ASSIGN_OR_RETURN(e.grad_files[i], File::Open(absl::StrCat(dir, "/sg_", i, ".grad"), fo));
+      MLP_ASSIGN_OR_RETURN(
+          e.grad_files[i],
+          File::Open(absl::StrCat(dir, "/sg_", i, ".grad"), fo));
     }
   }
 
@@ -797,7 +848,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     e.buffers.resize(num_buffers);
     e.buffer_of.assign(n, -1);
     for (int b = 0; b < num_buffers; ++b) {
-      MLP_ASSIGN_OR_RETURN(e.buffers[b].mem, AlignedBuffer::Allocate(e.plan.buffer_bytes));
+      MLP_ASSIGN_OR_RETURN(e.buffers[b].mem,
+                           AlignedBuffer::Allocate(e.plan.buffer_bytes));
     }
   }
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -815,12 +867,16 @@ FaultInjectingEngine* Engine::fault_injector(int tier) const {
   return impl_->tiers[tier].faults;
 }
 
-absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
-                                        const OptimizerHyperparams* state_init) {
+absl::Status Engine::InitializeSubgroup(
+    int i, const void* params, DType dtype,
+    const OptimizerHyperparams* state_init) {
   Impl& e = *impl_;
-  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
-  if (e.in_step) return absl::FailedPreconditionError("InitializeSubgroup during a step");
-  if (params == nullptr) return absl::InvalidArgumentError("InitializeSubgroup: null params");
+  if (i < 0 || i >= e.n())
+    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step)
+    return absl::FailedPreconditionError("InitializeSubgroup during a step");
+  if (params == nullptr)
+    return absl::InvalidArgumentError("InitializeSubgroup: null params");
   MutexLock l(&e.mu);
   int b = e.buffer_of[i];
   if (b >= 0) {
@@ -845,7 +901,8 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   e.buffers[b].from_disk = false;
   absl::Status s = e.WriteNow(i, b);
   if (s.ok() && e.config.commit_every > 0 &&
-      std::all_of(e.initialized.begin(), e.initialized.end(), [](bool x) { return x; })) {
+      std::all_of(e.initialized.begin(), e.initialized.end(),
+                  [](bool x) { return x; })) {
     s = e.WriteCommit();  // the initial state is resumable too
   }
   // Keep the records that step 0 starts with (cache reuse) in memory.
@@ -859,22 +916,24 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   return s;
 }
 
-absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segments) {
+absl::Status Engine::OffloadGradients(int i,
+                                      const std::vector<Segment>& segments) {
   Impl& e = *impl_;
-  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (i < 0 || i >= e.n())
+    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
   uint64_t covered = 0;
   for (const Segment& s : segments) {
     if (s.grad == nullptr || s.offset + s.numel > e.numel[i]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "OffloadGradients: bad segment for subgroup ", i, " (offset ", s.offset, ", numel ",
-          s.numel, ", subgroup size ", e.numel[i], ")"));
+          "OffloadGradients: bad segment for subgroup ", i, " (offset ",
+          s.offset, ", numel ", s.numel, ", subgroup size ", e.numel[i], ")"));
     }
     covered += s.numel;
   }
   if (covered != e.numel[i]) {
-    return absl::InvalidArgumentError(absl::StrCat("OffloadGradients: segments cover ", covered,
-                                                   " of subgroup ", i, "'s ", e.numel[i],
-                                                   " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("OffloadGradients: segments cover ", covered,
+                     " of subgroup ", i, "'s ", e.numel[i], " elements"));
   }
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
   absl::Time start = absl::Now();
@@ -896,12 +955,15 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
     e.buffers[b].grad_write = true;
     ++e.grad_writes;
   }
-  float* g32 = reinterpret_cast<float*>(reinterpret_cast<char*>(e.PayloadUnlocked(b)) +
-                                        e.record_bytes[i]);
+  float* g32 = reinterpret_cast<float*>(
+      reinterpret_cast<char*>(e.PayloadUnlocked(b)) + e.record_bytes[i]);
   bool nonfinite = false;
   for (const Segment& s : segments) {
-    ConvertToFloat32(s.grad, e.config.grad_dtype, g32 + s.offset, s.numel, &e.pool);
-    nonfinite |= ComputeGradStats(g32 + s.offset, DType::kFloat32, s.numel, 1.0f, &e.pool).nonfinite;
+    ConvertToFloat32(s.grad, e.config.grad_dtype, g32 + s.offset, s.numel,
+                     &e.pool);
+    nonfinite |= ComputeGradStats(g32 + s.offset, DType::kFloat32, s.numel,
+                                  1.0f, &e.pool)
+                     .nonfinite;
   }
   const int t = e.plan.tier_of_subgroup[i];
   IoRequest req;
@@ -924,24 +986,29 @@ absl::Status Engine::OffloadGradients(int i, const std::vector<Segment>& segment
 
 absl::Status Engine::BeginStep() {
   Impl& e = *impl_;
-  if (e.in_step) return absl::FailedPreconditionError("BeginStep: a step is already running");
+  if (e.in_step)
+    return absl::FailedPreconditionError(
+        "BeginStep: a step is already running");
   for (int i = 0; i < e.n(); ++i) {
     if (!e.initialized[i]) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("subgroup ", i, " was never initialised (InitializeSubgroup)"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "subgroup ", i, " was never initialised (InitializeSubgroup)"));
     }
   }
   MutexLock l(&e.mu);
   // The baseline's gradient writes must have landed before they are read.
   absl::Time grad_wait = absl::Now();
-  auto grads_landed = [&e]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) { return e.grad_writes == 0; };
+  auto grads_landed = [&e]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+    return e.grad_writes == 0;
+  };
   e.mu.Await(grads_landed);
   e.stats.grad_offload_seconds += Seconds(grad_wait);
   if (!e.grad_error.ok()) {
     absl::Status s = e.grad_error;
     e.grad_error = absl::OkStatus();
     std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
-    return Annotate(s, "baseline gradient offload (offload the gradients again)");
+    return Annotate(s,
+                    "baseline gradient offload (offload the gradients again)");
   }
   if (e.step_failed) {
     // Retrying a step that failed part-way: records it already updated are
@@ -949,7 +1016,8 @@ absl::Status Engine::BeginStep() {
     // so the buffers are free for streaming.
     for (size_t b = 0; b < e.buffers.size(); ++b) {
       int i = e.buffers[b].subgroup;
-      if (e.buffers[b].state == BufState::kCached && i >= 0 && e.done_in_step[i]) {
+      if (e.buffers[b].state == BufState::kCached && i >= 0 &&
+          e.done_in_step[i]) {
         MLP_RETURN_IF_ERROR(e.WriteNow(i, static_cast<int>(b)));
         e.Free(static_cast<int>(b));
       }
@@ -968,7 +1036,8 @@ absl::Status Engine::BeginStep() {
 
 absl::StatusOr<SubgroupView> Engine::Next() {
   Impl& e = *impl_;
-  if (!e.in_step) return absl::FailedPreconditionError("Next: no step running (BeginStep)");
+  if (!e.in_step)
+    return absl::FailedPreconditionError("Next: no step running (BeginStep)");
   MutexLock l(&e.mu);
   // Skip what an earlier, failed attempt of this step already updated.
   while (e.pos < e.order.size() && e.done_in_step[e.order[e.pos]]) ++e.pos;
@@ -981,7 +1050,8 @@ absl::StatusOr<SubgroupView> Engine::Next() {
     // Not yet issued (all buffers were busy): wait for one, then read.
     auto claimed = e.WaitAndClaimFree(i, BufState::kReading);
     if (!claimed.ok()) {
-      return Annotate(claimed.status(), absl::StrCat("step ", e.steps_done + 1));
+      return Annotate(claimed.status(),
+                      absl::StrCat("step ", e.steps_done + 1));
     }
     b = *claimed;
     e.IssueRead(i, b);
@@ -992,8 +1062,8 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   e.stats.read_wait_seconds += Seconds(wait_start);
   if (!s.ok()) {
     e.Free(b);
-    return Annotate(s, absl::StrCat("step ", e.steps_done + 1, ", subgroup ", i, ", tier ",
-                                    e.plan.tier_of_subgroup[i]));
+    return Annotate(s, absl::StrCat("step ", e.steps_done + 1, ", subgroup ", i,
+                                    ", tier ", e.plan.tier_of_subgroup[i]));
   }
   e.buffers[b].state = BufState::kInUse;
   SubgroupView v;
@@ -1016,7 +1086,8 @@ absl::Status Engine::Done(bool updated) {
   const int i = e.order[e.pos];
   const bool commit = e.config.commit_every > 0 &&
                       (e.steps_done + 1) % e.config.commit_every == 0;
-  const bool kept = e.plan.KeptAfterUpdate(e.steps_done, static_cast<int>(e.pos));
+  const bool kept =
+      e.plan.KeptAfterUpdate(e.steps_done, static_cast<int>(e.pos));
   // The record is this thread's until the write is issued: checksum it
   // before taking the lock.
   uint64_t checksum = 0;
@@ -1026,7 +1097,8 @@ absl::Status Engine::Done(bool updated) {
     b = e.buffer_of[i];
   }
   if (!kept || commit) {
-    checksum = PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i], &e.pool);
+    checksum =
+        PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i], &e.pool);
   }
   MutexLock l(&e.mu);
   if (updated) ++e.sg_step[i];
@@ -1045,14 +1117,16 @@ absl::Status Engine::Done(bool updated) {
 
 absl::StatusOr<StepStats> Engine::EndStep() {
   Impl& e = *impl_;
-  if (!e.in_step) return absl::FailedPreconditionError("EndStep: no step running");
+  if (!e.in_step)
+    return absl::FailedPreconditionError("EndStep: no step running");
   absl::Time wait_start = absl::Now();
   absl::Status s;
   {
     MutexLock l(&e.mu);
     s = e.DrainWrites();
     e.stats.write_wait_seconds += Seconds(wait_start);
-    e.stats.peak_host_bytes = static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
+    e.stats.peak_host_bytes =
+        static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
   }
   if (!s.ok()) {
     e.in_step = false;
@@ -1102,12 +1176,12 @@ void Engine::AbortStep() {
   e.step_failed = true;
 }
 
-absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inputs,
-                                       const StepOptions& options) {
+absl::StatusOr<StepStats> Engine::Step(
+    const std::vector<SubgroupStepInput>& inputs, const StepOptions& options) {
   Impl& e = *impl_;
   if (static_cast<int>(inputs.size()) != e.n()) {
-    return absl::InvalidArgumentError(absl::StrCat("Step: ", inputs.size(),
-                                                   " inputs for ", e.n(), " subgroups"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Step: ", inputs.size(), " inputs for ", e.n(), " subgroups"));
   }
   const int s_arrays = e.config.num_state_arrays;
   for (int i = 0; i < e.n(); ++i) {
@@ -1119,22 +1193,27 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
     }
     if (in.skip) continue;
     if (e.eager_grads() && !e.grad_offloaded[i] && !e.done_in_step[i]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "baseline mode: the gradient of subgroup ", i, " was not offloaded (OffloadGradients)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("baseline mode: the gradient of subgroup ", i,
+                       " was not offloaded (OffloadGradients)"));
     }
     OptimizerHyperparams check = in.hp;
     check.step = 1;
-    MLP_RETURN_IF_ERROR(Annotate(ValidateHyperparams(check), absl::StrCat("subgroup ", i)));
+    MLP_RETURN_IF_ERROR(
+        Annotate(ValidateHyperparams(check), absl::StrCat("subgroup ", i)));
     uint64_t covered = 0;
     for (const Segment& seg : in.segments) {
-      if (seg.offset + seg.numel > e.numel[i] || (!e.eager_grads() && seg.grad == nullptr)) {
-        return absl::InvalidArgumentError(absl::StrCat("Step: bad segment in subgroup ", i));
+      if (seg.offset + seg.numel > e.numel[i] ||
+          (!e.eager_grads() && seg.grad == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("Step: bad segment in subgroup ", i));
       }
       covered += seg.numel;
     }
     if (covered != e.numel[i]) {
-      return absl::InvalidArgumentError(absl::StrCat("Step: segments cover ", covered, " of ",
-                                                     e.numel[i], " elements of subgroup ", i));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Step: segments cover ", covered, " of ", e.numel[i],
+                       " elements of subgroup ", i));
     }
   }
   // Gradient check before anything is touched (GradScaler semantics).
@@ -1147,8 +1226,9 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
       }
       if (inputs[i].skip) continue;
       for (const Segment& seg : inputs[i].segments) {
-        if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel, options.grad_scale,
-                             &e.pool).nonfinite) {
+        if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel,
+                             options.grad_scale, &e.pool)
+                .nonfinite) {
           bad = true;
           break;
         }
@@ -1190,7 +1270,8 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
       UpdateSpans spans;
       spans.n = seg.numel;
       spans.param = view->master + seg.offset;
-      for (int k = 0; k < s_arrays && k < 3; ++k) spans.state[k] = view->state[k] + seg.offset;
+      for (int k = 0; k < s_arrays && k < 3; ++k)
+        spans.state[k] = view->state[k] + seg.offset;
       if (g32 != nullptr) {
         spans.grad = g32 + seg.offset;
         spans.grad_dtype = DType::kFloat32;
@@ -1212,15 +1293,18 @@ absl::StatusOr<StepStats> Engine::Step(const std::vector<SubgroupStepInput>& inp
   return EndStep();
 }
 
-absl::Status Engine::ReadSubgroup(int i, float* master, const std::vector<float*>& state,
+absl::Status Engine::ReadSubgroup(int i, float* master,
+                                  const std::vector<float*>& state,
                                   int64_t* step) {
   Impl& e = *impl_;
-  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
-  if (e.in_step) return absl::FailedPreconditionError("ReadSubgroup during a step");
+  if (i < 0 || i >= e.n())
+    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step)
+    return absl::FailedPreconditionError("ReadSubgroup during a step");
   if (static_cast<int>(state.size()) != e.config.num_state_arrays) {
-    return absl::InvalidArgumentError(absl::StrCat("ReadSubgroup: ", state.size(),
-                                                   " state arrays given, engine has ",
-                                                   e.config.num_state_arrays));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ReadSubgroup: ", state.size(), " state arrays given, engine has ",
+        e.config.num_state_arrays));
   }
   MutexLock l(&e.mu);
   bool claimed = false;
@@ -1237,15 +1321,21 @@ absl::Status Engine::ReadSubgroup(int i, float* master, const std::vector<float*
 }
 
 absl::Status Engine::WriteSubgroup(int i, const float* master,
-                                   const std::vector<const float*>& state, int64_t step) {
+                                   const std::vector<const float*>& state,
+                                   int64_t step) {
   Impl& e = *impl_;
-  if (i < 0 || i >= e.n()) return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
-  if (e.in_step) return absl::FailedPreconditionError("WriteSubgroup during a step");
-  if (static_cast<int>(state.size()) != e.config.num_state_arrays || master == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "WriteSubgroup: need the master and ", e.config.num_state_arrays, " state arrays"));
+  if (i < 0 || i >= e.n())
+    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step)
+    return absl::FailedPreconditionError("WriteSubgroup during a step");
+  if (static_cast<int>(state.size()) != e.config.num_state_arrays ||
+      master == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WriteSubgroup: need the master and ",
+                     e.config.num_state_arrays, " state arrays"));
   }
-  if (step < 0) return absl::InvalidArgumentError("WriteSubgroup: negative step");
+  if (step < 0)
+    return absl::InvalidArgumentError("WriteSubgroup: negative step");
   MutexLock l(&e.mu);
   int b = e.buffer_of[i];
   bool cached = b >= 0;
@@ -1276,7 +1366,8 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
 namespace {
 
 absl::Status MakeDir(const std::string& dir) {
-  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return ErrnoStatus(errno, "mkdir", dir);
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    return ErrnoStatus(errno, "mkdir", dir);
   return absl::OkStatus();
 }
 
@@ -1284,7 +1375,9 @@ absl::Status RemoveTree(const std::string& dir) {
   // Checkpoint directories are flat: files only.
   std::string cmd_dir = dir;
   DIR* d = opendir(cmd_dir.c_str());
-  if (d == nullptr) return errno == ENOENT ? absl::OkStatus() : ErrnoStatus(errno, "opendir", dir);
+  if (d == nullptr)
+    return errno == ENOENT ? absl::OkStatus()
+                           : ErrnoStatus(errno, "opendir", dir);
   std::vector<std::string> names;
   while (struct dirent* ent = readdir(d)) {
     std::string name = ent->d_name;
@@ -1304,7 +1397,8 @@ bool Exists(const std::string& p) {
   return lstat(p.c_str(), &st) == 0;
 }
 
-absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
+absl::Status WriteAll(int fd, const void* data, size_t n,
+                      const std::string& path) {
   const char* p = static_cast<const char*>(data);
   size_t done = 0;
   while (done < n) {
@@ -1313,7 +1407,9 @@ absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& pat
       if (errno == EINTR) continue;
       return ErrnoStatus(errno, absl::StrCat("pwrite at offset ", done), path);
     }
-    if (w == 0) return absl::DataLossError(absl::StrCat("pwrite wrote nothing to ", path));
+    if (w == 0)
+      return absl::DataLossError(
+          absl::StrCat("pwrite wrote nothing to ", path));
     done += static_cast<size_t>(w);
   }
   return absl::OkStatus();
@@ -1338,8 +1434,10 @@ absl::Status ReadAll(int fd, void* data, size_t n, const std::string& path) {
 
 absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   Impl& e = *impl_;
-  if (e.in_step) return absl::FailedPreconditionError("SaveCheckpoint during a step");
-  if (dir.empty()) return absl::InvalidArgumentError("SaveCheckpoint: empty directory");
+  if (e.in_step)
+    return absl::FailedPreconditionError("SaveCheckpoint during a step");
+  if (dir.empty())
+    return absl::InvalidArgumentError("SaveCheckpoint: empty directory");
   // Written to a temporary sibling, then swapped in with renames: a crash at
   // any point leaves `dir` (or `dir.old`, which LoadCheckpoint also accepts)
   // holding a complete checkpoint.
@@ -1367,12 +1465,16 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
         h.numel = e.numel[i];
         h.step = e.sg_step[i];
         h.payload_bytes = e.payload_bytes[i];
-        h.payload_checksum = PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
+        h.payload_checksum =
+            PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
         std::vector<char> page(kRecordHeaderBytes);
         EncodeRecordHeader(h, page.data());
         std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
-        int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-        absl::Status s = fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
+        int fd =
+            open(path.c_str(),
+                 O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+        absl::Status s =
+            fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
         if (s.ok()) s = WriteAll(fd, page.data(), page.size(), path);
         if (s.ok()) {
           // Header page first, then the payload right after it.
@@ -1396,7 +1498,8 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
       }
     }
   }
-  MLP_RETURN_IF_ERROR(WriteFileAtomically(tmp + "/MANIFEST", EncodeManifest(m)));
+  MLP_RETURN_IF_ERROR(
+      WriteFileAtomically(tmp + "/MANIFEST", EncodeManifest(m)));
   if (Exists(dir)) {
     MLP_RETURN_IF_ERROR(RemoveTree(old));
     if (rename(dir.c_str(), old.c_str()) != 0) {
@@ -1411,7 +1514,8 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
 
 absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
   Impl& e = *impl_;
-  if (e.in_step) return absl::FailedPreconditionError("LoadCheckpoint during a step");
+  if (e.in_step)
+    return absl::FailedPreconditionError("LoadCheckpoint during a step");
   std::string dir = dir_in;
   if (!Exists(dir) && Exists(dir + ".old")) dir += ".old";  // crash mid-swap
   const std::string mpath = dir + "/MANIFEST";
@@ -1442,23 +1546,25 @@ absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
       }
       b = *claimed;
     }
-    absl::Status s = ReadAll(fd, e.buffers[b].mem.data(), kRecordHeaderBytes + e.payload_bytes[i],
-                             path);
+    absl::Status s = ReadAll(fd, e.buffers[b].mem.data(),
+                             kRecordHeaderBytes + e.payload_bytes[i], path);
     close(fd);
     RecordHeader h;
     if (s.ok()) {
-      auto hs = DecodeRecordHeader(e.buffers[b].mem.data(), kRecordHeaderBytes, path);
+      auto hs =
+          DecodeRecordHeader(e.buffers[b].mem.data(), kRecordHeaderBytes, path);
       if (!hs.ok()) {
         s = hs.status();
       } else {
         h = *hs;
         if (h.subgroup != static_cast<uint32_t>(i) || h.numel != e.numel[i] ||
             h.num_arrays != static_cast<uint32_t>(e.arrays())) {
-          s = absl::FailedPreconditionError(absl::StrCat(path, ": record of another subgroup"));
+          s = absl::FailedPreconditionError(
+              absl::StrCat(path, ": record of another subgroup"));
         } else if (PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool) !=
                    h.payload_checksum) {
-          s = absl::DataLossError(absl::StrCat(path, ": payload checksum mismatch (subgroup ", i,
-                                               ")"));
+          s = absl::DataLossError(absl::StrCat(
+              path, ": payload checksum mismatch (subgroup ", i, ")"));
         }
       }
     }

@@ -33,14 +33,14 @@ struct EngineConfig {
   // optimizer: NumStateArrays(hp); for the generic path: whatever the wrapped
   // optimizer keeps per parameter.
   int num_state_arrays = 2;
-  DType grad_dtype = DType::kBFloat16;   // the model's gradient dtype
+  DType grad_dtype = DType::kBFloat16;  // the model's gradient dtype
   Techniques techniques;
   int compute_threads = 2;
   IoEngineOptions io;
   // Subdirectory created under every tier path for this run's files.
   std::string run_name = "mlp_offload_run";
-  int tier_lock_slots = 1;             // processes per tier at a time
-  bool verify_checksums = true;        // on every read
+  int tier_lock_slots = 1;       // processes per tier at a time
+  bool verify_checksums = true;  // on every read
   // Wrap each tier's I/O engine in a FaultInjectingEngine (tests).
   bool fault_injection = false;
   // Reuse the state already on the tiers (the last committed step) instead
@@ -57,8 +57,8 @@ struct EngineConfig {
 struct Segment {
   uint64_t offset = 0;
   uint64_t numel = 0;
-  const void* grad = nullptr;   // numel elements of EngineConfig::grad_dtype
-  void* param_out = nullptr;    // optional: the model's parameter to refresh
+  const void* grad = nullptr;  // numel elements of EngineConfig::grad_dtype
+  void* param_out = nullptr;   // optional: the model's parameter to refresh
 };
 
 struct SubgroupStepInput {
@@ -71,7 +71,7 @@ struct SubgroupStepInput {
 
 struct StepOptions {
   DType param_out_dtype = DType::kBFloat16;
-  float grad_scale = 1.0f;        // 1/loss_scale (and clip coefficient)
+  float grad_scale = 1.0f;  // 1/loss_scale (and clip coefficient)
   // Check every gradient first; if one is NaN/Inf nothing is updated.
   bool skip_if_nonfinite = false;
 };
@@ -79,26 +79,26 @@ struct StepOptions {
 // Where the time of one step went and what crossed each tier.
 struct StepStats {
   int64_t step = 0;
-  bool skipped = false;            // non-finite gradients: nothing updated
+  bool skipped = false;  // non-finite gradients: nothing updated
   double seconds = 0;
-  double read_wait_seconds = 0;    // compute thread waiting on reads
-  double compute_seconds = 0;      // kernels (or the caller's generic step)
-  double write_wait_seconds = 0;   // waiting on writes at the end / for buffers
-  double grad_offload_seconds = 0; // baseline: eager grad conversion + writes
+  double read_wait_seconds = 0;   // compute thread waiting on reads
+  double compute_seconds = 0;     // kernels (or the caller's generic step)
+  double write_wait_seconds = 0;  // waiting on writes at the end / for buffers
+  double grad_offload_seconds = 0;  // baseline: eager grad conversion + writes
   int cache_hits = 0;
   std::vector<uint64_t> bytes_read;     // per tier
   std::vector<uint64_t> bytes_written;  // per tier
-  uint64_t peak_host_bytes = 0;    // engine buffers in use, high-water mark
+  uint64_t peak_host_bytes = 0;  // engine buffers in use, high-water mark
 };
 
 // A resident record handed to the caller (generic path, state access).
 struct SubgroupView {
   int subgroup = -1;
   uint64_t numel = 0;
-  float* master = nullptr;            // fp32 master parameters
-  std::vector<float*> state;          // num_state_arrays arrays
-  float* grad32 = nullptr;            // baseline: the fp32 gradient read back
-  int64_t step = 0;                   // updates applied so far
+  float* master = nullptr;    // fp32 master parameters
+  std::vector<float*> state;  // num_state_arrays arrays
+  float* grad32 = nullptr;    // baseline: the fp32 gradient read back
+  int64_t step = 0;           // updates applied so far
 };
 
 class Engine {
@@ -109,7 +109,8 @@ class Engine {
   // creates the run directories. With config.resume and a matching manifest
   // on the tiers, the existing state is used; otherwise the state is
   // uninitialised until InitializeSubgroup is called for every subgroup.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config);
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      const EngineConfig& config);
   ~Engine();
 
   const Plan& plan() const;
@@ -126,8 +127,9 @@ class Engine {
   // Sets subgroup `i`'s master parameters from `numel` values of `dtype` and
   // its state arrays to `state_init` (or zeros when null), step count 0, and
   // writes the record to its tier (or keeps it cached).
-  absl::Status InitializeSubgroup(int i, const void* params, DType dtype,
-                                  const OptimizerHyperparams* state_init = nullptr);
+  absl::Status InitializeSubgroup(
+      int i, const void* params, DType dtype,
+      const OptimizerHyperparams* state_init = nullptr);
 
   // Baseline (delayed_grad_conversion off): called as gradients become final
   // during backward; converts them to fp32 and writes them to the subgroup's
@@ -163,10 +165,11 @@ class Engine {
 
   // Copies subgroup `i`'s master parameters and state arrays out (fp32) or in,
   // whichever tier (or cache) holds them. For state_dict / load_state_dict.
-  absl::Status ReadSubgroup(int i, float* master, const std::vector<float*>& state,
-                            int64_t* step);
+  absl::Status ReadSubgroup(int i, float* master,
+                            const std::vector<float*>& state, int64_t* step);
   absl::Status WriteSubgroup(int i, const float* master,
-                             const std::vector<const float*>& state, int64_t step);
+                             const std::vector<const float*>& state,
+                             int64_t step);
 
   // Writes the whole state (every tier, every cached record) to `dir`
   // atomically: a crash mid-save leaves the previous checkpoint intact.

@@ -56,7 +56,8 @@ EngineConfig Config(const std::vector<std::string>& dirs) {
   cfg.subgroup_numel = kSizes;
   cfg.num_state_arrays = 2;
   cfg.grad_dtype = DType::kFloat32;
-  cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(50000, 3));  // 1 cached
+  cfg.host_budget_bytes =
+      4 * (4096 + AlignedRecordBytes(50000, 3));  // 1 cached
   cfg.commit_every = 1;
   cfg.run_name = "crash_run";
   cfg.resume = true;
@@ -78,7 +79,10 @@ EngineConfig Config(const std::vector<std::string>& dirs) {
     if (!engine.ok()) _exit(4);
     for (size_t i = 0; i < kSizes.size(); ++i) {
       std::vector<float> p = Init(static_cast<int>(i));
-      if (!(*engine)->InitializeSubgroup(static_cast<int>(i), p.data(), DType::kFloat32).ok()) {
+      if (!(*engine)
+               ->InitializeSubgroup(static_cast<int>(i), p.data(),
+                                    DType::kFloat32)
+               .ok()) {
         _exit(5);
       }
     }
@@ -87,7 +91,8 @@ EngineConfig Config(const std::vector<std::string>& dirs) {
   while (e.step() < kSteps) {
     std::vector<std::vector<float>> grads;
     std::vector<SubgroupStepInput> in(kSizes.size());
-    for (size_t i = 0; i < kSizes.size(); ++i) grads.push_back(Grad(static_cast<int>(i), e.step() + 1));
+    for (size_t i = 0; i < kSizes.size(); ++i)
+      grads.push_back(Grad(static_cast<int>(i), e.step() + 1));
     for (size_t i = 0; i < kSizes.size(); ++i) {
       in[i].hp = Hp();
       in[i].segments = {Segment{0, kSizes[i], grads[i].data(), nullptr}};
@@ -101,7 +106,8 @@ TEST(EngineCrashTest, KilledAtRandomMomentsResumesBitIdentically) {
   const char* base = std::getenv("TEST_TMPDIR");
   std::vector<std::string> dirs;
   for (int t = 0; t < 2; ++t) {
-    dirs.push_back(absl::StrCat(base ? base : "/tmp", "/crash_tier", t, "_", getpid()));
+    dirs.push_back(
+        absl::StrCat(base ? base : "/tmp", "/crash_tier", t, "_", getpid()));
     mkdir(dirs.back().c_str(), 0700);
   }
   std::mt19937 rng(12345);
@@ -123,7 +129,8 @@ TEST(EngineCrashTest, KilledAtRandomMomentsResumesBitIdentically) {
       break;  // the run completed: no more moments to kill it at
     }
   }
-  EXPECT_GE(kills, 20) << "the run finished too soon to test crashes (" << finished_early << ")";
+  EXPECT_GE(kills, 20) << "the run finished too soon to test crashes ("
+                       << finished_early << ")";
   // Finish without interruption.
   pid_t pid = fork();
   if (pid == 0) Train(dirs);
@@ -138,7 +145,8 @@ TEST(EngineCrashTest, KilledAtRandomMomentsResumesBitIdentically) {
   EXPECT_TRUE((*engine)->resumed());
   EXPECT_EQ((*engine)->step(), kSteps);
   for (size_t i = 0; i < kSizes.size(); ++i) {
-    std::vector<float> p = Init(static_cast<int>(i)), m(kSizes[i], 0), v(kSizes[i], 0);
+    std::vector<float> p = Init(static_cast<int>(i)), m(kSizes[i], 0),
+                       v(kSizes[i], 0);
     for (int64_t step = 1; step <= kSteps; ++step) {
       std::vector<float> g = Grad(static_cast<int>(i), step);
       OptimizerHyperparams hp = Hp();
@@ -153,11 +161,17 @@ TEST(EngineCrashTest, KilledAtRandomMomentsResumesBitIdentically) {
     }
     std::vector<float> gp(kSizes[i]), gm(kSizes[i]), gv(kSizes[i]);
     int64_t step = 0;
-    ASSERT_TRUE((*engine)->ReadSubgroup(static_cast<int>(i), gp.data(), {gm.data(), gv.data()}, &step).ok());
+    ASSERT_TRUE((*engine)
+                    ->ReadSubgroup(static_cast<int>(i), gp.data(),
+                                   {gm.data(), gv.data()}, &step)
+                    .ok());
     EXPECT_EQ(step, kSteps);
-    EXPECT_EQ(0, std::memcmp(gp.data(), p.data(), p.size() * 4)) << "subgroup " << i;
-    EXPECT_EQ(0, std::memcmp(gm.data(), m.data(), m.size() * 4)) << "subgroup " << i;
-    EXPECT_EQ(0, std::memcmp(gv.data(), v.data(), v.size() * 4)) << "subgroup " << i;
+    EXPECT_EQ(0, std::memcmp(gp.data(), p.data(), p.size() * 4))
+        << "subgroup " << i;
+    EXPECT_EQ(0, std::memcmp(gm.data(), m.data(), m.size() * 4))
+        << "subgroup " << i;
+    EXPECT_EQ(0, std::memcmp(gv.data(), v.data(), v.size() * 4))
+        << "subgroup " << i;
   }
 }
 

@@ -20,8 +20,8 @@ namespace {
 
 std::string TempDir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
-  std::string dir = absl::StrCat(base ? base : "/tmp", "/", name, "_", getpid(), "_",
-                                 std::rand());
+  std::string dir = absl::StrCat(base ? base : "/tmp", "/", name, "_", getpid(),
+                                 "_", std::rand());
   mkdir(dir.c_str(), 0700);
   return dir;
 }
@@ -62,7 +62,8 @@ struct Model {
     uint64_t n = sizes[i], half = n / 2;
     std::vector<Segment> segs(2);
     segs[0] = {0, half, grads[i].data(), params_bf16[i].data()};
-    segs[1] = {half, n - half, grads[i].data() + half, params_bf16[i].data() + half};
+    segs[1] = {half, n - half, grads[i].data() + half,
+               params_bf16[i].data() + half};
     if (half == 0) segs.erase(segs.begin());
     return segs;
   }
@@ -128,7 +129,8 @@ TEST_P(EngineParityTest, MatchesInMemoryKernelBitForBit) {
     spec.path = TempDir(absl::StrCat("tier", t));
     spec.read_bytes_per_sec = spec.write_bytes_per_sec = (t + 1) * 1e9;
     if (c.throttled) {
-      spec.throttle_read_bytes_per_sec = spec.throttle_write_bytes_per_sec = 200e6;
+      spec.throttle_read_bytes_per_sec = spec.throttle_write_bytes_per_sec =
+          200e6;
     }
     cfg.tiers.push_back(spec);
   }
@@ -136,15 +138,17 @@ TEST_P(EngineParityTest, MatchesInMemoryKernelBitForBit) {
   cfg.num_state_arrays = 2;
   cfg.grad_dtype = DType::kBFloat16;
   cfg.techniques = c.techniques;
-  uint64_t buffer = 4096 + AlignedRecordBytes(7000, 3) +
-                    (c.techniques.delayed_grad_conversion ? 0 : AlignedRecordBytes(7000, 1));
+  uint64_t buffer =
+      4096 + AlignedRecordBytes(7000, 3) +
+      (c.techniques.delayed_grad_conversion ? 0 : AlignedRecordBytes(7000, 1));
   cfg.host_budget_bytes = static_cast<uint64_t>(c.budget_records * buffer);
   cfg.compute_threads = 2;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
   for (int i = 0; i < e.num_subgroups(); ++i) {
-    ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+    ASSERT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
   }
   Reference ref(model);
   const int steps = 5;
@@ -170,36 +174,48 @@ TEST_P(EngineParityTest, MatchesInMemoryKernelBitForBit) {
         // The plan counts payload bytes; the engine moves whole slots
         // (header page + aligned record) and aligned gradients.
         uint64_t want_r = 0, want_w = 0;
-        std::vector<int> order = plan.Order(step - 1), prev = plan.Order(step - 2);
+        std::vector<int> order = plan.Order(step - 1),
+                         prev = plan.Order(step - 2);
         std::vector<bool> hit(model.sizes.size(), false);
-        for (int p = static_cast<int>(order.size()) - plan.num_cached; p < static_cast<int>(order.size()); ++p) {
+        for (int p = static_cast<int>(order.size()) - plan.num_cached;
+             p < static_cast<int>(order.size()); ++p) {
           if (c.techniques.cache_reuse) hit[prev[p]] = true;
         }
         for (size_t p = 0; p < order.size(); ++p) {
           int i = order[p];
           if (plan.tier_of_subgroup[i] != t) continue;
           uint64_t slot = 4096 + AlignedRecordBytes(model.sizes[i], 3);
-          uint64_t g = c.techniques.delayed_grad_conversion ? 0 : AlignedRecordBytes(model.sizes[i], 1);
+          uint64_t g = c.techniques.delayed_grad_conversion
+                           ? 0
+                           : AlignedRecordBytes(model.sizes[i], 1);
           if (!hit[i]) want_r += slot;
           want_r += g;
-          if (!plan.KeptAfterUpdate(step - 1, static_cast<int>(p))) want_w += slot;
+          if (!plan.KeptAfterUpdate(step - 1, static_cast<int>(p)))
+            want_w += slot;
           want_w += g;
         }
-        EXPECT_EQ(stats->bytes_read[t], want_r) << "tier " << t << " step " << step;
-        EXPECT_EQ(stats->bytes_written[t], want_w) << "tier " << t << " step " << step;
+        EXPECT_EQ(stats->bytes_read[t], want_r)
+            << "tier " << t << " step " << step;
+        EXPECT_EQ(stats->bytes_written[t], want_w)
+            << "tier " << t << " step " << step;
       }
     }
     for (size_t i = 0; i < model.sizes.size(); ++i) {
       ASSERT_EQ(0, std::memcmp(model.params_bf16[i].data(), ref.out[i].data(),
-                               model.sizes[i] * 2)) << "subgroup " << i << " step " << step;
+                               model.sizes[i] * 2))
+          << "subgroup " << i << " step " << step;
     }
   }
   for (int i = 0; i < e.num_subgroups(); ++i) {
-    std::vector<float> master(model.sizes[i]), m(model.sizes[i]), v(model.sizes[i]);
+    std::vector<float> master(model.sizes[i]), m(model.sizes[i]),
+        v(model.sizes[i]);
     int64_t got_step = 0;
-    ASSERT_TRUE(e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &got_step).ok());
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &got_step).ok());
     EXPECT_EQ(got_step, steps);
-    EXPECT_EQ(0, std::memcmp(master.data(), ref.master[i].data(), master.size() * 4)) << i;
+    EXPECT_EQ(
+        0, std::memcmp(master.data(), ref.master[i].data(), master.size() * 4))
+        << i;
     EXPECT_EQ(0, std::memcmp(m.data(), ref.m[i].data(), m.size() * 4)) << i;
     EXPECT_EQ(0, std::memcmp(v.data(), ref.v[i].data(), v.size() * 4)) << i;
   }
@@ -215,7 +231,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{1, 3, Techniques::All(), false},
                       Case{2, 4, Techniques::All(), false},
                       Case{3, 5, Techniques::All(), true},
-                      Case{3, 100, Techniques::All(), false},   // everything cached
+                      Case{3, 100, Techniques::All(),
+                           false},  // everything cached
                       Case{2, 6, Only(true, true, false, false), false},
                       Case{2, 4, Only(false, true, true, true), false},
                       Case{3, 3, Only(true, false, true, false), true},
@@ -239,13 +256,15 @@ TEST(EngineTest, RefusesBadTiers) {
   cfg.tiers[0].path = "/nonexistent/tier";
   auto e = Engine::Create(cfg);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(e.status().message().find("/nonexistent/tier"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("/nonexistent/tier"), std::string::npos)
+      << e.status();
 
   cfg = SmallConfig(2);
   cfg.tiers[1].path = cfg.tiers[0].path + "/.";
   e = Engine::Create(cfg);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(e.status().message().find("same directory"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("same directory"), std::string::npos)
+      << e.status();
 
   cfg = SmallConfig(1);
   cfg.host_budget_bytes = 100;
@@ -258,13 +277,15 @@ TEST(EngineTest, RefusesBadTiers) {
   cfg = SmallConfig(1);
   cfg.subgroup_numel[2] = 0;
   e = Engine::Create(cfg);
-  EXPECT_NE(e.status().message().find("size 0"), std::string::npos) << e.status();
+  EXPECT_NE(e.status().message().find("size 0"), std::string::npos)
+      << e.status();
 
   if (geteuid() != 0) {  // root writes anywhere
     cfg = SmallConfig(1);
     chmod(cfg.tiers[0].path.c_str(), 0500);
     e = Engine::Create(cfg);
-    EXPECT_EQ(e.status().code(), absl::StatusCode::kPermissionDenied) << e.status();
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kPermissionDenied)
+        << e.status();
   }
 }
 
@@ -275,19 +296,25 @@ TEST(EngineTest, TierInUseByAnotherLiveRunIsRefused) {
   pid_t pid = fork();
   if (pid == 0) {
     auto second = Engine::Create(cfg);
-    _exit(!second.ok() && second.status().code() == absl::StatusCode::kAlreadyExists ? 0 : 1);
+    _exit(!second.ok() &&
+                  second.status().code() == absl::StatusCode::kAlreadyExists
+              ? 0
+              : 1);
   }
   int status = 0;
   waitpid(pid, &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
-Engine& Initialized(std::unique_ptr<Engine>& e, const EngineConfig& cfg, uint32_t seed) {
+Engine& Initialized(std::unique_ptr<Engine>& e, const EngineConfig& cfg,
+                    uint32_t seed) {
   std::mt19937 rng(seed);
   for (size_t i = 0; i < cfg.subgroup_numel.size(); ++i) {
     std::vector<float> p(cfg.subgroup_numel[i]);
     for (float& x : p) x = std::uniform_real_distribution<float>(-1, 1)(rng);
-    EXPECT_TRUE(e->InitializeSubgroup(static_cast<int>(i), p.data(), DType::kFloat32).ok());
+    EXPECT_TRUE(
+        e->InitializeSubgroup(static_cast<int>(i), p.data(), DType::kFloat32)
+            .ok());
   }
   return *e;
 }
@@ -313,7 +340,7 @@ TEST(EngineTest, GenericPathHandsRecordsToTheCaller) {
       if (v->subgroup < 0) break;
       seen.push_back(v->subgroup);
       for (uint64_t k = 0; k < v->numel; ++k) {
-        v->state[0][k] += 1.0f;           // a "momentum" that counts steps
+        v->state[0][k] += 1.0f;  // a "momentum" that counts steps
         v->master[k] -= 0.5f * v->state[0][k];
       }
       ASSERT_TRUE(e.Done().ok());
@@ -342,7 +369,8 @@ TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
   ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
   ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());  // replaces the previous one
   std::vector<float> want(1000), m(1000), v(1000);
-  ASSERT_TRUE(e.ReadSubgroup(0, want.data(), {m.data(), v.data()}, nullptr).ok());
+  ASSERT_TRUE(
+      e.ReadSubgroup(0, want.data(), {m.data(), v.data()}, nullptr).ok());
 
   EngineConfig cfg2 = SmallConfig(1);
   auto other = Engine::Create(cfg2);
@@ -350,7 +378,9 @@ TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
   Initialized(*other, cfg2, 9);
   ASSERT_TRUE((*other)->LoadCheckpoint(ckpt).ok());
   std::vector<float> got(1000);
-  ASSERT_TRUE((*other)->ReadSubgroup(0, got.data(), {m.data(), v.data()}, nullptr).ok());
+  ASSERT_TRUE((*other)
+                  ->ReadSubgroup(0, got.data(), {m.data(), v.data()}, nullptr)
+                  .ok());
   EXPECT_EQ(got, want);
 
   EngineConfig cfg3 = SmallConfig(1);
@@ -359,7 +389,9 @@ TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
   ASSERT_TRUE(third.ok());
   absl::Status s = (*third)->LoadCheckpoint(ckpt);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("subgroup 1 has 2000 parameters"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("subgroup 1 has 2000 parameters"),
+            std::string::npos)
+      << s;
 }
 
 TEST(EngineTest, ResumesFromTheLastCommittedStep) {
@@ -372,7 +404,9 @@ TEST(EngineTest, ResumesFromTheLastCommittedStep) {
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     Engine& e = **engine;
-    for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+    for (int i = 0; i < 4; ++i)
+      ASSERT_TRUE(
+          e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
     for (int step = 1; step <= 3; ++step) {
       model.NewGrads(step);
       std::vector<SubgroupStepInput> in(4);
@@ -384,7 +418,8 @@ TEST(EngineTest, ResumesFromTheLastCommittedStep) {
     }
     EXPECT_EQ(e.committed_step(), 3);
     std::vector<float> m(1000), v(1000);
-    ASSERT_TRUE(e.ReadSubgroup(0, want.data(), {m.data(), v.data()}, nullptr).ok());
+    ASSERT_TRUE(
+        e.ReadSubgroup(0, want.data(), {m.data(), v.data()}, nullptr).ok());
   }
   cfg.resume = true;
   auto engine = Engine::Create(cfg);
@@ -393,14 +428,16 @@ TEST(EngineTest, ResumesFromTheLastCommittedStep) {
   EXPECT_EQ((*engine)->step(), 3);
   std::vector<float> got(1000), m(1000), v(1000);
   int64_t step = 0;
-  ASSERT_TRUE((*engine)->ReadSubgroup(0, got.data(), {m.data(), v.data()}, &step).ok());
+  ASSERT_TRUE(
+      (*engine)->ReadSubgroup(0, got.data(), {m.data(), v.data()}, &step).ok());
   EXPECT_EQ(step, 3);
   EXPECT_EQ(got, want);
 }
 
 TEST(EngineTest, CorruptRecordIsAnErrorNamingFileAndSubgroup) {
   EngineConfig cfg = SmallConfig(1);
-  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));  // nothing cached
+  cfg.host_budget_bytes =
+      2 * (4096 + AlignedRecordBytes(3000, 3));  // nothing cached
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok());
   Engine& e = Initialized(*engine, cfg, 1);
@@ -428,7 +465,9 @@ TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
   Reference ref(model);
   model.NewGrads(1);
   ref.Step(model, 1, 1.0f);
@@ -445,15 +484,18 @@ TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
   e.fault_injector(1)->AddFault(fault);
   auto stats = e.Step(in, StepOptions());
   ASSERT_FALSE(stats.ok());
-  EXPECT_EQ(stats.status().code(), absl::StatusCode::kResourceExhausted) << stats.status();
+  EXPECT_EQ(stats.status().code(), absl::StatusCode::kResourceExhausted)
+      << stats.status();
   e.fault_injector(1)->ClearFaults();
   stats = e.Step(in, StepOptions());  // the fault is gone: finish the step
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(e.step(), 1);
   for (int i = 0; i < 4; ++i) {
-    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()), v(master.size());
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
+        v(master.size());
     int64_t step = 0;
-    ASSERT_TRUE(e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
     EXPECT_EQ(step, 1);
     EXPECT_EQ(master, ref.master[i]) << i;
   }
@@ -465,7 +507,9 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
   model.NewGrads(3);
   model.grads[3][17] = 0x7FC0;  // bf16 NaN in the last subgroup
   std::vector<SubgroupStepInput> in(4);
@@ -481,7 +525,8 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   EXPECT_EQ(e.step(), 0);
   std::vector<float> master(1000), m(1000), v(1000);
   int64_t step = -1;
-  ASSERT_TRUE(e.ReadSubgroup(0, master.data(), {m.data(), v.data()}, &step).ok());
+  ASSERT_TRUE(
+      e.ReadSubgroup(0, master.data(), {m.data(), v.data()}, &step).ok());
   EXPECT_EQ(step, 0);
   EXPECT_EQ(master, model.init[0]);
 }
@@ -493,7 +538,9 @@ TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
   for (int step = 1; step <= 2; ++step) {
     model.NewGrads(step);
     std::vector<SubgroupStepInput> in(4);
@@ -509,10 +556,12 @@ TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
   }
   std::vector<float> p(3000), a(3000), b(3000), c(3000);
   int64_t step = -1;
-  ASSERT_TRUE(e.ReadSubgroup(2, p.data(), {a.data(), b.data(), c.data()}, &step).ok());
+  ASSERT_TRUE(
+      e.ReadSubgroup(2, p.data(), {a.data(), b.data(), c.data()}, &step).ok());
   EXPECT_EQ(step, 0);
   EXPECT_EQ(p, model.init[2]);
-  ASSERT_TRUE(e.ReadSubgroup(1, p.data(), {a.data(), b.data(), c.data()}, &step).ok());
+  ASSERT_TRUE(
+      e.ReadSubgroup(1, p.data(), {a.data(), b.data(), c.data()}, &step).ok());
   EXPECT_EQ(step, 2);
   EXPECT_NE(p, model.init[1]);
   // amsgrad's max_exp_avg_sq >= exp_avg_sq everywhere.

@@ -58,7 +58,8 @@ struct EffectiveTier {
 }  // namespace
 
 std::string Techniques::ToString() const {
-  if (multipath && cache_reuse && delayed_grad_conversion && tier_lock) return "mlp";
+  if (multipath && cache_reuse && delayed_grad_conversion && tier_lock)
+    return "mlp";
   if (!multipath && !cache_reuse && !delayed_grad_conversion && !tier_lock) {
     return "baseline";
   }
@@ -93,11 +94,13 @@ bool Plan::KeptAfterUpdate(int64_t step, int position) const {
 std::string Plan::ToString(const std::vector<TierSpec>& tiers) const {
   std::string out;
   const int n = static_cast<int>(tier_of_subgroup.size());
-  absl::StrAppend(&out, absl::StrFormat(
-      "plan (%s): %d subgroups, %d cached in host memory, %d streaming buffers "
-      "of %s, prefetch depth %d, host memory %s\n",
-      techniques.ToString(), n, num_cached, num_buffers, HumanBytes(buffer_bytes),
-      prefetch_depth, HumanBytes(host_bytes_used)));
+  absl::StrAppend(
+      &out, absl::StrFormat("plan (%s): %d subgroups, %d cached in host "
+                            "memory, %d streaming buffers "
+                            "of %s, prefetch depth %d, host memory %s\n",
+                            techniques.ToString(), n, num_cached, num_buffers,
+                            HumanBytes(buffer_bytes), prefetch_depth,
+                            HumanBytes(host_bytes_used)));
   for (size_t t = 0; t < traffic.size(); ++t) {
     int count = 0;
     uint64_t bytes = 0;
@@ -107,35 +110,43 @@ std::string Plan::ToString(const std::vector<TierSpec>& tiers) const {
         bytes += record_bytes[i];
       }
     }
-    std::string name = t < tiers.size() ? (tiers[t].name.empty() ? tiers[t].path
-                                                                  : tiers[t].name)
-                                         : absl::StrCat("tier", t);
-    absl::StrAppend(&out, absl::StrFormat(
-        "  tier %d (%s): %d subgroups, %s of state; per step reads %s, writes "
-        "%s, busy %.2f s\n",
-        t, name, count, HumanBytes(bytes), HumanBytes(traffic[t].bytes_read),
-        HumanBytes(traffic[t].bytes_written), traffic[t].seconds));
+    std::string name =
+        t < tiers.size()
+            ? (tiers[t].name.empty() ? tiers[t].path : tiers[t].name)
+            : absl::StrCat("tier", t);
+    absl::StrAppend(&out, absl::StrFormat("  tier %d (%s): %d subgroups, %s of "
+                                          "state; per step reads %s, writes "
+                                          "%s, busy %.2f s\n",
+                                          t, name, count, HumanBytes(bytes),
+                                          HumanBytes(traffic[t].bytes_read),
+                                          HumanBytes(traffic[t].bytes_written),
+                                          traffic[t].seconds));
   }
-  absl::StrAppend(&out, absl::StrFormat(
-      "  predicted update phase: %.2f s (I/O %.2f s, compute %.2f s)\n",
-      predicted_seconds, predicted_io_seconds, predicted_compute_seconds));
+  absl::StrAppend(
+      &out,
+      absl::StrFormat(
+          "  predicted update phase: %.2f s (I/O %.2f s, compute %.2f s)\n",
+          predicted_seconds, predicted_io_seconds, predicted_compute_seconds));
   return out;
 }
 
 absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   const int n = static_cast<int>(in.subgroup_numel.size());
   if (n == 0) return absl::InvalidArgumentError("plan: no subgroups");
-  if (in.tiers.empty()) return absl::InvalidArgumentError("plan: no tiers given");
+  if (in.tiers.empty())
+    return absl::InvalidArgumentError("plan: no tiers given");
   if (in.arrays_per_param < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("plan: arrays_per_param must be >= 1, got ", in.arrays_per_param));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan: arrays_per_param must be >= 1, got ", in.arrays_per_param));
   }
   if (in.ranks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("plan: ranks must be >= 1, got ", in.ranks));
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan: ranks must be >= 1, got ", in.ranks));
   }
   for (int i = 0; i < n; ++i) {
     if (in.subgroup_numel[i] == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("plan: subgroup ", i, " has size 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan: subgroup ", i, " has size 0"));
     }
   }
   Plan plan;
@@ -147,38 +158,47 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   const int active = in.techniques.multipath ? num_tiers : 1;
   std::map<std::string, int> pool_size;
   for (int t = 0; t < active; ++t) {
-    if (!in.tiers[t].bandwidth_pool.empty()) ++pool_size[in.tiers[t].bandwidth_pool];
+    if (!in.tiers[t].bandwidth_pool.empty())
+      ++pool_size[in.tiers[t].bandwidth_pool];
   }
   std::vector<EffectiveTier> eff(num_tiers);
   for (int t = 0; t < num_tiers; ++t) {
     const TierSpec& spec = in.tiers[t];
     double r = spec.read_bytes_per_sec, w = spec.write_bytes_per_sec;
-    bool throttled = spec.throttle_read_bytes_per_sec > 0 && spec.throttle_write_bytes_per_sec > 0;
+    bool throttled = spec.throttle_read_bytes_per_sec > 0 &&
+                     spec.throttle_write_bytes_per_sec > 0;
     if (spec.throttle_read_bytes_per_sec > 0) {
-      r = r > 0 ? std::min(r, spec.throttle_read_bytes_per_sec) : spec.throttle_read_bytes_per_sec;
+      r = r > 0 ? std::min(r, spec.throttle_read_bytes_per_sec)
+                : spec.throttle_read_bytes_per_sec;
     }
     if (spec.throttle_write_bytes_per_sec > 0) {
-      w = w > 0 ? std::min(w, spec.throttle_write_bytes_per_sec) : spec.throttle_write_bytes_per_sec;
+      w = w > 0 ? std::min(w, spec.throttle_write_bytes_per_sec)
+                : spec.throttle_write_bytes_per_sec;
     }
     if (!(r > 0) || !(w > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "plan: tier ", t, " (", spec.path, ") has no read/write bandwidth: give "
-          "them or probe the tier"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan: tier ", t, " (", spec.path,
+                       ") has no read/write bandwidth: give "
+                       "them or probe the tier"));
     }
     // Ranks of a node that share the tier see a share of its bandwidth; so
     // do the tiers of one device.
     int sharing = std::max(1, spec.shared_by) * std::max(1, in.ranks);
-    if (!spec.bandwidth_pool.empty() && t < active) sharing *= pool_size[spec.bandwidth_pool];
+    if (!spec.bandwidth_pool.empty() && t < active)
+      sharing *= pool_size[spec.bandwidth_pool];
     eff[t] = EffectiveTier{r / sharing, w / sharing, throttled};
   }
 
   // Buffers: one record (+ its header, + an fp32 gradient for the baseline).
-  uint64_t max_numel = *std::max_element(in.subgroup_numel.begin(), in.subgroup_numel.end());
+  uint64_t max_numel =
+      *std::max_element(in.subgroup_numel.begin(), in.subgroup_numel.end());
   plan.record_bytes.resize(n);
   for (int i = 0; i < n; ++i) {
-    plan.record_bytes[i] = in.subgroup_numel[i] * 4 * static_cast<uint64_t>(in.arrays_per_param);
+    plan.record_bytes[i] =
+        in.subgroup_numel[i] * 4 * static_cast<uint64_t>(in.arrays_per_param);
   }
-  plan.buffer_bytes = kHeaderBytes + AlignedRecordBytes(max_numel, in.arrays_per_param) +
+  plan.buffer_bytes = kHeaderBytes +
+                      AlignedRecordBytes(max_numel, in.arrays_per_param) +
                       (eager_grads ? RoundUp(max_numel * 4, kAlign) : 0);
   const uint64_t slots = in.host_budget_bytes / plan.buffer_bytes;
   if (slots < 2) {
@@ -195,15 +215,18 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
     plan.num_cached = n;  // everything fits: no I/O after the first touch
     plan.num_buffers = 0;
   } else {
-    plan.num_buffers = static_cast<int>(std::min<uint64_t>(slots, want_buffers));
-    plan.num_cached = in.techniques.cache_reuse
-                          ? static_cast<int>(std::min<uint64_t>(slots - plan.num_buffers, n))
-                          : 0;
+    plan.num_buffers =
+        static_cast<int>(std::min<uint64_t>(slots, want_buffers));
+    plan.num_cached =
+        in.techniques.cache_reuse
+            ? static_cast<int>(std::min<uint64_t>(slots - plan.num_buffers, n))
+            : 0;
   }
   // Reads may run ahead into every streaming buffer but the one being
   // computed; writes behind free them again.
   plan.prefetch_depth = std::max(1, plan.num_buffers - 1);
-  plan.host_bytes_used = (plan.num_cached + plan.num_buffers) * plan.buffer_bytes;
+  plan.host_bytes_used =
+      (plan.num_cached + plan.num_buffers) * plan.buffer_bytes;
 
   // Placement: targets proportional to each tier's throughput for streamed
   // records, water-filled under capacity (two slots per record on disk), then
@@ -213,21 +236,25 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   std::vector<uint64_t> disk_bytes(n);
   uint64_t total_disk = 0;
   for (int i = 0; i < n; ++i) {
-    disk_bytes[i] = 2 * (kHeaderBytes + AlignedRecordBytes(in.subgroup_numel[i], in.arrays_per_param)) +
-                    (eager_grads ? RoundUp(in.subgroup_numel[i] * 4, kAlign) : 0);
+    disk_bytes[i] =
+        2 * (kHeaderBytes +
+             AlignedRecordBytes(in.subgroup_numel[i], in.arrays_per_param)) +
+        (eager_grads ? RoundUp(in.subgroup_numel[i] * 4, kAlign) : 0);
     total_disk += disk_bytes[i];
   }
   std::vector<double> capacity(active);
   double total_capacity = 0;
   for (int t = 0; t < active; ++t) {
-    capacity[t] = in.tiers[t].capacity_bytes > 0 ? static_cast<double>(in.tiers[t].capacity_bytes)
-                                                 : INFINITY;
+    capacity[t] = in.tiers[t].capacity_bytes > 0
+                      ? static_cast<double>(in.tiers[t].capacity_bytes)
+                      : INFINITY;
     total_capacity += capacity[t];
   }
   if (total_capacity < total_disk) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "plan: the tiers hold %s but the state needs %s on disk (two slots per "
-        "subgroup)", HumanBytes(total_capacity), HumanBytes(total_disk)));
+        "subgroup)",
+        HumanBytes(total_capacity), HumanBytes(total_disk)));
   }
   std::vector<double> target(active, 0);
   {
@@ -267,8 +294,9 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
       }
     }
     if (best < 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "plan: no tier has room for subgroup ", i, " (", disk_bytes[i], " bytes)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("plan: no tier has room for subgroup ", i, " (",
+                       disk_bytes[i], " bytes)"));
     }
     plan.tier_of_subgroup[i] = best;
     assigned[best] += disk_bytes[i];
@@ -276,7 +304,8 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
 
   // Steady-state traffic, averaged over a forward and a reversed step.
   plan.traffic.assign(num_tiers, TierTraffic{});
-  std::vector<double> reads(num_tiers, 0), writes(num_tiers, 0), grad_writes(num_tiers, 0);
+  std::vector<double> reads(num_tiers, 0), writes(num_tiers, 0),
+      grad_writes(num_tiers, 0);
   for (int64_t step = 2; step < 4; ++step) {
     std::vector<int> order = plan.Order(step);
     std::vector<int> prev = plan.Order(step - 1);
@@ -302,7 +331,8 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   double grad_seconds = 0;
   for (int t = 0; t < num_tiers; ++t) {
     plan.traffic[t].bytes_read = static_cast<uint64_t>(reads[t] / 2);
-    plan.traffic[t].bytes_written = static_cast<uint64_t>((writes[t] + grad_writes[t]) / 2);
+    plan.traffic[t].bytes_written =
+        static_cast<uint64_t>((writes[t] + grad_writes[t]) / 2);
     if (t < active) {
       double update = eff[t].Seconds(static_cast<uint64_t>(reads[t] / 2),
                                      static_cast<uint64_t>(writes[t] / 2));
@@ -312,10 +342,11 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
       grad_seconds = std::max(grad_seconds, grads);
     }
   }
-  uint64_t total_numel = std::accumulate(in.subgroup_numel.begin(), in.subgroup_numel.end(),
-                                         uint64_t{0});
-  plan.predicted_compute_seconds =
-      in.compute_params_per_sec > 0 ? total_numel / in.compute_params_per_sec : 0.0;
+  uint64_t total_numel = std::accumulate(in.subgroup_numel.begin(),
+                                         in.subgroup_numel.end(), uint64_t{0});
+  plan.predicted_compute_seconds = in.compute_params_per_sec > 0
+                                       ? total_numel / in.compute_params_per_sec
+                                       : 0.0;
   // Fill and drain: the first record must arrive before any update and the
   // last one leaves after all of them; with caching the step starts on a hit.
   double fill = 0;
@@ -324,13 +355,15 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
     for (int i = 0; i < n; ++i) avg_rec += plan.record_bytes[i];
     avg_rec /= n;
     const EffectiveTier& e0 = eff[0];
-    fill = (plan.num_cached > 0 ? 0.0 : avg_rec / e0.read_bw) + avg_rec / e0.write_bw;
+    fill = (plan.num_cached > 0 ? 0.0 : avg_rec / e0.read_bw) +
+           avg_rec / e0.write_bw;
     // The fill's bytes are part of the tier's traffic already; with several
     // tiers the others keep working meanwhile, so only the excess counts.
     fill /= std::max(1, active);
   }
   plan.predicted_seconds =
-      std::max(plan.predicted_io_seconds, plan.predicted_compute_seconds) + fill + grad_seconds;
+      std::max(plan.predicted_io_seconds, plan.predicted_compute_seconds) +
+      fill + grad_seconds;
   plan.predicted_io_seconds += grad_seconds;
   return plan;
 }

@@ -16,13 +16,15 @@ namespace mlp_offload {
 // The four techniques of PAPER.md, each switchable. All false is the
 // ZeRO-Infinity-like baseline.
 struct Techniques {
-  bool multipath = true;          // 1: spread subgroups over all tiers
-  bool cache_reuse = true;        // 2: alternating order, keep the last K
+  bool multipath = true;                // 1: spread subgroups over all tiers
+  bool cache_reuse = true;              // 2: alternating order, keep the last K
   bool delayed_grad_conversion = true;  // 3: grads stay in model dtype
-  bool tier_lock = true;          // 4: one process at a time per tier
+  bool tier_lock = true;                // 4: one process at a time per tier
 
   static Techniques All() { return Techniques(); }
-  static Techniques Baseline() { return Techniques{false, false, false, false}; }
+  static Techniques Baseline() {
+    return Techniques{false, false, false, false};
+  }
   // "mlp", "baseline", or "+"-joined names of the enabled techniques.
   std::string ToString() const;
 };
@@ -63,8 +65,8 @@ struct Plan {
   // and how many reads run ahead of the compute.
   int num_buffers = 0;
   int prefetch_depth = 0;
-  uint64_t buffer_bytes = 0;       // size of one buffer
-  uint64_t host_bytes_used = 0;    // (num_cached + num_buffers) * buffer_bytes
+  uint64_t buffer_bytes = 0;     // size of one buffer
+  uint64_t host_bytes_used = 0;  // (num_cached + num_buffers) * buffer_bytes
   // Predicted steady-state update phase.
   std::vector<TierTraffic> traffic;  // per tier
   double predicted_io_seconds = 0;

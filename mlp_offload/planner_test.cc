@@ -19,7 +19,8 @@ TierSpec Tier(const std::string& path, double r, double w, uint64_t cap = 0) {
   return t;
 }
 
-PlannerInput Input(int n, uint64_t numel, std::vector<TierSpec> tiers, uint64_t budget) {
+PlannerInput Input(int n, uint64_t numel, std::vector<TierSpec> tiers,
+                   uint64_t budget) {
   PlannerInput in;
   in.subgroup_numel.assign(n, numel);
   in.arrays_per_param = 3;
@@ -29,11 +30,13 @@ PlannerInput Input(int n, uint64_t numel, std::vector<TierSpec> tiers, uint64_t 
 }
 
 uint64_t Buf(uint64_t numel, bool eager = false) {
-  return 4096 + AlignedRecordBytes(numel, 3) + (eager ? AlignedRecordBytes(numel, 1) : 0);
+  return 4096 + AlignedRecordBytes(numel, 3) +
+         (eager ? AlignedRecordBytes(numel, 1) : 0);
 }
 
 TEST(PlannerTest, OneTierNoCacheStreamsEverything) {
-  PlannerInput in = Input(10, 1 << 20, {Tier("/a", 1 * kGB, 1 * kGB)}, 4 * Buf(1 << 20));
+  PlannerInput in =
+      Input(10, 1 << 20, {Tier("/a", 1 * kGB, 1 * kGB)}, 4 * Buf(1 << 20));
   in.techniques = Techniques::Baseline();
   in.techniques.delayed_grad_conversion = true;
   auto plan = MakePlan(in);
@@ -51,10 +54,11 @@ TEST(PlannerTest, OneTierNoCacheStreamsEverything) {
 }
 
 TEST(PlannerTest, BandwidthProportionalPlacementOverThreeTiers) {
-  PlannerInput in = Input(600, 1 << 16,
-                          {Tier("/a", 3 * kGB, 3 * kGB), Tier("/b", 2 * kGB, 2 * kGB),
-                           Tier("/c", 1 * kGB, 1 * kGB)},
-                          8 * Buf(1 << 16));
+  PlannerInput in =
+      Input(600, 1 << 16,
+            {Tier("/a", 3 * kGB, 3 * kGB), Tier("/b", 2 * kGB, 2 * kGB),
+             Tier("/c", 1 * kGB, 1 * kGB)},
+            8 * Buf(1 << 16));
   in.techniques.cache_reuse = false;
   auto plan = MakePlan(in);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -64,10 +68,12 @@ TEST(PlannerTest, BandwidthProportionalPlacementOverThreeTiers) {
   EXPECT_EQ(count[1], 200);
   EXPECT_EQ(count[2], 100);
   // All tiers finish together.
-  EXPECT_NEAR(plan->traffic[0].seconds, plan->traffic[2].seconds, 1e-3 * plan->traffic[0].seconds);
+  EXPECT_NEAR(plan->traffic[0].seconds, plan->traffic[2].seconds,
+              1e-3 * plan->traffic[0].seconds);
   // Interleaved: every window of 6 consecutive subgroups touches every tier.
   for (int i = 0; i + 6 <= 600; i += 6) {
-    std::set<int> seen(plan->tier_of_subgroup.begin() + i, plan->tier_of_subgroup.begin() + i + 6);
+    std::set<int> seen(plan->tier_of_subgroup.begin() + i,
+                       plan->tier_of_subgroup.begin() + i + 6);
     EXPECT_EQ(seen.size(), 3u) << i;
   }
 }
@@ -81,14 +87,17 @@ TEST(PlannerTest, CapacityLimitsATierAndTheRestGoesElsewhere) {
                           4 * Buf(numel));
   auto plan = MakePlan(in);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  int fast = std::count(plan->tier_of_subgroup.begin(), plan->tier_of_subgroup.end(), 0);
+  int fast = std::count(plan->tier_of_subgroup.begin(),
+                        plan->tier_of_subgroup.end(), 0);
   EXPECT_EQ(fast, 10);
 }
 
 TEST(PlannerTest, FullTiersAreAClearError) {
   uint64_t numel = 1 << 16;
-  PlannerInput in = Input(100, numel, {Tier("/a", kGB, kGB, 1 << 20), Tier("/b", kGB, kGB, 1 << 20)},
-                          4 * Buf(numel));
+  PlannerInput in =
+      Input(100, numel,
+            {Tier("/a", kGB, kGB, 1 << 20), Tier("/b", kGB, kGB, 1 << 20)},
+            4 * Buf(numel));
   auto plan = MakePlan(in);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
@@ -110,7 +119,8 @@ TEST(PlannerTest, BudgetTooSmallNamesTheMinimum) {
   auto plan = MakePlan(in);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(plan.status().message().find(std::to_string(2 * Buf(1 << 16))), std::string::npos)
+  EXPECT_NE(plan.status().message().find(std::to_string(2 * Buf(1 << 16))),
+            std::string::npos)
       << plan.status();
 }
 
@@ -118,10 +128,12 @@ TEST(PlannerTest, BadInputsAreRefused) {
   PlannerInput in = Input(4, 1 << 16, {}, 1 << 30);
   EXPECT_EQ(MakePlan(in).status().code(), absl::StatusCode::kInvalidArgument);
   in = Input(4, 1 << 16, {Tier("/a", 0, 0)}, 1 << 30);
-  EXPECT_NE(MakePlan(in).status().message().find("no read/write bandwidth"), std::string::npos);
+  EXPECT_NE(MakePlan(in).status().message().find("no read/write bandwidth"),
+            std::string::npos);
   in = Input(4, 1 << 16, {Tier("/a", kGB, kGB)}, 1 << 30);
   in.subgroup_numel[2] = 0;
-  EXPECT_NE(MakePlan(in).status().message().find("subgroup 2 has size 0"), std::string::npos);
+  EXPECT_NE(MakePlan(in).status().message().find("subgroup 2 has size 0"),
+            std::string::npos);
 }
 
 TEST(PlannerTest, AlternatingOrderAndCacheSavesTraffic) {
@@ -145,7 +157,9 @@ TEST(PlannerTest, AlternatingOrderAndCacheSavesTraffic) {
 
 TEST(PlannerTest, BaselineMovesFp32GradientsToo) {
   uint64_t numel = 1 << 16;
-  PlannerInput in = Input(10, numel, {Tier("/a", kGB, kGB), Tier("/b", kGB, kGB)}, 8 * Buf(numel, true));
+  PlannerInput in =
+      Input(10, numel, {Tier("/a", kGB, kGB), Tier("/b", kGB, kGB)},
+            8 * Buf(numel, true));
   in.techniques = Techniques::Baseline();
   auto plan = MakePlan(in);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -175,7 +189,8 @@ TEST(PlannerTest, ThrottledTiersAreDuplex) {
   in.techniques.cache_reuse = false;
   auto plan = MakePlan(in);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_NEAR(plan->traffic[0].seconds, plan->traffic[0].bytes_read / 100e6, 1e-9);
+  EXPECT_NEAR(plan->traffic[0].seconds, plan->traffic[0].bytes_read / 100e6,
+              1e-9);
 }
 
 }  // namespace

@@ -39,7 +39,8 @@ inline uint64_t Mix(uint64_t h) {
 
 // Four independent lanes (so the multiplies pipeline), then the tail bytes.
 uint64_t HashChunk(const unsigned char* p, size_t n, uint64_t seed) {
-  uint64_t a = seed + kPrime1 + kPrime2, b = seed + kPrime2, c = seed, d = seed - kPrime1;
+  uint64_t a = seed + kPrime1 + kPrime2, b = seed + kPrime2, c = seed,
+           d = seed - kPrime1;
   size_t i = 0;
   for (; i + 32 <= n; i += 32) {
     uint64_t v[4];
@@ -81,7 +82,8 @@ uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool) {
   std::vector<uint64_t> parts(chunks);
   auto body = [&](size_t c) {
     size_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-    parts[c] = HashChunk(static_cast<const unsigned char*>(data) + begin, len, c);
+    parts[c] =
+        HashChunk(static_cast<const unsigned char*>(data) + begin, len, c);
   };
   if (pool != nullptr) {
     pool->ParallelFor(chunks, body);
@@ -113,24 +115,29 @@ void EncodeRecordHeader(const RecordHeader& h, void* page) {
 absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
                                                 absl::string_view where) {
   if (size < sizeof(HeaderLayout)) {
-    return absl::DataLossError(absl::StrCat(where, ": header truncated (", size, " bytes)"));
+    return absl::DataLossError(
+        absl::StrCat(where, ": header truncated (", size, " bytes)"));
   }
   HeaderLayout l;
   std::memcpy(&l, page, sizeof(l));
   if (l.magic != kHeaderMagic) {
-    return absl::DataLossError(absl::StrCat(where, ": not an MLP-Offload state record (bad magic)"));
+    return absl::DataLossError(
+        absl::StrCat(where, ": not an MLP-Offload state record (bad magic)"));
   }
   uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(&l),
                            offsetof(HeaderLayout, header_checksum), 0);
   if (sum != l.header_checksum) {
-    return absl::DataLossError(absl::StrCat(where, ": header checksum mismatch"));
+    return absl::DataLossError(
+        absl::StrCat(where, ": header checksum mismatch"));
   }
-  if (l.version != kStateFormatVersion || l.header_bytes != kRecordHeaderBytes) {
-    return absl::DataLossError(absl::StrCat(where, ": unsupported state format version ",
-                                            l.version));
+  if (l.version != kStateFormatVersion ||
+      l.header_bytes != kRecordHeaderBytes) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": unsupported state format version ", l.version));
   }
   if (l.payload_bytes != l.numel * 4ull * l.num_arrays) {
-    return absl::DataLossError(absl::StrCat(where, ": inconsistent header sizes"));
+    return absl::DataLossError(
+        absl::StrCat(where, ": inconsistent header sizes"));
   }
   RecordHeader h;
   h.run_id = l.run_id;
@@ -144,21 +151,25 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
 }
 
 std::string EncodeManifest(const Manifest& m) {
-  std::string out = absl::StrCat("mlp_offload_manifest ", m.format_version, "\n",
-                                 "run_id ", m.run_id, "\n",
-                                 "arrays_per_param ", m.arrays_per_param, "\n",
-                                 "subgroups ", m.subgroup_numel.size(), "\n");
+  std::string out =
+      absl::StrCat("mlp_offload_manifest ", m.format_version, "\n", "run_id ",
+                   m.run_id, "\n", "arrays_per_param ", m.arrays_per_param,
+                   "\n", "subgroups ", m.subgroup_numel.size(), "\n");
   for (size_t i = 0; i < m.subgroup_numel.size(); ++i) {
-    absl::StrAppend(&out, i, " ", m.subgroup_numel[i], " ", m.tier_of_subgroup[i], "\n");
+    absl::StrAppend(&out, i, " ", m.subgroup_numel[i], " ",
+                    m.tier_of_subgroup[i], "\n");
   }
-  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()), out.size(), 0);
+  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()),
+                           out.size(), 0);
   absl::StrAppend(&out, "checksum ", sum, "\n");
   return out;
 }
 
-absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view where) {
+absl::StatusOr<Manifest> ParseManifest(absl::string_view text,
+                                       absl::string_view where) {
   auto bad = [&](absl::string_view why) {
-    return absl::DataLossError(absl::StrCat(where, ": corrupt manifest: ", why));
+    return absl::DataLossError(
+        absl::StrCat(where, ": corrupt manifest: ", why));
   };
   size_t cut = text.rfind("checksum ");
   if (cut == absl::string_view::npos || (cut > 0 && text[cut - 1] != '\n')) {
@@ -167,7 +178,8 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view
   uint64_t want;
   absl::string_view sum_text = absl::StripSuffix(text.substr(cut + 9), "\n");
   if (!absl::SimpleAtoi(sum_text, &want)) return bad("bad checksum line");
-  if (HashChunk(reinterpret_cast<const unsigned char*>(text.data()), cut, 0) != want) {
+  if (HashChunk(reinterpret_cast<const unsigned char*>(text.data()), cut, 0) !=
+      want) {
     return bad("checksum mismatch");
   }
   std::vector<absl::string_view> lines =
@@ -179,22 +191,26 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view
     return kv.size() == 2 && kv[0] == key && absl::SimpleAtoi(kv[1], value);
   };
   uint64_t count = 0;
-  if (!field(0, "mlp_offload_manifest", &m.format_version)) return bad("bad first line");
+  if (!field(0, "mlp_offload_manifest", &m.format_version))
+    return bad("bad first line");
   if (m.format_version != kStateFormatVersion) {
-    return absl::DataLossError(absl::StrCat(where, ": unsupported manifest version ",
-                                            m.format_version));
+    return absl::DataLossError(absl::StrCat(
+        where, ": unsupported manifest version ", m.format_version));
   }
-  if (!field(1, "run_id", &m.run_id) || !field(2, "arrays_per_param", &m.arrays_per_param) ||
+  if (!field(1, "run_id", &m.run_id) ||
+      !field(2, "arrays_per_param", &m.arrays_per_param) ||
       !field(3, "subgroups", &count)) {
     return bad("missing header fields");
   }
-  if (count != lines.size() - 4) return bad("subgroup count does not match the lines");
+  if (count != lines.size() - 4)
+    return bad("subgroup count does not match the lines");
   for (uint64_t i = 0; i < count; ++i) {
     std::vector<absl::string_view> parts = absl::StrSplit(lines[4 + i], ' ');
     uint64_t index, numel;
     int tier;
-    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &index) || index != i ||
-        !absl::SimpleAtoi(parts[1], &numel) || !absl::SimpleAtoi(parts[2], &tier) || tier < 0) {
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &index) ||
+        index != i || !absl::SimpleAtoi(parts[1], &numel) ||
+        !absl::SimpleAtoi(parts[2], &tier) || tier < 0) {
       return bad(absl::StrCat("bad subgroup line ", i));
     }
     m.subgroup_numel.push_back(numel);
@@ -203,24 +219,27 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view
   return m;
 }
 
-absl::Status CheckManifestMatches(const Manifest& expected, const Manifest& found,
+absl::Status CheckManifestMatches(const Manifest& expected,
+                                  const Manifest& found,
                                   absl::string_view where) {
   if (expected.arrays_per_param != found.arrays_per_param) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, " holds state with ", found.arrays_per_param,
-        " arrays per parameter, this optimizer needs ", expected.arrays_per_param,
-        " (another optimizer?)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, " holds state with ", found.arrays_per_param,
+                     " arrays per parameter, this optimizer needs ",
+                     expected.arrays_per_param, " (another optimizer?)"));
   }
   if (expected.subgroup_numel.size() != found.subgroup_numel.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        where, " holds ", found.subgroup_numel.size(), " subgroups, this model has ",
-        expected.subgroup_numel.size(), " (another model?)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(where, " holds ", found.subgroup_numel.size(),
+                     " subgroups, this model has ",
+                     expected.subgroup_numel.size(), " (another model?)"));
   }
   for (size_t i = 0; i < expected.subgroup_numel.size(); ++i) {
     if (expected.subgroup_numel[i] != found.subgroup_numel[i]) {
       return absl::FailedPreconditionError(absl::StrCat(
           where, ": subgroup ", i, " has ", found.subgroup_numel[i],
-          " parameters, this model's has ", expected.subgroup_numel[i], " (another model?)"));
+          " parameters, this model's has ", expected.subgroup_numel[i],
+          " (another model?)"));
     }
   }
   return absl::OkStatus();
@@ -228,21 +247,26 @@ absl::Status CheckManifestMatches(const Manifest& expected, const Manifest& foun
 
 std::string EncodeCommitRecord(const CommitRecord& c) {
   std::string out;
-  auto put = [&out](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+  auto put = [&out](const void* p, size_t n) {
+    out.append(static_cast<const char*>(p), n);
+  };
   uint64_t magic = kCommitMagic, count = c.subgroup_step.size();
   put(&magic, 8);
   put(&c.step, 8);
   put(&count, 8);
   put(c.subgroup_step.data(), count * 8);
   put(c.subgroup_slot.data(), count);
-  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()), out.size(), 1);
+  uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()),
+                           out.size(), 1);
   put(&sum, 8);
   return out;
 }
 
-absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes, absl::string_view where) {
+absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
+                                               absl::string_view where) {
   auto bad = [&](absl::string_view why) {
-    return absl::DataLossError(absl::StrCat(where, ": corrupt commit record: ", why));
+    return absl::DataLossError(
+        absl::StrCat(where, ": corrupt commit record: ", why));
   };
   if (bytes.size() < 32) return bad("truncated");
   uint64_t magic, count, sum;
@@ -251,9 +275,11 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes, absl::st
   std::memcpy(&c.step, bytes.data() + 8, 8);
   std::memcpy(&count, bytes.data() + 16, 8);
   if (magic != kCommitMagic) return bad("bad magic");
-  if (count > (bytes.size() - 32) / 9 || bytes.size() != 32 + count * 9) return bad("bad size");
+  if (count > (bytes.size() - 32) / 9 || bytes.size() != 32 + count * 9)
+    return bad("bad size");
   std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
-  if (HashChunk(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size() - 8, 1) != sum) {
+  if (HashChunk(reinterpret_cast<const unsigned char*>(bytes.data()),
+                bytes.size() - 8, 1) != sum) {
     return bad("checksum mismatch");
   }
   c.subgroup_step.resize(count);
@@ -266,9 +292,11 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes, absl::st
   return c;
 }
 
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents) {
+absl::Status WriteFileAtomically(const std::string& path,
+                                 absl::string_view contents) {
   std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  int fd = open(tmp.c_str(),
+                O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(errno, "open", tmp);
   size_t done = 0;
   while (done < contents.size()) {

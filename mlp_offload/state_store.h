@@ -33,9 +33,9 @@ inline constexpr uint32_t kStateFormatVersion = 1;
 struct RecordHeader {
   uint64_t run_id = 0;
   uint32_t subgroup = 0;
-  uint32_t num_arrays = 0;   // fp32 arrays: master + optimizer state
+  uint32_t num_arrays = 0;  // fp32 arrays: master + optimizer state
   uint64_t numel = 0;
-  int64_t step = 0;          // updates applied to this record
+  int64_t step = 0;  // updates applied to this record
   uint64_t payload_bytes = 0;
   uint64_t payload_checksum = 0;
 };
@@ -63,10 +63,12 @@ struct Manifest {
 
 std::string EncodeManifest(const Manifest& manifest);
 // DataLoss naming `where` for a malformed manifest.
-absl::StatusOr<Manifest> ParseManifest(absl::string_view text, absl::string_view where);
+absl::StatusOr<Manifest> ParseManifest(absl::string_view text,
+                                       absl::string_view where);
 // FailedPrecondition naming the first difference if `found` is not the state
 // of the model described by `expected` (subgroup sizes, state layout).
-absl::Status CheckManifestMatches(const Manifest& expected, const Manifest& found,
+absl::Status CheckManifestMatches(const Manifest& expected,
+                                  const Manifest& found,
                                   absl::string_view where);
 
 // Which slot holds each subgroup's durable version, as of `step`.
@@ -76,17 +78,20 @@ struct CommitRecord {
   std::vector<uint8_t> subgroup_slot;
 };
 std::string EncodeCommitRecord(const CommitRecord& commit);
-absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes, absl::string_view where);
+absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
+                                               absl::string_view where);
 
 // Writes `contents` to `path` through a temporary file, fsync and rename, then
 // fsyncs the directory: readers see the old or the new file, never a mix.
-absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
+absl::Status WriteFileAtomically(const std::string& path,
+                                 absl::string_view contents);
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
 
 // Byte offset of `slot` (0 or 1) in a state file whose records are
 // `record_bytes` long (aligned).
 inline uint64_t SlotOffset(int slot, uint64_t aligned_record_bytes) {
-  return static_cast<uint64_t>(slot) * (kRecordHeaderBytes + aligned_record_bytes);
+  return static_cast<uint64_t>(slot) *
+         (kRecordHeaderBytes + aligned_record_bytes);
 }
 
 }  // namespace mlp_offload

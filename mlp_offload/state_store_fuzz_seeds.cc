@@ -33,7 +33,8 @@ int main(int argc, char** argv) {
   c.step = 4;
   c.subgroup_step = {4, -1, 4};
   c.subgroup_slot = {0, 0, 1};
-  bool ok = put("header", page.substr(0, 128)) && put("manifest", EncodeManifest(m)) &&
+  bool ok = put("header", page.substr(0, 128)) &&
+            put("manifest", EncodeManifest(m)) &&
             put("commit", EncodeCommitRecord(c));
   return ok ? 0 : 1;
 }

@@ -16,7 +16,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string page(kRecordHeaderBytes, '\0');
     EncodeRecordHeader(*h, page.data());
     auto again = DecodeRecordHeader(page.data(), page.size(), "fuzz");
-    if (!again.ok() || again->step != h->step || again->numel != h->numel) std::abort();
+    if (!again.ok() || again->step != h->step || again->numel != h->numel)
+      std::abort();
   }
   if (auto m = ParseManifest(text, "fuzz"); m.ok()) {
     auto again = ParseManifest(EncodeManifest(*m), "fuzz");

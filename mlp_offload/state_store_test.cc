@@ -28,10 +28,12 @@ TEST(StateStoreTest, HeaderRoundTripsAndDetectsEveryFlippedByte) {
   for (size_t i = 0; i < 72; ++i) {  // the encoded fields
     auto copy = page;
     copy[i] ^= 0x10;
-    auto bad = DecodeRecordHeader(copy.data(), copy.size(), "sg_7.state slot 0");
+    auto bad =
+        DecodeRecordHeader(copy.data(), copy.size(), "sg_7.state slot 0");
     ASSERT_FALSE(bad.ok()) << "byte " << i;
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss);
-    EXPECT_NE(bad.status().message().find("sg_7.state slot 0"), std::string::npos);
+    EXPECT_NE(bad.status().message().find("sg_7.state slot 0"),
+              std::string::npos);
   }
 }
 
@@ -67,15 +69,19 @@ TEST(StateStoreTest, ManifestRoundTripAndMismatchMessages) {
   other.subgroup_numel[1] = 21;
   absl::Status s = CheckManifestMatches(m, other, "/ckpt");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("subgroup 1 has 21 parameters"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("subgroup 1 has 21 parameters"), std::string::npos)
+      << s;
   other = m;
   other.arrays_per_param = 2;
-  EXPECT_NE(CheckManifestMatches(m, other, "/ckpt").message().find("arrays per parameter"),
+  EXPECT_NE(CheckManifestMatches(m, other, "/ckpt")
+                .message()
+                .find("arrays per parameter"),
             std::string::npos);
 
   std::string corrupt = text;
   corrupt[text.find("20")] = '9';
-  EXPECT_EQ(ParseManifest(corrupt, "MANIFEST").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ParseManifest(corrupt, "MANIFEST").status().code(),
+            absl::StatusCode::kDataLoss);
   EXPECT_FALSE(ParseManifest("", "MANIFEST").ok());
   EXPECT_FALSE(ParseManifest("checksum 1\n", "MANIFEST").ok());
 }
@@ -100,7 +106,8 @@ TEST(StateStoreTest, CommitRecordRoundTrip) {
 }
 
 TEST(StateStoreTest, AtomicWriteReplacesWholeFile) {
-  std::string dir = std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
+  std::string dir =
+      std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp";
   std::string path = dir + "/atomic_file";
   ASSERT_TRUE(WriteFileAtomically(path, "first version").ok());
   ASSERT_TRUE(WriteFileAtomically(path, "second").ok());

@@ -9,12 +9,12 @@
 namespace mlp_offload {
 
 struct TierSpec {
-  std::string path;           // directory; the run's files go in a subdirectory
-  std::string name;           // for messages and statistics ("nvme", "pfs"...)
-  double read_bytes_per_sec = 0;   // measured or given; 0: unknown (probe)
+  std::string path;  // directory; the run's files go in a subdirectory
+  std::string name;  // for messages and statistics ("nvme", "pfs"...)
+  double read_bytes_per_sec = 0;  // measured or given; 0: unknown (probe)
   double write_bytes_per_sec = 0;
-  uint64_t capacity_bytes = 0;     // 0: the filesystem's free space
-  int shared_by = 1;               // processes of the node that use this tier
+  uint64_t capacity_bytes = 0;  // 0: the filesystem's free space
+  int shared_by = 1;            // processes of the node that use this tier
   // Optional caps that emulate a slower tier (token bucket in io/); <= 0: none.
   double throttle_read_bytes_per_sec = 0;
   double throttle_write_bytes_per_sec = 0;

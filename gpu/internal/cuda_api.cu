@@ -29,7 +29,8 @@ __device__ __forceinline__ float Load<float>(const float* p, uint64_t i) {
   return p[i];
 }
 template <>
-__device__ __forceinline__ float Load<__nv_bfloat16>(const __nv_bfloat16* p, uint64_t i) {
+__device__ __forceinline__ float Load<__nv_bfloat16>(const __nv_bfloat16* p,
+                                                     uint64_t i) {
   return __bfloat162float(p[i]);
 }
 template <>
@@ -39,8 +40,8 @@ __device__ __forceinline__ float Load<__half>(const __half* p, uint64_t i) {
 
 // Grid-stride sum of squares and NaN/Inf flag; one atomic per block.
 template <typename T>
-__global__ void GradStatsKernel(const T* __restrict__ grad, uint64_t n, float* sumsq,
-                                int* nonfinite) {
+__global__ void GradStatsKernel(const T* __restrict__ grad, uint64_t n,
+                                float* sumsq, int* nonfinite) {
   __shared__ float partial[kThreads];
   __shared__ int bad_block;
   if (threadIdx.x == 0) bad_block = 0;
@@ -48,8 +49,9 @@ __global__ void GradStatsKernel(const T* __restrict__ grad, uint64_t n, float* s
   float acc = 0.f;
   int bad = 0;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
+  for (uint64_t i =
+           static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
     const float v = Load<T>(grad, i);
     bad |= !isfinite(v);
     acc += v * v;
@@ -68,7 +70,8 @@ __global__ void GradStatsKernel(const T* __restrict__ grad, uint64_t n, float* s
 }
 
 template <typename T>
-void Launch(const void* grad, uint64_t n, float* sumsq, int* nonfinite, cudaStream_t stream) {
+void Launch(const void* grad, uint64_t n, float* sumsq, int* nonfinite,
+            cudaStream_t stream) {
   uint64_t blocks = (n + kThreads - 1) / kThreads;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   if (blocks == 0) blocks = 1;
@@ -90,7 +93,8 @@ int DeviceCount(int* count, const char** error) {
 
 int HostRegister(int device, void* data, size_t bytes, const char** error) {
   cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess) e = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
+  if (e == cudaSuccess)
+    e = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
   return e == cudaSuccess ? 0 : Fail(e, error);
 }
 
@@ -100,8 +104,9 @@ int HostUnregister(int device, void* data, const char** error) {
   return e == cudaSuccess ? 0 : Fail(e, error);
 }
 
-int LaunchGradStats(int device, const void* grad, int type, uint64_t n, float* sumsq,
-                    int* nonfinite, void* stream, const char** error) {
+int LaunchGradStats(int device, const void* grad, int type, uint64_t n,
+                    float* sumsq, int* nonfinite, void* stream,
+                    const char** error) {
   if (n == 0) return 0;
   const cudaError_t set = cudaSetDevice(device);
   if (set != cudaSuccess) return Fail(set, error);

@@ -25,13 +25,14 @@ int HostUnregister(int device, void* data, const char** error);
 enum GradType : int { kGradFloat32 = 0, kGradBFloat16 = 1, kGradFloat16 = 2 };
 
 // Enqueues, on `stream` (a cudaStream_t of `device`, made current first: the
-// caller may be any thread, e.g. autograd's; null: the legacy default stream), a
-// kernel that adds the sum of squares of the `n` elements at device address
+// caller may be any thread, e.g. autograd's; null: the legacy default stream),
+// a kernel that adds the sum of squares of the `n` elements at device address
 // `grad` to *sumsq (one fp32 on the device) and sets *nonfinite (one int32 on
 // the device) to 1 if any element is NaN or Inf. Asynchronous: the result is
 // ready when the stream reaches that point.
-int LaunchGradStats(int device, const void* grad, int type, uint64_t n, float* sumsq,
-                    int* nonfinite, void* stream, const char** error);
+int LaunchGradStats(int device, const void* grad, int type, uint64_t n,
+                    float* sumsq, int* nonfinite, void* stream,
+                    const char** error);
 
 }  // namespace internal_gpu
 }  // namespace mlp_offload

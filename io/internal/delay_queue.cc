@@ -47,7 +47,8 @@ void DelayQueue::Loop() {
             return;
           }
           changed_ = false;
-          mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changed_; });
+          mu_.Await(
+              [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changed_; });
           continue;
         }
         const absl::Time now = absl::Now();

@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "mlp_offload/base/mutex.h"
 #include "absl/time/time.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 namespace internal_io {

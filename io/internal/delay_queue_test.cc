@@ -2,9 +2,9 @@
 
 #include <vector>
 
-#include "mlp_offload/base/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 namespace internal_io {

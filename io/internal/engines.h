@@ -13,7 +13,8 @@ namespace internal_io {
 // Unavailable (with the reason) when the ring cannot be set up.
 absl::StatusOr<std::unique_ptr<IoEngine>> CreateUringEngine(
     const IoEngineOptions& options);
-std::unique_ptr<IoEngine> CreateThreadPoolEngine(const IoEngineOptions& options);
+std::unique_ptr<IoEngine> CreateThreadPoolEngine(
+    const IoEngineOptions& options);
 
 }  // namespace internal_io
 }  // namespace mlp_offload

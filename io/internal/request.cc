@@ -49,13 +49,13 @@ absl::Status ValidateRequest(const IoRequest& request) {
     return absl::InvalidArgumentError(absl::StrCat(
         OpName(request.op), " ", Where(*request.file, request.offset),
         ": O_DIRECT needs offset (", request.offset, "), length (",
-        request.length, ") and buffer address aligned to ", kDirectIoAlignment));
+        request.length, ") and buffer address aligned to ",
+        kDirectIoAlignment));
   }
   if (request.offset > static_cast<uint64_t>(INT64_MAX) - request.length) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(OpName(request.op), " ",
-                     Where(*request.file, request.offset), ": length ",
-                     request.length, " overflows the file offset"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        OpName(request.op), " ", Where(*request.file, request.offset),
+        ": length ", request.length, " overflows the file offset"));
   }
   return absl::OkStatus();
 }
@@ -126,7 +126,8 @@ void SetEagainEveryForTesting(int n) {
 bool InjectEagainForTesting() {
   const int every = g_eagain_every.load(std::memory_order_relaxed);
   if (every <= 0) return false;
-  return g_transfer_count.fetch_add(1) % every == static_cast<uint64_t>(every - 1);
+  return g_transfer_count.fetch_add(1) % every ==
+         static_cast<uint64_t>(every - 1);
 }
 
 }  // namespace internal_io

@@ -12,8 +12,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "mlp_offload/base/mutex.h"
 #include "io/io_engine.h"
+#include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
 namespace internal_io {

@@ -23,7 +23,8 @@ std::string Base() {
 }  // namespace
 
 std::string ScratchPath(absl::string_view name) {
-  return absl::StrCat(Base(), "/", name, ".", getpid(), ".", g_counter.fetch_add(1));
+  return absl::StrCat(Base(), "/", name, ".", getpid(), ".",
+                      g_counter.fetch_add(1));
 }
 
 std::string ScratchDir(absl::string_view name) {
@@ -44,7 +45,8 @@ void FillRandom(void* data, size_t bytes, uint64_t seed) {
 }
 
 std::vector<IoEngineOptions::Kind> EngineKinds() {
-  std::vector<IoEngineOptions::Kind> kinds = {IoEngineOptions::Kind::kThreadPool};
+  std::vector<IoEngineOptions::Kind> kinds = {
+      IoEngineOptions::Kind::kThreadPool};
   if (IoUringAvailable(nullptr)) kinds.push_back(IoEngineOptions::Kind::kUring);
   return kinds;
 }

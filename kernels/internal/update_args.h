@@ -36,8 +36,8 @@ struct UpdateArgs {
   float one_minus_beta1 = 0.1f;
   float beta2 = 0.999f;
   float one_minus_beta2 = 0.001f;
-  float step_size = 1e-3f;         // lr / bias_correction1 (Adam); clr (Adagrad)
-  float inv_sqrt_bc2 = 1.0f;       // 1 / sqrt(bias_correction2)
+  float step_size = 1e-3f;    // lr / bias_correction1 (Adam); clr (Adagrad)
+  float inv_sqrt_bc2 = 1.0f;  // 1 / sqrt(bias_correction2)
   float eps = 1e-8f;
   bool amsgrad = false;
 

@@ -8,14 +8,14 @@ namespace mlp_offload {
 absl::Status ErrnoStatus(int errno_value, absl::string_view operation,
                          absl::string_view object) {
   absl::StatusCode code = absl::ErrnoToStatusCode(errno_value);
-  return absl::Status(code,
-                      absl::StrCat(operation, " ", object, ": ",
-                                   std::strerror(errno_value)));
+  return absl::Status(code, absl::StrCat(operation, " ", object, ": ",
+                                         std::strerror(errno_value)));
 }
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+  return absl::Status(status.code(),
+                      absl::StrCat(context, ": ", status.message()));
 }
 
 }  // namespace mlp_offload

@@ -15,10 +15,10 @@
 #include "absl/strings/string_view.h"
 
 // Returns from the current function if `expr` (an absl::Status) is not OK.
-#define MLP_RETURN_IF_ERROR(expr)                  \
-  do {                                             \
-    ::absl::Status mlp_status_ = (expr);           \
-    if (!mlp_status_.ok()) return mlp_status_;     \
+#define MLP_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status mlp_status_ = (expr);       \
+    if (!mlp_status_.ok()) return mlp_status_; \
   } while (0)
 
 #define MLP_STATUS_CONCAT_INNER_(a, b) a##b
@@ -26,8 +26,9 @@
 
 // `MLP_ASSIGN_OR_RETURN(auto x, Foo());` assigns the value of an
 // absl::StatusOr or returns its status from the current function.
-#define MLP_ASSIGN_OR_RETURN(lhs, expr) \
-  MLP_ASSIGN_OR_RETURN_IMPL_(MLP_STATUS_CONCAT_(mlp_statusor_, __LINE__), lhs, expr)
+#define MLP_ASSIGN_OR_RETURN(lhs, expr)                                        \
+  MLP_ASSIGN_OR_RETURN_IMPL_(MLP_STATUS_CONCAT_(mlp_statusor_, __LINE__), lhs, \
+                             expr)
 #define MLP_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                               \
   if (!tmp.ok()) return std::move(tmp).status();   \

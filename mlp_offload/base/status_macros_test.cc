@@ -31,10 +31,13 @@ TEST(StatusMacrosTest, PropagatesErrorsAndValues) {
 TEST(StatusMacrosTest, ErrnoStatusNamesOperationAndObject) {
   absl::Status s = ErrnoStatus(ENOSPC, "pwrite", "/x/sg3.bin at offset 4096");
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(s.message().find("pwrite /x/sg3.bin at offset 4096"), std::string::npos);
+  EXPECT_NE(s.message().find("pwrite /x/sg3.bin at offset 4096"),
+            std::string::npos);
   EXPECT_NE(s.message().find("No space left"), std::string::npos);
-  EXPECT_EQ(ErrnoStatus(ENOENT, "open", "/nope").code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(Annotate(absl::InternalError("x"), "tier 1").message(), "tier 1: x");
+  EXPECT_EQ(ErrnoStatus(ENOENT, "open", "/nope").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Annotate(absl::InternalError("x"), "tier 1").message(),
+            "tier 1: x");
 }
 
 }  // namespace

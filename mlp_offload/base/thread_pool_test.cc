@@ -23,7 +23,8 @@ TEST(ThreadPoolTest, ReusableAcrossManyJobs) {
   ThreadPool pool(3);
   std::atomic<long> sum{0};
   for (int job = 0; job < 200; ++job) {
-    pool.ParallelFor(17, [&](size_t i) { sum.fetch_add(static_cast<long>(i)); });
+    pool.ParallelFor(17,
+                     [&](size_t i) { sum.fetch_add(static_cast<long>(i)); });
   }
   EXPECT_EQ(sum.load(), 200L * (16 * 17 / 2));
 }

@@ -39,10 +39,13 @@ class HostBuffer {
  public:
   HostBuffer(uint64_t nbytes, bool pin) {
     absl::StatusOr<AlignedBuffer> b =
-        pin ? AlignedBuffer::AllocatePinned(nbytes) : AlignedBuffer::Allocate(nbytes);
+        pin ? AlignedBuffer::AllocatePinned(nbytes)
+            : AlignedBuffer::Allocate(nbytes);
     buffer_ = ValueOrThrow(std::move(b));
   }
-  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(buffer_.data()); }
+  uintptr_t data_ptr() const {
+    return reinterpret_cast<uintptr_t>(buffer_.data());
+  }
   uint64_t nbytes() const { return buffer_.size(); }
   bool pinned() const { return buffer_.pinned(); }
   void* data() const { return buffer_.data(); }
@@ -54,8 +57,10 @@ class HostBuffer {
 }  // namespace
 
 void RegisterCudaBindings(py::module_& parent) {
-  py::module_ m = parent.def_submodule(
-      "cuda", "GPU layer: pinned host buffers for DMA, gradient statistics on the device.");
+  py::module_ m =
+      parent.def_submodule("cuda",
+                           "GPU layer: pinned host buffers for DMA, gradient "
+                           "statistics on the device.");
 #ifdef MLP_OFFLOAD_WITH_CUDA
   m.attr("compiled") = true;
 #else
@@ -67,13 +72,15 @@ void RegisterCudaBindings(py::module_& parent) {
       []() -> py::tuple {
 #ifdef MLP_OFFLOAD_WITH_CUDA
         absl::StatusOr<int> n = CudaDeviceCount();
-        if (!n.ok()) return py::make_tuple(0, std::string(n.status().message()));
+        if (!n.ok())
+          return py::make_tuple(0, std::string(n.status().message()));
         return py::make_tuple(*n, std::string());
 #else
         return py::make_tuple(0, std::string(kNotCompiled));
 #endif
       },
-      "(count, reason): CUDA devices this extension's runtime sees; reason says "
+      "(count, reason): CUDA devices this extension's runtime sees; reason "
+      "says "
       "why the count is 0.");
 
   m.def(
@@ -88,7 +95,8 @@ void RegisterCudaBindings(py::module_& parent) {
       },
       py::arg("device") = 0,
       "(enabled, reason): installs cudaHostRegister (portable, made with "
-      "`device` current) as the io layer's pinning hook, so HostBuffer(pin=True) and the engine's pinned buffers are "
+      "`device` current) as the io layer's pinning hook, so "
+      "HostBuffer(pin=True) and the engine's pinned buffers are "
       "page-locked. Call after the CUDA context exists (torch initialises it); "
       "never at import, which would initialise CUDA before a fork.");
 
@@ -99,7 +107,8 @@ void RegisterCudaBindings(py::module_& parent) {
       "registered_host_bytes",
       []() -> py::tuple {
 #ifdef MLP_OFFLOAD_WITH_CUDA
-        return py::make_tuple(CudaRegisteredHostBytes(), CudaRegisteredHostBuffers());
+        return py::make_tuple(CudaRegisteredHostBytes(),
+                              CudaRegisteredHostBuffers());
 #else
         return py::make_tuple(uint64_t{0}, int64_t{0});
 #endif
@@ -107,16 +116,19 @@ void RegisterCudaBindings(py::module_& parent) {
       "(bytes, buffers) currently registered with cudaHostRegister by this "
       "extension; both are 0 once every pinned buffer is freed.");
 
-  py::class_<HostBuffer>(m, "HostBuffer", py::buffer_protocol(),
-                         "Aligned host memory (O_DIRECT-ready), pinned when possible.")
-      .def(py::init<uint64_t, bool>(), py::arg("nbytes"), py::arg("pin") = true,
-           "Allocates nbytes rounded up to 4096, zero-filled; pinned if pin and "
-           "the hooks are installed (check .pinned).")
+  py::class_<HostBuffer>(
+      m, "HostBuffer", py::buffer_protocol(),
+      "Aligned host memory (O_DIRECT-ready), pinned when possible.")
+      .def(
+          py::init<uint64_t, bool>(), py::arg("nbytes"), py::arg("pin") = true,
+          "Allocates nbytes rounded up to 4096, zero-filled; pinned if pin and "
+          "the hooks are installed (check .pinned).")
       .def_property_readonly("data_ptr", &HostBuffer::data_ptr)
       .def_property_readonly("nbytes", &HostBuffer::nbytes)
       .def_property_readonly("pinned", &HostBuffer::pinned)
       .def_buffer([](HostBuffer& b) {
-        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+        return py::buffer_info(b.data(), 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.nbytes())}, {1});
       });
 
@@ -126,17 +138,19 @@ void RegisterCudaBindings(py::module_& parent) {
          uintptr_t nonfinite, uintptr_t stream, int device) {
 #ifdef MLP_OFFLOAD_WITH_CUDA
         const DType dt = ValueOrThrow(ParseDType(dtype));
-        ThrowIfError(EnqueueGradStats(device, reinterpret_cast<const void*>(grad), dt, n,
-                                      reinterpret_cast<float*>(sumsq),
+        ThrowIfError(EnqueueGradStats(device,
+                                      reinterpret_cast<const void*>(grad), dt,
+                                      n, reinterpret_cast<float*>(sumsq),
                                       reinterpret_cast<int32_t*>(nonfinite),
                                       reinterpret_cast<void*>(stream)));
 #else
         ThrowIfError(absl::FailedPreconditionError(kNotCompiled));
 #endif
       },
-      py::arg("grad"), py::arg("dtype"), py::arg("n"), py::arg("sumsq"), py::arg("nonfinite"),
-      py::arg("stream"), py::arg("device") = 0,
-      "Enqueues on `stream` (of CUDA device `device`) the addition of the sum of squares of n device "
+      py::arg("grad"), py::arg("dtype"), py::arg("n"), py::arg("sumsq"),
+      py::arg("nonfinite"), py::arg("stream"), py::arg("device") = 0,
+      "Enqueues on `stream` (of CUDA device `device`) the addition of the sum "
+      "of squares of n device "
       "elements of dtype at `grad` to the fp32 at device address `sumsq`, and "
       "sets the int32 at `nonfinite` to 1 if one is NaN/Inf. Asynchronous.");
 }

@@ -49,8 +49,9 @@ class DictReader {
     try {
       *out = value.cast<T>();
     } catch (const py::cast_error&) {
-      ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
-          what_, ": bad value for '", key, "': ", std::string(py::repr(value)))));
+      ThrowIfError(absl::InvalidArgumentError(
+          absl::StrCat(what_, ": bad value for '", key,
+                       "': ", std::string(py::repr(value)))));
     }
   }
 
@@ -127,8 +128,8 @@ Techniques TechniquesFromDict(py::handle obj) {
     std::string mode = obj.cast<std::string>();
     if (mode == "mlp") return Techniques::All();
     if (mode == "baseline") return Techniques::Baseline();
-    ThrowIfError(absl::InvalidArgumentError(
-        absl::StrCat("techniques: unknown mode '", mode, "' (mlp or baseline)")));
+    ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+        "techniques: unknown mode '", mode, "' (mlp or baseline)")));
   }
   Techniques t;
   DictReader r(obj, "techniques");
@@ -209,9 +210,9 @@ std::vector<Segment> SegmentsFromList(const py::list& list) {
       t = py::tuple();
     }
     if (t.size() != 4) {
-      ThrowIfError(absl::InvalidArgumentError(
-          absl::StrCat("segment: expected (offset, numel, grad_ptr, param_out_ptr), got ",
-                       std::string(py::repr(item)))));
+      ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+          "segment: expected (offset, numel, grad_ptr, param_out_ptr), got ",
+          std::string(py::repr(item)))));
     }
     Segment s;
     s.offset = t[0].cast<uint64_t>();
@@ -243,7 +244,8 @@ py::dict StatsToDict(const StepStats& s) {
 // (flushing its I/O, releasing its tiers) without waiting for the GC.
 class PyEngine {
  public:
-  explicit PyEngine(std::unique_ptr<Engine> engine) : engine_(std::move(engine)) {}
+  explicit PyEngine(std::unique_ptr<Engine> engine)
+      : engine_(std::move(engine)) {}
   ~PyEngine() { Close(); }
 
   Engine& get() {
@@ -277,9 +279,11 @@ std::vector<float*> FloatPointers(const std::vector<uintptr_t>& ptrs) {
 
 void RegisterEngineBindings(py::module_& parent) {
   py::module_ m = parent.def_submodule(
-      "engine", "The offload engine: planner, pipelined update phase, checkpoints.");
+      "engine",
+      "The offload engine: planner, pipelined update phase, checkpoints.");
 
-  py::class_<Plan>(m, "Plan", "Placement, caching and predicted cost of one step.")
+  py::class_<Plan>(m, "Plan",
+                   "Placement, caching and predicted cost of one step.")
       .def_readonly("tier_of_subgroup", &Plan::tier_of_subgroup)
       .def_readonly("record_bytes", &Plan::record_bytes)
       .def_readonly("num_cached", &Plan::num_cached)
@@ -288,7 +292,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def_readonly("buffer_bytes", &Plan::buffer_bytes)
       .def_readonly("host_bytes_used", &Plan::host_bytes_used)
       .def_readonly("predicted_io_seconds", &Plan::predicted_io_seconds)
-      .def_readonly("predicted_compute_seconds", &Plan::predicted_compute_seconds)
+      .def_readonly("predicted_compute_seconds",
+                    &Plan::predicted_compute_seconds)
       .def_readonly("predicted_seconds", &Plan::predicted_seconds)
       .def_property_readonly(
           "traffic",
@@ -303,28 +308,33 @@ void RegisterEngineBindings(py::module_& parent) {
             }
             return out;
           },
-          "Per tier: bytes read and written in a steady-state step, busy seconds.")
+          "Per tier: bytes read and written in a steady-state step, busy "
+          "seconds.")
       .def_property_readonly(
-          "techniques", [](const Plan& p) { return TechniquesToDict(p.techniques); })
+          "techniques",
+          [](const Plan& p) { return TechniquesToDict(p.techniques); })
       .def_property_readonly(
-          "techniques_name", [](const Plan& p) { return p.techniques.ToString(); })
+          "techniques_name",
+          [](const Plan& p) { return p.techniques.ToString(); })
       .def("order", &Plan::Order, py::arg("step"),
            "Subgroup ids in the order step `step` (0-based) updates them.")
       .def("kept_after_update", &Plan::KeptAfterUpdate, py::arg("step"),
            py::arg("position"),
-           "Whether the subgroup at `position` of the step's order stays in memory.")
+           "Whether the subgroup at `position` of the step's order stays in "
+           "memory.")
       .def(
           "to_string",
           [](const Plan& p, const py::list& tiers) {
             return p.ToString(TiersFromList(tiers));
           },
-          py::arg("tiers"), "Human-readable summary of the plan for these tiers.");
+          py::arg("tiers"),
+          "Human-readable summary of the plan for these tiers.");
 
   m.def(
       "make_plan",
-      [](const std::vector<uint64_t>& subgroup_numel, int arrays_per_param, int grad_bytes,
-         const py::list& tiers, uint64_t host_budget_bytes, py::object techniques,
-         double compute_params_per_sec, int ranks) {
+      [](const std::vector<uint64_t>& subgroup_numel, int arrays_per_param,
+         int grad_bytes, const py::list& tiers, uint64_t host_budget_bytes,
+         py::object techniques, double compute_params_per_sec, int ranks) {
         PlannerInput in;
         in.subgroup_numel = subgroup_numel;
         in.arrays_per_param = arrays_per_param;
@@ -336,26 +346,34 @@ void RegisterEngineBindings(py::module_& parent) {
         in.ranks = ranks;
         return ValueOrThrow(MakePlan(in));
       },
-      py::arg("subgroup_numel"), py::arg("arrays_per_param"), py::arg("grad_bytes"),
-      py::arg("tiers"), py::arg("host_budget_bytes"), py::arg("techniques") = "mlp",
-      py::arg("compute_params_per_sec") = 0.0, py::arg("ranks") = 1,
+      py::arg("subgroup_numel"), py::arg("arrays_per_param"),
+      py::arg("grad_bytes"), py::arg("tiers"), py::arg("host_budget_bytes"),
+      py::arg("techniques") = "mlp", py::arg("compute_params_per_sec") = 0.0,
+      py::arg("ranks") = 1,
       "Plans placement, caching and order (no I/O). Tiers are dicts with the "
-      "TierSpec fields; techniques is 'mlp', 'baseline' or a dict of switches.");
+      "TierSpec fields; techniques is 'mlp', 'baseline' or a dict of "
+      "switches.");
 
   m.def("aligned_record_bytes", &AlignedRecordBytes, py::arg("numel"),
         py::arg("arrays_per_param"),
-        "Bytes of a record of `numel` params with that many fp32 arrays, aligned.");
+        "Bytes of a record of `numel` params with that many fp32 arrays, "
+        "aligned.");
 
-  py::class_<SubgroupView>(m, "SubgroupView",
-                           "A resident record (valid until Done); pointers are ints.")
+  py::class_<SubgroupView>(
+      m, "SubgroupView",
+      "A resident record (valid until Done); pointers are ints.")
       .def_readonly("subgroup", &SubgroupView::subgroup)
       .def_readonly("numel", &SubgroupView::numel)
       .def_readonly("step", &SubgroupView::step)
-      .def_property_readonly(
-          "master", [](const SubgroupView& v) { return reinterpret_cast<uintptr_t>(v.master); })
+      .def_property_readonly("master",
+                             [](const SubgroupView& v) {
+                               return reinterpret_cast<uintptr_t>(v.master);
+                             })
       .def_property_readonly(
           "grad32",
-          [](const SubgroupView& v) { return reinterpret_cast<uintptr_t>(v.grad32); },
+          [](const SubgroupView& v) {
+            return reinterpret_cast<uintptr_t>(v.grad32);
+          },
           "Baseline: the fp32 gradient read back from the tier (0 otherwise).")
       .def_property_readonly("state", [](const SubgroupView& v) {
         std::vector<uintptr_t> out;
@@ -363,14 +381,16 @@ void RegisterEngineBindings(py::module_& parent) {
         return out;
       });
 
-  py::class_<PyEngine>(m, "Engine", "One offload engine (see mlp_offload/engine.h).")
+  py::class_<PyEngine>(m, "Engine",
+                       "One offload engine (see mlp_offload/engine.h).")
       .def_static(
           "create",
           [](const py::list& tiers, uint64_t host_budget_bytes,
              const std::vector<uint64_t>& subgroup_numel, int num_state_arrays,
-             const std::string& grad_dtype, py::object techniques, int compute_threads,
-             py::object io, const std::string& run_name, int tier_lock_slots,
-             bool verify_checksums, bool fault_injection, bool resume, int commit_every) {
+             const std::string& grad_dtype, py::object techniques,
+             int compute_threads, py::object io, const std::string& run_name,
+             int tier_lock_slots, bool verify_checksums, bool fault_injection,
+             bool resume, int commit_every) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -393,33 +413,42 @@ void RegisterEngineBindings(py::module_& parent) {
             }
             return std::make_unique<PyEngine>(ValueOrThrow(std::move(engine)));
           },
-          py::arg("tiers"), py::arg("host_budget_bytes"), py::arg("subgroup_numel"),
-          py::arg("num_state_arrays"), py::arg("grad_dtype"), py::arg("techniques") = "mlp",
+          py::arg("tiers"), py::arg("host_budget_bytes"),
+          py::arg("subgroup_numel"), py::arg("num_state_arrays"),
+          py::arg("grad_dtype"), py::arg("techniques") = "mlp",
           py::arg("compute_threads") = 2, py::arg("io") = py::none(),
-          py::arg("run_name") = "mlp_offload_run", py::arg("tier_lock_slots") = 1,
-          py::arg("verify_checksums") = true, py::arg("fault_injection") = false,
-          py::arg("resume") = false, py::arg("commit_every") = 0,
-          "Validates the config, plans, opens the tiers, creates the run directories.")
+          py::arg("run_name") = "mlp_offload_run",
+          py::arg("tier_lock_slots") = 1, py::arg("verify_checksums") = true,
+          py::arg("fault_injection") = false, py::arg("resume") = false,
+          py::arg("commit_every") = 0,
+          "Validates the config, plans, opens the tiers, creates the run "
+          "directories.")
       .def("close", &PyEngine::Close,
            "Flushes and destroys the engine (releases its tiers). Idempotent.")
       .def_property_readonly("closed", &PyEngine::closed)
       .def_property_readonly("plan", [](PyEngine& e) { return e.get().plan(); })
-      .def_property_readonly("num_subgroups",
-                             [](PyEngine& e) { return e.get().num_subgroups(); })
-      .def_property_readonly("steps", [](PyEngine& e) { return e.get().step(); },
-                             "Steps completed (the next step is steps + 1).")
-      .def_property_readonly("resumed", [](PyEngine& e) { return e.get().resumed(); })
-      .def_property_readonly("committed_step",
-                             [](PyEngine& e) { return e.get().committed_step(); },
-                             "The step the state on the tiers resumes from (-1: none).")
       .def_property_readonly(
-          "step_incomplete", [](PyEngine& e) { return e.get().step_incomplete(); },
-          "Whether an attempt of the current step failed part-way (the next step "
+          "num_subgroups", [](PyEngine& e) { return e.get().num_subgroups(); })
+      .def_property_readonly(
+          "steps", [](PyEngine& e) { return e.get().step(); },
+          "Steps completed (the next step is steps + 1).")
+      .def_property_readonly("resumed",
+                             [](PyEngine& e) { return e.get().resumed(); })
+      .def_property_readonly(
+          "committed_step",
+          [](PyEngine& e) { return e.get().committed_step(); },
+          "The step the state on the tiers resumes from (-1: none).")
+      .def_property_readonly(
+          "step_incomplete",
+          [](PyEngine& e) { return e.get().step_incomplete(); },
+          "Whether an attempt of the current step failed part-way (the next "
+          "step "
           "call resumes it).")
       .def(
           "add_fault",
-          [](PyEngine& e, int tier, const std::string& kind, const std::string& op, int nth,
-             int error, const std::string& path_substring) {
+          [](PyEngine& e, int tier, const std::string& kind,
+             const std::string& op, int nth, int error,
+             const std::string& path_substring) {
             FaultInjectingEngine* fi = e.get().fault_injector(tier);
             if (fi == nullptr) {
               ThrowIfError(absl::FailedPreconditionError(absl::StrCat(
@@ -432,16 +461,16 @@ void RegisterEngineBindings(py::module_& parent) {
             } else if (kind == "short") {
               f.kind = FaultSpec::Kind::kShortTransfer;
             } else {
-              ThrowIfError(absl::InvalidArgumentError(
-                  absl::StrCat("add_fault: unknown kind '", kind, "' (error or short)")));
+              ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+                  "add_fault: unknown kind '", kind, "' (error or short)")));
             }
             if (op == "read") {
               f.op = IoOp::kRead;
             } else if (op == "write") {
               f.op = IoOp::kWrite;
             } else {
-              ThrowIfError(absl::InvalidArgumentError(
-                  absl::StrCat("add_fault: unknown op '", op, "' (read or write)")));
+              ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+                  "add_fault: unknown op '", op, "' (read or write)")));
             }
             f.nth = nth;
             f.error = error;
@@ -449,8 +478,10 @@ void RegisterEngineBindings(py::module_& parent) {
             fi->AddFault(f);
           },
           py::arg("tier"), py::arg("kind") = "error", py::arg("op") = "read",
-          py::arg("nth") = 0, py::arg("error") = 5, py::arg("path_substring") = "",
-          "Tests: makes the nth matching request (-1: every one) on `tier` fail "
+          py::arg("nth") = 0, py::arg("error") = 5,
+          py::arg("path_substring") = "",
+          "Tests: makes the nth matching request (-1: every one) on `tier` "
+          "fail "
           "('error': with errno `error`; 'short': half transferred).")
       .def(
           "clear_faults",
@@ -466,13 +497,13 @@ void RegisterEngineBindings(py::module_& parent) {
             return fi == nullptr ? 0 : fi->fired();
           },
           py::arg("tier"), "Tests: how many injected faults of `tier` fired.")
-      .def_property_readonly(
-          "tiers",
-          [](PyEngine& e) {
-            py::list out;
-            for (const TierSpec& t : e.get().config().tiers) out.append(TierToDict(t));
-            return out;
-          })
+      .def_property_readonly("tiers",
+                             [](PyEngine& e) {
+                               py::list out;
+                               for (const TierSpec& t : e.get().config().tiers)
+                                 out.append(TierToDict(t));
+                               return out;
+                             })
       .def(
           "initialize_subgroup",
           [](PyEngine& e, int i, uintptr_t params, const std::string& dtype,
@@ -485,12 +516,14 @@ void RegisterEngineBindings(py::module_& parent) {
             absl::Status status;
             {
               py::gil_scoped_release release;
-              status = engine.InitializeSubgroup(i, reinterpret_cast<const void*>(params), dt,
-                                                 has_init ? &hp : nullptr);
+              status = engine.InitializeSubgroup(
+                  i, reinterpret_cast<const void*>(params), dt,
+                  has_init ? &hp : nullptr);
             }
             ThrowIfError(status);
           },
-          py::arg("i"), py::arg("params"), py::arg("dtype"), py::arg("state_init") = py::none(),
+          py::arg("i"), py::arg("params"), py::arg("dtype"),
+          py::arg("state_init") = py::none(),
           "Sets subgroup i's master from `params` (a data pointer of its numel "
           "elements of `dtype`), its state to the optimizer's initial values "
           "(hyperparameter dict) or zeros, step 0.")
@@ -507,25 +540,30 @@ void RegisterEngineBindings(py::module_& parent) {
             ThrowIfError(status);
           },
           py::arg("i"), py::arg("segments"),
-          "Baseline: converts subgroup i's gradients to fp32 and writes them out now.")
+          "Baseline: converts subgroup i's gradients to fp32 and writes them "
+          "out now.")
       .def(
           "step",
           [](PyEngine& e, const py::list& hyperparams, const py::list& inputs,
-             const std::string& param_out_dtype, float grad_scale, bool skip_if_nonfinite) {
+             const std::string& param_out_dtype, float grad_scale,
+             bool skip_if_nonfinite) {
             std::vector<OptimizerHyperparams> hps;
-            for (py::handle h : hyperparams) hps.push_back(HyperparamsFromDict(h));
+            for (py::handle h : hyperparams)
+              hps.push_back(HyperparamsFromDict(h));
             std::vector<SubgroupStepInput> in;
             in.reserve(inputs.size());
             for (py::handle item : inputs) {
               auto t = item.cast<py::tuple>();
               if (t.size() != 2 && t.size() != 3) {
                 ThrowIfError(absl::InvalidArgumentError(
-                    "step: each input is (hyperparameter index, segments[, skip])"));
+                    "step: each input is (hyperparameter index, segments[, "
+                    "skip])"));
               }
               size_t h = t[0].cast<size_t>();
               if (h >= hps.size()) {
-                ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
-                    "step: hyperparameter index ", h, " out of range (", hps.size(), ")")));
+                ThrowIfError(absl::InvalidArgumentError(
+                    absl::StrCat("step: hyperparameter index ", h,
+                                 " out of range (", hps.size(), ")")));
               }
               SubgroupStepInput s;
               s.hp = hps[h];
@@ -548,7 +586,8 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("hyperparams"), py::arg("inputs"), py::arg("param_out_dtype"),
           py::arg("grad_scale") = 1.0f, py::arg("skip_if_nonfinite") = false,
           "Native step. hyperparams: list of dicts; inputs[i] = (index into "
-          "hyperparams, segments[, skip]) for subgroup i (skip: no gradient this "
+          "hyperparams, segments[, skip]) for subgroup i (skip: no gradient "
+          "this "
           "step, the record is left as it is). Returns the step's stats dict.")
       .def(
           "begin_step",
@@ -573,7 +612,8 @@ void RegisterEngineBindings(py::module_& parent) {
             }
             return ValueOrThrow(std::move(view));
           },
-          "The next resident record of a generic step (subgroup -1 after the last).")
+          "The next resident record of a generic step (subgroup -1 after the "
+          "last).")
       .def(
           "done",
           [](PyEngine& e, bool updated) {
@@ -586,7 +626,8 @@ void RegisterEngineBindings(py::module_& parent) {
             ThrowIfError(status);
           },
           py::arg("updated") = true,
-          "The record returned by next() is finished (updated=False: left as it "
+          "The record returned by next() is finished (updated=False: left as "
+          "it "
           "was, step count unchanged); the engine may write it back.")
       .def(
           "end_step",
@@ -610,14 +651,16 @@ void RegisterEngineBindings(py::module_& parent) {
           "Aborts a generic step: nothing of it is committed.")
       .def(
           "read_subgroup",
-          [](PyEngine& e, int i, uintptr_t master, const std::vector<uintptr_t>& state) {
+          [](PyEngine& e, int i, uintptr_t master,
+             const std::vector<uintptr_t>& state) {
             std::vector<float*> st = FloatPointers(state);
             Engine& engine = e.get();
             int64_t step = 0;
             absl::Status status;
             {
               py::gil_scoped_release release;
-              status = engine.ReadSubgroup(i, reinterpret_cast<float*>(master), st, &step);
+              status = engine.ReadSubgroup(i, reinterpret_cast<float*>(master),
+                                           st, &step);
             }
             ThrowIfError(status);
             return step;
@@ -627,15 +670,17 @@ void RegisterEngineBindings(py::module_& parent) {
           "buffers (data pointers); returns its step count.")
       .def(
           "write_subgroup",
-          [](PyEngine& e, int i, uintptr_t master, const std::vector<uintptr_t>& state,
-             int64_t step) {
+          [](PyEngine& e, int i, uintptr_t master,
+             const std::vector<uintptr_t>& state, int64_t step) {
             std::vector<const float*> st;
-            for (uintptr_t p : state) st.push_back(reinterpret_cast<const float*>(p));
+            for (uintptr_t p : state)
+              st.push_back(reinterpret_cast<const float*>(p));
             Engine& engine = e.get();
             absl::Status status;
             {
               py::gil_scoped_release release;
-              status = engine.WriteSubgroup(i, reinterpret_cast<const float*>(master), st, step);
+              status = engine.WriteSubgroup(
+                  i, reinterpret_cast<const float*>(master), st, step);
             }
             ThrowIfError(status);
           },

@@ -18,8 +18,8 @@ namespace py = pybind11;
 void RegisterIoBindings(py::module_& m) {
   m.def(
       "probe_bandwidth",
-      [](const std::vector<std::string>& dirs, uint64_t bytes, size_t block_size,
-         unsigned queue_depth) {
+      [](const std::vector<std::string>& dirs, uint64_t bytes,
+         size_t block_size, unsigned queue_depth) {
         ProbeOptions options;
         options.bytes = bytes;
         options.block_size = block_size;
@@ -49,7 +49,8 @@ void RegisterIoBindings(py::module_& m) {
       },
       py::arg("dirs"), py::arg("bytes") = uint64_t{256} << 20,
       py::arg("block_size") = size_t{1} << 20, py::arg("queue_depth") = 32u,
-      "Measures O_DIRECT sequential write then read bandwidth (bytes/s) of each "
+      "Measures O_DIRECT sequential write then read bandwidth (bytes/s) of "
+      "each "
       "directory alone and all together; returns one dict per directory with "
       "write_alone, read_alone, write_together, read_together, direct, "
       "direct_fallback_reason, device and shares_device_with.");

@@ -48,9 +48,9 @@ absl::StatusOr<T> CastField(absl::string_view key, const py::handle& value) {
   try {
     return value.cast<T>();
   } catch (const py::cast_error&) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hyperparameter ", key, " has the wrong type (",
-        std::string(py::str(py::type::of(value))), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hyperparameter ", key, " has the wrong type (",
+                     std::string(py::str(py::type::of(value))), ")"));
   }
 }
 
@@ -66,7 +66,8 @@ absl::StatusOr<OptimizerHyperparams> HyperparamsFromDict(const py::dict& dict) {
     const std::string key = py::str(item.first);
     const py::handle value = item.second;
     if (key == "optimizer" || key == "kind") {
-      MLP_ASSIGN_OR_RETURN(const std::string name, CastField<std::string>(key, value));
+      MLP_ASSIGN_OR_RETURN(const std::string name,
+                           CastField<std::string>(key, value));
       MLP_ASSIGN_OR_RETURN(hp.kind, ParseOptimizerKind(name));
     } else if (key == "lr") {
       MLP_ASSIGN_OR_RETURN(hp.lr, CastField<float>(key, value));
