@@ -42,6 +42,24 @@ def _torch_adamw(n, **flags):
     return opt.step
 
 
+def _torch_adamw_mixed(n):
+    """What a torch user does for bf16 grads in and a bf16 model copy out:
+    convert the grads, run the fused fp32 step, convert the params (three
+    passes, 2+4 + 28 + 4+2 = 40 bytes/param), buffers preallocated."""
+    param = torch.randn(n).requires_grad_(True)
+    param.grad = torch.empty(n)
+    grad_bf16 = torch.randn(n).to(torch.bfloat16)
+    model_bf16 = torch.empty(n, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, fused=True)
+
+    def run():
+        param.grad.copy_(grad_bf16)
+        opt.step()
+        model_bf16.copy_(param.detach())
+
+    return run
+
+
 def _kernel_adamw(n, threads, grad_dtype, out_dtype):
     param = torch.randn(n)
     state = [torch.zeros(n), torch.zeros(n)]
@@ -80,6 +98,8 @@ def main():
             ("torch AdamW fused=True", _torch_adamw(n, fused=True), 28),
             ("torch AdamW foreach=True", _torch_adamw(n, foreach=True), 28),
             ("torch AdamW single-tensor", _torch_adamw(n, foreach=False), 28),
+            ("torch AdamW fused, bf16 grad + bf16 out (3 passes)",
+             _torch_adamw_mixed(n), 40),
             ("mlp_offload AdamW fp32 grad",
              _kernel_adamw(n, threads, torch.float32, None), 28),
             ("mlp_offload AdamW bf16 grad + bf16 out",
