@@ -77,6 +77,16 @@ OptimizerHyperparams AdamW() {
   return hp;
 }
 
+// One AdamW input per subgroup of `model`, over its current gradients.
+std::vector<SubgroupStepInput> AdamWInputs(Model& model) {
+  std::vector<SubgroupStepInput> in(model.sizes.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    in[i].hp = AdamW();
+    in[i].segments = model.Segments(static_cast<int>(i));
+  }
+  return in;
+}
+
 // Reference: the same kernel over the whole state in memory.
 struct Reference {
   std::vector<std::vector<float>> master, m, v;
@@ -409,11 +419,7 @@ TEST(EngineTest, ResumesFromTheLastCommittedStep) {
           e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
     for (int step = 1; step <= 3; ++step) {
       model.NewGrads(step);
-      std::vector<SubgroupStepInput> in(4);
-      for (int i = 0; i < 4; ++i) {
-        in[i].hp = AdamW();
-        in[i].segments = model.Segments(i);
-      }
+      std::vector<SubgroupStepInput> in = AdamWInputs(model);
       ASSERT_TRUE(e.Step(in, StepOptions()).ok());
     }
     EXPECT_EQ(e.committed_step(), 3);
@@ -471,11 +477,7 @@ TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
   Reference ref(model);
   model.NewGrads(1);
   ref.Step(model, 1, 1.0f);
-  std::vector<SubgroupStepInput> in(4);
-  for (int i = 0; i < 4; ++i) {
-    in[i].hp = AdamW();
-    in[i].segments = model.Segments(i);
-  }
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
   FaultSpec fault;
   fault.kind = FaultSpec::Kind::kError;
   fault.op = IoOp::kWrite;
@@ -512,11 +514,7 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
         e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
   model.NewGrads(3);
   model.grads[3][17] = 0x7FC0;  // bf16 NaN in the last subgroup
-  std::vector<SubgroupStepInput> in(4);
-  for (int i = 0; i < 4; ++i) {
-    in[i].hp = AdamW();
-    in[i].segments = model.Segments(i);
-  }
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
   StepOptions opts;
   opts.skip_if_nonfinite = true;
   auto stats = e.Step(in, opts);
@@ -543,11 +541,7 @@ TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
         e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
   for (int step = 1; step <= 2; ++step) {
     model.NewGrads(step);
-    std::vector<SubgroupStepInput> in(4);
-    for (int i = 0; i < 4; ++i) {
-      in[i].hp = AdamW();
-      in[i].segments = model.Segments(i);
-    }
+    std::vector<SubgroupStepInput> in = AdamWInputs(model);
     in[1].hp.amsgrad = true;  // three arrays
     in[2].skip = true;        // a frozen subgroup
     in[2].segments.clear();
