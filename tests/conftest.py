@@ -1,2 +1,6 @@
 def pytest_addoption(parser):
     parser.addoption("--wheel", default=None, help="path of the built wheel")
+    parser.addoption("--io_benchmark", default=None,
+                     help="path of the built //io:io_benchmark")
+    parser.addoption("--io_vs_fio", default=None,
+                     help="path of tools/io_vs_fio.py")
