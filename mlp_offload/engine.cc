@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
+#include "io/shared_throttle.h"
 #include "io/tier_lock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
@@ -642,8 +643,17 @@ absl::Status Engine::Impl::OpenTiers() {
     MLP_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io,
                          CreateIoEngine(config.io));
     const TierSpec& spec = config.tiers[t];
-    if (spec.throttle_read_bytes_per_sec > 0 ||
-        spec.throttle_write_bytes_per_sec > 0) {
+    if (spec.throttle_shared) {
+      SharedThrottleOptions shared;
+      shared.state_path = real[t] + "/.mlp_offload_throttle";
+      shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
+      shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
+      shared.contention = spec.throttle_contention;
+      // The error names the state file, inside the tier's directory.
+      MLP_ASSIGN_OR_RETURN(io,
+                           MakeSharedThrottledEngine(std::move(io), shared));
+    } else if (spec.throttle_read_bytes_per_sec > 0 ||
+               spec.throttle_write_bytes_per_sec > 0) {
       io = MakeThrottledEngine(std::move(io), spec.throttle_read_bytes_per_sec,
                                spec.throttle_write_bytes_per_sec);
     }

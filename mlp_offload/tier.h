@@ -18,6 +18,13 @@ struct TierSpec {
   // Optional caps that emulate a slower tier (token bucket in io/); <= 0: none.
   double throttle_read_bytes_per_sec = 0;
   double throttle_write_bytes_per_sec = 0;
+  // Whether those caps are one device shared by every process whose tier is
+  // this directory (a state file in it, io/shared_throttle.h) instead of each
+  // process's own: emulates the ranks of a node sharing one drive.
+  bool throttle_shared = false;
+  // For a shared throttle: with k processes streaming at once the device
+  // gives cap / (1 + contention * (k - 1)) in total; 0: no loss. >= 0.
+  double throttle_contention = 0;
   // Tiers with the same non-empty pool share one bandwidth (two directories
   // on one device); the planner then splits the pool's bandwidth.
   std::string bandwidth_pool;

@@ -4,3 +4,5 @@ def pytest_addoption(parser):
                      help="path of the built //io:io_benchmark")
     parser.addoption("--io_vs_fio", default=None,
                      help="path of tools/io_vs_fio.py")
+    parser.addoption("--update_benchmark", default=None,
+                     help="path of the built //mlp_offload:update_benchmark")

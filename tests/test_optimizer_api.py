@@ -5,6 +5,7 @@ clip_grad_norm_, mixed precision, and the errors for what is not supported.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -281,6 +282,8 @@ def test_argument_errors(tmp_path):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, mode="fast")
     with pytest.raises(errors.ConfigError, match="host_cache_bytes"):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, host_cache_bytes=-1)
+    with pytest.raises(errors.ConfigError, match="tier_lock_slots"):
+        wrap(torch.optim.Adam(model.parameters()), tmp_path, tier_lock_slots=0)
     with pytest.raises(errors.ConfigError, match="bandwith"):
         MLPOffloadOptimizer(torch.optim.Adam(model.parameters()),
                             tiers=[{"path": str(tmp_path), "bandwith": 1}])
@@ -326,3 +329,23 @@ def test_close_removes_the_run_directories(tmp_path):
     assert all(len(runs(t)) == 1 for t in tiers)
     opt.close()
     assert all(len(runs(t)) == 0 for t in tiers)
+
+
+def test_tier_lock_slots_reach_the_engine_and_change_no_result(tmp_path):
+    results = []
+    for slots in (1, 3):
+        torch.manual_seed(0)
+        model = make_model()
+        d = tmp_path / f"slots{slots}"
+        d.mkdir()
+        opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), d,
+                   tier_lock_slots=slots)
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            opt.step()
+        # The lock lives in the tier's root, shared by every run on it.
+        assert (d / ".mlp_offload_tier_lock.tickets").exists(), os.listdir(d)
+        opt.close()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -35,12 +35,15 @@ def test_wheel_installs_into_fresh_venv(wheel, tmp_path):
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    # torch comes from the project's venv (a fresh torch install would take a
-    # minute); the package under test comes only from the wheel.
-    with open(os.path.join(site, "torch_from_project.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
                     "--no-deps", "--no-index", wheel], check=True)
+    # torch comes from the project's venv (a fresh torch install would take a
+    # minute); the package under test comes only from the wheel. The path is
+    # added after the install: the project's venv may hold an installed
+    # mlp_offload too (tools/main.sh puts it there), which pip would take for
+    # this one and skip the install.
+    with open(os.path.join(site, "torch_from_project.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
     out = subprocess.run([str(py), "-c", "import torch, mlp_offload; print(mlp_offload.__file__)"],
                          check=True, capture_output=True, text=True, cwd=str(tmp_path)).stdout
     assert out.strip().startswith(site)

@@ -97,6 +97,8 @@ TierSpec TierFromDict(py::handle obj, int index) {
   r.Read("shared_by", &t.shared_by);
   r.Read("throttle_read_bytes_per_sec", &t.throttle_read_bytes_per_sec);
   r.Read("throttle_write_bytes_per_sec", &t.throttle_write_bytes_per_sec);
+  r.Read("throttle_shared", &t.throttle_shared);
+  r.Read("throttle_contention", &t.throttle_contention);
   r.Read("bandwidth_pool", &t.bandwidth_pool);
   r.Finish();
   return t;
@@ -119,6 +121,8 @@ py::dict TierToDict(const TierSpec& t) {
   d["shared_by"] = t.shared_by;
   d["throttle_read_bytes_per_sec"] = t.throttle_read_bytes_per_sec;
   d["throttle_write_bytes_per_sec"] = t.throttle_write_bytes_per_sec;
+  d["throttle_shared"] = t.throttle_shared;
+  d["throttle_contention"] = t.throttle_contention;
   d["bandwidth_pool"] = t.bandwidth_pool;
   return d;
 }

@@ -24,6 +24,8 @@ _TIER_KEYS = (
     "shared_by",
     "throttle_read_bytes_per_sec",
     "throttle_write_bytes_per_sec",
+    "throttle_shared",
+    "throttle_contention",
     "bandwidth_pool",
 )
 

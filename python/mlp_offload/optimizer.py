@@ -112,6 +112,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
       mode: "mlp" (every technique on) or "baseline" (ZeRO-Infinity-like).
       multipath, cache_reuse, delayed_grad_conversion, tier_lock: override
         one technique of the mode (None: the mode's choice).
+      tier_lock_slots: with the tier lock, how many processes of the node may
+        do I/O on a tier at once (default 1, the paper's; more suits a device
+        that serves a few concurrent streams well).
       tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
         dict does not say; unknown bandwidths are assumed equal.
       nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
@@ -144,7 +147,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, tiers, host_cache_bytes=0, subgroup_numel=100_000_000,
                  mode="mlp", *, multipath=None, cache_reuse=None,
-                 delayed_grad_conversion=None, tier_lock=None, tier_bandwidths=None,
+                 delayed_grad_conversion=None, tier_lock=None, tier_lock_slots=1,
+                 tier_bandwidths=None,
                  nonfinite="raise", process_group=None, generic_state_keys=None,
                  compute_threads=None, io=None, verify_checksums=True, run_name=None,
                  commit_every=0, resume="never", checkpoint_dir=None, atomic_step=True,
@@ -160,6 +164,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
         if compute_threads is None:
             compute_threads = max(1, min(8, os.cpu_count() or 1))
+        if not isinstance(tier_lock_slots, int) or isinstance(tier_lock_slots, bool) \
+                or tier_lock_slots < 1:
+            raise ConfigError(f"tier_lock_slots must be an int >= 1, got {tier_lock_slots!r}")
         if not isinstance(compute_threads, int) or compute_threads < 1:
             raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
 
@@ -187,6 +194,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "compute_threads": compute_threads,
             "io": io,
             "verify_checksums": bool(verify_checksums),
+            "tier_lock_slots": tier_lock_slots,
         }
         self._run_prefix = run_name or "mlp_offload"
         if resume not in _recovery.RESUME_MODES:
@@ -350,6 +358,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             compute_threads=self._engine_settings["compute_threads"],
             io=self._engine_settings["io"], run_name=self._run_name,
             verify_checksums=self._engine_settings["verify_checksums"],
+            tier_lock_slots=self._engine_settings["tier_lock_slots"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume_engine, commit_every=self._commit_every)
         run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]

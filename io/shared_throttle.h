@@ -1,0 +1,46 @@
+// A bandwidth cap shared by every engine, in any process, that opens the same
+// state file: it emulates one storage device used by several processes (the
+// ranks of a node sharing a tier, PAPER.md), optionally one that loses
+// bandwidth when several of them stream at once.
+#ifndef MLP_OFFLOAD_IO_SHARED_THROTTLE_H_
+#define MLP_OFFLOAD_IO_SHARED_THROTTLE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "io/io_engine.h"
+
+namespace mlp_offload {
+
+struct SharedThrottleOptions {
+  // The file that holds the device's clocks (created 0600 if missing, never
+  // through a symlink). Every engine opened on the same file shares the caps.
+  std::string state_path;
+  // Caps of the whole device, bytes/s, per direction; <= 0: no cap.
+  double read_bytes_per_sec = 0;
+  double write_bytes_per_sec = 0;
+  // With k engines that have I/O outstanding at once, the device delivers
+  // cap / (1 + contention * (k - 1)) in total: 0 models a device that shares
+  // its bandwidth among streams without loss, > 0 one that thrashes under
+  // concurrent streams (seeks, a parallel file system's lock traffic, an
+  // SSD's mixed streams). Must be >= 0.
+  double contention = 0;
+};
+
+// Wraps `inner` so that its requests are cut into 1 MiB pieces and released
+// at the shared, contention-adjusted rate (the virtual scheduling of
+// MakeThrottledEngine, with its clock in the shared file). Submit never
+// blocks. Fails, naming the file, if the state file cannot be created,
+// opened or mapped, or is not a throttle state file; InvalidArgument for a
+// negative contention.
+//
+// An engine counts as streaming from its first outstanding request to its
+// last completion. A process killed while streaming leaves its count in the
+// file; use a fresh state file per run (the benchmarks do).
+absl::StatusOr<std::unique_ptr<IoEngine>> MakeSharedThrottledEngine(
+    std::unique_ptr<IoEngine> inner, const SharedThrottleOptions& options);
+
+}  // namespace mlp_offload
+
+#endif  // MLP_OFFLOAD_IO_SHARED_THROTTLE_H_

@@ -1,0 +1,228 @@
+#include "io/shared_throttle.h"
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "io/aligned_buffer.h"
+#include "io/file.h"
+#include "io/internal/test_util.h"
+
+namespace mlp_offload {
+namespace {
+
+using internal_io::FillRandom;
+using internal_io::ScratchDir;
+
+constexpr size_t kMiB = 1 << 20;
+constexpr size_t kSize = 8 * kMiB;  // per engine
+constexpr double kCap = 64e6;       // bytes/s, the whole device
+
+// Pacing gives lower bounds that load cannot break: the last 1 MiB piece of
+// `mib` MiB is released no earlier than (mib - 1) MiB of device time.
+double MinSeconds(double mib_equivalents) {
+  return 0.95 * (mib_equivalents - 1) * kMiB / kCap;
+}
+
+class SharedThrottleTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ScratchDir("shared_throttle");
+    state_ = dir_ + "/device";
+  }
+
+  std::unique_ptr<IoEngine> Engine(double contention) {
+    IoEngineOptions inner;
+    inner.kind = IoEngineOptions::Kind::kThreadPool;
+    inner.block_size = kMiB;
+    SharedThrottleOptions options;
+    options.state_path = state_;
+    options.read_bytes_per_sec = kCap;
+    options.write_bytes_per_sec = kCap;
+    options.contention = contention;
+    absl::StatusOr<std::unique_ptr<IoEngine>> engine =
+        MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? std::move(*engine) : nullptr;
+  }
+
+  std::unique_ptr<File> Open(const std::string& name) {
+    FileOptions options;
+    options.create = true;
+    options.preallocate_bytes = kSize;
+    return *File::Open(dir_ + "/" + name, options);
+  }
+
+  std::string dir_, state_;
+};
+
+TEST_F(SharedThrottleTest, RoundTripsAndNamesItself) {
+  std::unique_ptr<IoEngine> engine = Engine(0);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->name(), "shared_throttle(threadpool)");
+  std::unique_ptr<File> file = Open("a");
+  AlignedBuffer out = *AlignedBuffer::Allocate(kSize);
+  AlignedBuffer in = *AlignedBuffer::Allocate(kSize);
+  FillRandom(out.data(), kSize, 7);
+  ASSERT_TRUE(
+      engine->Submit({IoOp::kWrite, file.get(), 0, kSize, out.data()}).Wait()
+          .ok());
+  absl::StatusOr<size_t> read =
+      engine->Submit({IoOp::kRead, file.get(), 0, kSize, in.data()}).Wait();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, kSize);
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), kSize), 0);
+  // A piece's error surfaces with the path.
+  absl::StatusOr<size_t> past_end =
+      engine
+          ->Submit({IoOp::kRead, file.get(), kSize - 4096, 8192, in.data()})
+          .Wait();
+  EXPECT_EQ(past_end.status().code(), absl::StatusCode::kOutOfRange);
+  engine->Shutdown();
+  EXPECT_EQ(engine->Submit({IoOp::kRead, file.get(), 0, 4096, in.data()})
+                .Wait()
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// Two engines on one state file share one cap: 16 MiB at 64 MB/s takes
+// twice as long as either engine's 8 MiB would alone.
+TEST_F(SharedThrottleTest, EnginesOnOneStateFileShareTheCap) {
+  std::unique_ptr<IoEngine> a = Engine(0), b = Engine(0);
+  std::unique_ptr<File> fa = Open("a"), fb = Open("b");
+  AlignedBuffer buf_a = *AlignedBuffer::Allocate(kSize);
+  AlignedBuffer buf_b = *AlignedBuffer::Allocate(kSize);
+  const absl::Time start = absl::Now();
+  IoFuture wa = a->Submit({IoOp::kWrite, fa.get(), 0, kSize, buf_a.data()});
+  IoFuture wb = b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()});
+  ASSERT_TRUE(wa.Wait().ok());
+  ASSERT_TRUE(wb.Wait().ok());
+  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - start), MinSeconds(16));
+  // Reads have their own clock: the writes above did not use it up, and one
+  // engine alone is paced at the full cap.
+  const absl::Time read_start = absl::Now();
+  ASSERT_TRUE(
+      a->Submit({IoOp::kRead, fa.get(), 0, kSize, buf_a.data()}).Wait().ok());
+  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - read_start), MinSeconds(8));
+}
+
+// With contention 1, a piece scheduled while two engines stream costs twice
+// its size: a's 8 MiB go alone (8), b's while a is still streaming (16).
+TEST_F(SharedThrottleTest, ConcurrentStreamsPayTheContention) {
+  std::unique_ptr<IoEngine> a = Engine(1.0), b = Engine(1.0);
+  std::unique_ptr<File> fa = Open("a"), fb = Open("b");
+  AlignedBuffer buf_a = *AlignedBuffer::Allocate(kSize);
+  AlignedBuffer buf_b = *AlignedBuffer::Allocate(kSize);
+  const absl::Time start = absl::Now();
+  IoFuture wa = a->Submit({IoOp::kWrite, fa.get(), 0, kSize, buf_a.data()});
+  IoFuture wb = b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()});
+  ASSERT_TRUE(wa.Wait().ok());
+  ASSERT_TRUE(wb.Wait().ok());
+  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - start), MinSeconds(24));
+  // Taking turns (the tier lock's way) pays nothing: 16 MiB of device time.
+  const absl::Time turns = absl::Now();
+  ASSERT_TRUE(
+      a->Submit({IoOp::kWrite, fa.get(), 0, kSize, buf_a.data()}).Wait().ok());
+  ASSERT_TRUE(
+      b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()}).Wait().ok());
+  const double took = absl::ToDoubleSeconds(absl::Now() - turns);
+  EXPECT_GE(took, MinSeconds(16));
+}
+
+// The clock lives in the file: a child process's engine and ours share it.
+TEST_F(SharedThrottleTest, ProcessesShareTheCap) {
+  int go[2], ready[2];
+  ASSERT_EQ(pipe(go), 0);
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::unique_ptr<IoEngine> engine = Engine(0);
+    std::unique_ptr<File> file = Open("child");
+    AlignedBuffer buf = *AlignedBuffer::Allocate(kSize);
+    char c = 1;
+    if (write(ready[1], &c, 1) != 1 || read(go[0], &c, 1) != 1) _exit(3);
+    const bool ok =
+        engine->Submit({IoOp::kWrite, file.get(), 0, kSize, buf.data()})
+            .Wait()
+            .ok();
+    _exit(ok ? 0 : 4);
+  }
+  std::unique_ptr<IoEngine> engine = Engine(0);
+  std::unique_ptr<File> file = Open("parent");
+  AlignedBuffer buf = *AlignedBuffer::Allocate(kSize);
+  char c;
+  ASSERT_EQ(read(ready[0], &c, 1), 1);
+  const absl::Time start = absl::Now();
+  ASSERT_EQ(write(go[1], &c, 1), 1);
+  ASSERT_TRUE(engine->Submit({IoOp::kWrite, file.get(), 0, kSize, buf.data()})
+                  .Wait()
+                  .ok());
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - start), MinSeconds(16));
+}
+
+TEST_F(SharedThrottleTest, BadInputIsNamed) {
+  IoEngineOptions inner;
+  inner.kind = IoEngineOptions::Kind::kThreadPool;
+  SharedThrottleOptions options;
+  options.read_bytes_per_sec = kCap;
+  options.state_path = dir_ + "/missing/device";
+  absl::StatusOr<std::unique_ptr<IoEngine>> e =
+      MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find(options.state_path), std::string::npos)
+      << e.status();
+
+  options.state_path = state_;
+  options.contention = -0.5;
+  e = MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.status().message().find("contention"), std::string::npos);
+  options.contention = 0;
+
+  // Somebody else's file, larger than a state file.
+  const std::string other = dir_ + "/other";
+  {
+    std::unique_ptr<File> f = Open("other");
+  }
+  options.state_path = other;
+  e = MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(e.status().message().find("not a shared throttle state file"),
+            std::string::npos);
+
+  // A small file with the wrong contents.
+  const std::string junk = dir_ + "/junk";
+  {
+    const int fd = open(junk.c_str(), O_CREAT | O_WRONLY, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(write(fd, "garbage!", 8), 8);
+    close(fd);
+  }
+  options.state_path = junk;
+  e = MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // A symlink planted where the state file goes is not followed.
+  const std::string link = dir_ + "/link";
+  ASSERT_EQ(symlink(state_.c_str(), link.c_str()), 0);
+  options.state_path = link;
+  e = MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  EXPECT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find(link), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mlp_offload

@@ -1,0 +1,69 @@
+"""//mlp_offload:update_benchmark with --ranks: forked ranks in lockstep over
+two tiers that are shared devices (io/shared_throttle.h). Tiny sizes: this
+checks what the benchmark reports, not how fast anything is."""
+import json
+import os
+import subprocess
+
+import pytest
+
+
+@pytest.fixture
+def bench(request):
+    path = request.config.getoption("--update_benchmark")
+    if not path:
+        pytest.skip("run through bazel: needs --update_benchmark")
+    return os.path.abspath(path)
+
+
+def rows(bench, tmp_path, *extra):
+    tiers = [tmp_path / "fast", tmp_path / "slow"]
+    for t in tiers:
+        t.mkdir(exist_ok=True)
+    out = subprocess.run(
+        [bench, "--params=4e6", "--subgroup=5e5", "--budget_fraction=0.75",
+         "--fast_mbps=400", "--steps=2", "--json",
+         f"--tiers={tiers[0]},{tiers[1]}", *extra],
+        check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line]
+
+
+def test_ranks_share_the_tiers(bench, tmp_path):
+    with_lock, without = None, None
+    got = rows(bench, tmp_path, "--ranks=2", "--contention=0.5",
+               "--configs=mlp,mlp-tier_lock")
+    assert [r["config"] for r in got] == ["mlp", "mlp-tier_lock"]
+    with_lock, without = got
+    for r in got:
+        assert r["ranks"] == 2 and r["contention"] == pytest.approx(0.5)
+        assert r["bytes_read"] > 0 and r["bytes_written"] > 0
+        # The tiers' caps hold for both ranks together: a step cannot beat
+        # the slowest tier moving both ranks' bytes at its cap (less one
+        # 1 MiB piece of pacing slack each way).
+        assert r["step_seconds_median"] >= 0.8 * r["io_lower_bound_seconds"]
+    # The lock changes who moves bytes when, not how many.
+    assert with_lock["bytes_read"] == without["bytes_read"]
+    assert with_lock["bytes_written"] == without["bytes_written"]
+    # Both ranks' run directories were made on each tier.
+    for tier in ("fast", "slow"):
+        names = os.listdir(tmp_path / tier)
+        assert "bench_mlp_r0" in names and "bench_mlp_r1" in names
+
+
+def test_one_rank_reports_the_same_fields(bench, tmp_path):
+    (row,) = rows(bench, tmp_path, "--configs=baseline")
+    assert row["ranks"] == 1 and row["config"] == "baseline"
+    assert row["step_seconds_median"] >= 0.8 * row["io_lower_bound_seconds"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks=2", "--contention=-1"], "--contention must be >= 0"),
+    (["--ranks=2", "--configs=mlp-tier_lok"], "unknown technique 'tier_lok'"),
+    (["--ranks=100"], "at least one subgroup per rank"),
+])
+def test_bad_flags_are_named(bench, tmp_path, args, message):
+    proc = subprocess.run(
+        [bench, "--params=4e6", "--subgroup=5e5", f"--tiers={tmp_path},{tmp_path}/b",
+         *args], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert message in proc.stderr
