@@ -10,6 +10,7 @@
 #include "absl/types/optional.h"
 #include "io/aligned_buffer.h"
 #include "io/internal/delay_queue.h"
+#include "io/internal/paced_engine.h"
 #include "io/internal/request.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
@@ -152,91 +153,32 @@ absl::Status FaultInjectingEngine::RegisterBuffers(
 
 namespace {
 
-// Pieces the throttle releases one at a time: small enough that the cap holds
-// over short windows, large enough to keep the inner engine efficient.
-constexpr size_t kThrottleChunk = 1 << 20;
-
-class ThrottledEngine final : public IoEngine {
+// One engine's own clocks, one per direction. Virtual scheduling (GCRA
+// without burst): each piece is released when the bytes before it have had
+// their time at the capped rate. An idle period does not bank credit, since
+// the clock restarts from now.
+class LocalClock final : public internal_io::PaceClock {
  public:
-  ThrottledEngine(std::unique_ptr<IoEngine> inner, double read_bps,
-                  double write_bps)
-      : inner_(std::move(inner)), rate_{read_bps, write_bps} {}
+  LocalClock(double read_bps, double write_bps) : rate_{read_bps, write_bps} {}
 
-  ~ThrottledEngine() override { Shutdown(); }
-
-  std::string name() const override {
-    return absl::StrCat("throttle(", inner_->name(), ")");
+  bool Capped(IoOp op) const override {
+    return rate_[static_cast<int>(op)] > 0;
   }
 
-  void Submit(const IoRequest& request, IoCallback done) override {
-    bool stopping;
-    {
-      ::mlp_offload::MutexLock lock(&mu_);
-      stopping = stopping_;
-    }
-    if (stopping) {
-      done(absl::FailedPreconditionError("throttled engine is shut down"));
-      return;
-    }
-    const double rate = rate_[static_cast<int>(request.op)];
-    if (rate <= 0) {
-      inner_->Submit(request, std::move(done));
-      return;
-    }
-    absl::Status valid = internal_io::ValidateRequest(request);
-    if (!valid.ok()) {
-      done(std::move(valid));
-      return;
-    }
-    std::vector<internal_io::Piece> pieces =
-        internal_io::SplitRequest(request, std::move(done), kThrottleChunk);
-    for (internal_io::Piece& piece : pieces) {
-      // Virtual scheduling (GCRA without burst): each piece is released when
-      // the bytes before it have had their time at the capped rate. An idle
-      // period does not bank credit, since `next` restarts from now.
-      absl::Time release;
-      {
-        ::mlp_offload::MutexLock lock(&mu_);
-        absl::Time& next = next_release_[static_cast<int>(request.op)];
-        release = std::max(next, absl::Now());
-        next =
-            release + absl::Seconds(static_cast<double>(piece.length) / rate);
-      }
-      IoRequest part = request;
-      part.offset = piece.offset;
-      part.length = piece.length;
-      part.buffer = piece.buffer;
-      delays_.RunAt(release, [this, part, tracker = piece.tracker]() {
-        const uint64_t offset = part.offset;
-        inner_->Submit(part, [tracker, offset](absl::StatusOr<size_t> result) {
-          tracker->PieceDone(offset, result.status());
-        });
-      });
-    }
-  }
-
-  void Shutdown() override {
-    {
-      ::mlp_offload::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    delays_.Drain();
-    inner_->Shutdown();
-  }
-
-  absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override {
-    return inner_->RegisterBuffers(buffers);
+  absl::Time Reserve(IoOp op, size_t bytes) override {
+    ::mlp_offload::MutexLock lock(&mu_);
+    absl::Time& next = next_release_[static_cast<int>(op)];
+    const absl::Time release = std::max(next, absl::Now());
+    next = release + absl::Seconds(static_cast<double>(bytes) /
+                                   rate_[static_cast<int>(op)]);
+    return release;
   }
 
  private:
-  std::unique_ptr<IoEngine> inner_;
   const double rate_[2];  // bytes/s, indexed by IoOp
   ::mlp_offload::Mutex mu_;
   absl::Time next_release_[2] ABSL_GUARDED_BY(mu_) = {absl::InfinitePast(),
                                                       absl::InfinitePast()};
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Last: drained before inner_ goes away.
-  internal_io::DelayQueue delays_;
 };
 
 }  // namespace
@@ -244,8 +186,10 @@ class ThrottledEngine final : public IoEngine {
 std::unique_ptr<IoEngine> MakeThrottledEngine(std::unique_ptr<IoEngine> inner,
                                               double read_bytes_per_sec,
                                               double write_bytes_per_sec) {
-  return std::make_unique<ThrottledEngine>(std::move(inner), read_bytes_per_sec,
-                                           write_bytes_per_sec);
+  return internal_io::MakePacedEngine(
+      std::move(inner),
+      std::make_unique<LocalClock>(read_bytes_per_sec, write_bytes_per_sec),
+      "throttle");
 }
 
 }  // namespace mlp_offload

@@ -11,20 +11,15 @@
 #include <cerrno>
 #include <cstdint>
 #include <utility>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "io/internal/delay_queue.h"
-#include "io/internal/request.h"
-#include "mlp_offload/base/mutex.h"
+#include "io/internal/paced_engine.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
 namespace {
 
-constexpr size_t kPiece = 1 << 20;
 constexpr uint64_t kMagic = 0x4d4c50546872746cull;  // "MLPThrtl"
 
 // The file's contents. All zeros is the initial state (clocks in the past,
@@ -48,120 +43,45 @@ int64_t MonotonicNs() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-class SharedThrottledEngine final : public IoEngine {
+// The device's clocks, in the shared file. Reserve is the local throttle's
+// virtual scheduling done with a compare-and-swap on the shared clock, each
+// piece costing (1 + contention (k - 1)) times its size at the cap, k the
+// engines streaming when it is reserved.
+class SharedClock final : public internal_io::PaceClock {
  public:
-  SharedThrottledEngine(std::unique_ptr<IoEngine> inner,
-                        const SharedThrottleOptions& options,
-                        SharedState* state)
-      : inner_(std::move(inner)),
-        options_(options),
-        rate_{options.read_bytes_per_sec, options.write_bytes_per_sec},
+  SharedClock(const SharedThrottleOptions& options, SharedState* state)
+      : rate_{options.read_bytes_per_sec, options.write_bytes_per_sec},
+        contention_(options.contention),
         state_(state) {}
+  ~SharedClock() override { munmap(state_, sizeof(SharedState)); }
 
-  ~SharedThrottledEngine() override {
-    Shutdown();
-    {
-      ::mlp_offload::MutexLock lock(&mu_);
-      if (outstanding_ > 0) state_->streaming.fetch_sub(1);
-    }
-    munmap(state_, sizeof(SharedState));
+  bool Capped(IoOp op) const override {
+    return rate_[static_cast<int>(op)] > 0;
   }
 
-  std::string name() const override {
-    return absl::StrCat("shared_throttle(", inner_->name(), ")");
+  absl::Time Reserve(IoOp op, size_t bytes) override {
+    const int o = static_cast<int>(op);
+    const int streaming = std::max(1, state_->streaming.load());
+    const double factor = 1.0 + contention_ * (streaming - 1);
+    const int64_t cost_ns = static_cast<int64_t>(static_cast<double>(bytes) *
+                                                 factor / rate_[o] * 1e9);
+    const int64_t now = MonotonicNs();
+    int64_t start;
+    int64_t cur = state_->next_free_ns[o].load();
+    do {
+      start = std::max(cur, now);
+    } while (
+        !state_->next_free_ns[o].compare_exchange_weak(cur, start + cost_ns));
+    return absl::Now() + absl::Nanoseconds(start - now);
   }
 
-  void Submit(const IoRequest& request, IoCallback done) override {
-    bool stopping;
-    {
-      ::mlp_offload::MutexLock lock(&mu_);
-      stopping = stopping_;
-    }
-    if (stopping) {
-      done(absl::FailedPreconditionError(
-          "shared throttled engine is shut down"));
-      return;
-    }
-    absl::Status valid = internal_io::ValidateRequest(request);
-    if (!valid.ok()) {
-      done(std::move(valid));
-      return;
-    }
-    const int op = static_cast<int>(request.op);
-    const double rate = rate_[op];
-    Begin();
-    // After the request's last piece: the stream ends before the caller
-    // hears of it (who may then destroy this engine).
-    IoCallback finish = [this, done = std::move(done)](
-                            absl::StatusOr<size_t> result) mutable {
-      End();
-      done(std::move(result));
-    };
-    if (rate <= 0) {
-      inner_->Submit(request, std::move(finish));
-      return;
-    }
-    std::vector<internal_io::Piece> pieces =
-        internal_io::SplitRequest(request, std::move(finish), kPiece);
-    for (internal_io::Piece& piece : pieces) {
-      const int streaming = std::max(1, state_->streaming.load());
-      const double factor = 1.0 + options_.contention * (streaming - 1);
-      const int64_t cost_ns = static_cast<int64_t>(
-          static_cast<double>(piece.length) * factor / rate * 1e9);
-      const int64_t now = MonotonicNs();
-      int64_t start;
-      int64_t cur = state_->next_free_ns[op].load();
-      do {
-        start = std::max(cur, now);
-      } while (!state_->next_free_ns[op].compare_exchange_weak(
-          cur, start + cost_ns));
-      IoRequest part = request;
-      part.offset = piece.offset;
-      part.length = piece.length;
-      part.buffer = piece.buffer;
-      delays_.RunAt(absl::Now() + absl::Nanoseconds(start - now),
-                    [this, part, tracker = piece.tracker]() {
-                      const uint64_t offset = part.offset;
-                      inner_->Submit(part, [tracker, offset](
-                                               absl::StatusOr<size_t> result) {
-                        tracker->PieceDone(offset, result.status());
-                      });
-                    });
-    }
-  }
-
-  void Shutdown() override {
-    {
-      ::mlp_offload::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    delays_.Drain();
-    inner_->Shutdown();
-  }
-
-  absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override {
-    return inner_->RegisterBuffers(buffers);
-  }
+  void StreamStarts() override { state_->streaming.fetch_add(1); }
+  void StreamStops() override { state_->streaming.fetch_sub(1); }
 
  private:
-  void Begin() {
-    ::mlp_offload::MutexLock lock(&mu_);
-    if (outstanding_++ == 0) state_->streaming.fetch_add(1);
-  }
-  void End() {
-    ::mlp_offload::MutexLock lock(&mu_);
-    if (--outstanding_ == 0) state_->streaming.fetch_sub(1);
-  }
-
-  std::unique_ptr<IoEngine> inner_;
-  const SharedThrottleOptions options_;
   const double rate_[2];
+  const double contention_;
   SharedState* const state_;
-  ::mlp_offload::Mutex mu_;
-  int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Last: drained before the rest goes away.
-  internal_io::DelayQueue delays_;
 };
 
 }  // namespace
@@ -203,14 +123,14 @@ absl::StatusOr<std::unique_ptr<IoEngine>> MakeSharedThrottledEngine(
   if (map == MAP_FAILED) return ErrnoStatus(e, "mmap", options.state_path);
   auto* state = static_cast<SharedState*>(map);
   uint64_t magic = 0;
-  if (!state->magic.compare_exchange_strong(magic, kMagic) &&
-      magic != kMagic) {
+  if (!state->magic.compare_exchange_strong(magic, kMagic) && magic != kMagic) {
     munmap(map, sizeof(SharedState));
     return absl::FailedPreconditionError(absl::StrCat(
         options.state_path, " is not a shared throttle state file"));
   }
-  return std::unique_ptr<IoEngine>(
-      new SharedThrottledEngine(std::move(inner), options, state));
+  return internal_io::MakePacedEngine(
+      std::move(inner), std::make_unique<SharedClock>(options, state),
+      "shared_throttle");
 }
 
 }  // namespace mlp_offload

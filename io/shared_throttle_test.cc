@@ -60,6 +60,19 @@ class SharedThrottleTest : public testing::Test {
     return *File::Open(dir_ + "/" + name, options);
   }
 
+  // Submits a write of kSize on each engine at once and returns the seconds
+  // until both are done; a failed write is reported here.
+  static double WriteBoth(IoEngine& a, File& fa, AlignedBuffer& buf_a,
+                          IoEngine& b, File& fb, AlignedBuffer& buf_b) {
+    const absl::Time start = absl::Now();
+    IoFuture wa = a.Submit({IoOp::kWrite, &fa, 0, kSize, buf_a.data()});
+    IoFuture wb = b.Submit({IoOp::kWrite, &fb, 0, kSize, buf_b.data()});
+    const absl::StatusOr<size_t> ra = wa.Wait(), rb = wb.Wait();
+    EXPECT_TRUE(ra.ok()) << ra.status();
+    EXPECT_TRUE(rb.ok()) << rb.status();
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  }
+
   std::string dir_, state_;
 };
 
@@ -71,9 +84,9 @@ TEST_F(SharedThrottleTest, RoundTripsAndNamesItself) {
   AlignedBuffer out = *AlignedBuffer::Allocate(kSize);
   AlignedBuffer in = *AlignedBuffer::Allocate(kSize);
   FillRandom(out.data(), kSize, 7);
-  ASSERT_TRUE(
-      engine->Submit({IoOp::kWrite, file.get(), 0, kSize, out.data()}).Wait()
-          .ok());
+  ASSERT_TRUE(engine->Submit({IoOp::kWrite, file.get(), 0, kSize, out.data()})
+                  .Wait()
+                  .ok());
   absl::StatusOr<size_t> read =
       engine->Submit({IoOp::kRead, file.get(), 0, kSize, in.data()}).Wait();
   ASSERT_TRUE(read.ok()) << read.status();
@@ -81,8 +94,7 @@ TEST_F(SharedThrottleTest, RoundTripsAndNamesItself) {
   EXPECT_EQ(std::memcmp(out.data(), in.data(), kSize), 0);
   // A piece's error surfaces with the path.
   absl::StatusOr<size_t> past_end =
-      engine
-          ->Submit({IoOp::kRead, file.get(), kSize - 4096, 8192, in.data()})
+      engine->Submit({IoOp::kRead, file.get(), kSize - 4096, 8192, in.data()})
           .Wait();
   EXPECT_EQ(past_end.status().code(), absl::StatusCode::kOutOfRange);
   engine->Shutdown();
@@ -100,12 +112,7 @@ TEST_F(SharedThrottleTest, EnginesOnOneStateFileShareTheCap) {
   std::unique_ptr<File> fa = Open("a"), fb = Open("b");
   AlignedBuffer buf_a = *AlignedBuffer::Allocate(kSize);
   AlignedBuffer buf_b = *AlignedBuffer::Allocate(kSize);
-  const absl::Time start = absl::Now();
-  IoFuture wa = a->Submit({IoOp::kWrite, fa.get(), 0, kSize, buf_a.data()});
-  IoFuture wb = b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()});
-  ASSERT_TRUE(wa.Wait().ok());
-  ASSERT_TRUE(wb.Wait().ok());
-  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - start), MinSeconds(16));
+  EXPECT_GE(WriteBoth(*a, *fa, buf_a, *b, *fb, buf_b), MinSeconds(16));
   // Reads have their own clock: the writes above did not use it up, and one
   // engine alone is paced at the full cap.
   const absl::Time read_start = absl::Now();
@@ -121,12 +128,7 @@ TEST_F(SharedThrottleTest, ConcurrentStreamsPayTheContention) {
   std::unique_ptr<File> fa = Open("a"), fb = Open("b");
   AlignedBuffer buf_a = *AlignedBuffer::Allocate(kSize);
   AlignedBuffer buf_b = *AlignedBuffer::Allocate(kSize);
-  const absl::Time start = absl::Now();
-  IoFuture wa = a->Submit({IoOp::kWrite, fa.get(), 0, kSize, buf_a.data()});
-  IoFuture wb = b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()});
-  ASSERT_TRUE(wa.Wait().ok());
-  ASSERT_TRUE(wb.Wait().ok());
-  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - start), MinSeconds(24));
+  EXPECT_GE(WriteBoth(*a, *fa, buf_a, *b, *fb, buf_b), MinSeconds(24));
   // Taking turns (the tier lock's way) pays nothing: 16 MiB of device time.
   const absl::Time turns = absl::Now();
   ASSERT_TRUE(
@@ -194,9 +196,7 @@ TEST_F(SharedThrottleTest, BadInputIsNamed) {
 
   // Somebody else's file, larger than a state file.
   const std::string other = dir_ + "/other";
-  {
-    std::unique_ptr<File> f = Open("other");
-  }
+  { std::unique_ptr<File> f = Open("other"); }
   options.state_path = other;
   e = MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
   EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition);

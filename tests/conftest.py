@@ -1,3 +1,8 @@
+import os
+
+import pytest
+
+
 def pytest_addoption(parser):
     parser.addoption("--wheel", default=None, help="path of the built wheel")
     parser.addoption("--io_benchmark", default=None,
@@ -6,3 +11,11 @@ def pytest_addoption(parser):
                      help="path of tools/io_vs_fio.py")
     parser.addoption("--update_benchmark", default=None,
                      help="path of the built //mlp_offload:update_benchmark")
+
+
+def built_path(request, option):
+    """The absolute path a bazel py_test passed as --<option>, or a skip."""
+    path = request.config.getoption(f"--{option}")
+    if not path:
+        pytest.skip(f"run through bazel: needs --{option}")
+    return os.path.abspath(path)

@@ -10,16 +10,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import built_path
 
 MIB = 1 << 20
 
 
 @pytest.fixture
 def io_benchmark(request):
-    path = request.config.getoption("--io_benchmark")
-    if not path:
-        pytest.skip("run through bazel: needs --io_benchmark")
-    return os.path.abspath(path)
+    return built_path(request, "io_benchmark")
 
 
 def run_rows(cmd):

@@ -6,14 +6,12 @@ import os
 import subprocess
 
 import pytest
+from conftest import built_path
 
 
 @pytest.fixture
 def bench(request):
-    path = request.config.getoption("--update_benchmark")
-    if not path:
-        pytest.skip("run through bazel: needs --update_benchmark")
-    return os.path.abspath(path)
+    return built_path(request, "update_benchmark")
 
 
 def rows(bench, tmp_path, *extra):
