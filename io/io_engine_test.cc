@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
@@ -65,6 +66,7 @@ class IoEngineTest : public testing::TestWithParam<Param> {
   void TearDown() override {
     internal_io::SetMaxTransferForTesting(0);
     internal_io::SetEagainEveryForTesting(0);
+    internal_io::SetRingSubmitErrorForTesting(0);
     if (engine_) engine_->Shutdown();
     unlink(path_.c_str());
   }
@@ -181,6 +183,57 @@ TEST_P(IoEngineTest, ShortTransfersAndEagainAreResubmitted) {
   std::mt19937_64 rng(99);
   WriteEverything(rng);
   ReadAndCompare(rng, 20);
+}
+
+// io_uring only: the ring's own submission (io_uring_enter) failing. A
+// passing failure (EAGAIN: the kernel short of memory) only delays; one that
+// lasts makes the engine refuse new requests, naming the error, while what is
+// already in the ring waits and completes once submissions work again.
+TEST_P(IoEngineTest, FailingRingSubmissionsBackOffThenRefuseAndRecover) {
+  if (GetParam().kind != IoEngineOptions::Kind::kUring) {
+    GTEST_SKIP() << "the thread-pool engine has no ring";
+  }
+  const size_t len = 256 << 10;
+  internal_io::FillRandom(io_.data(), len, 5);
+  internal_io::SetRingSubmitErrorForTesting(EAGAIN);
+  IoFuture delayed =
+      engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), 0, len, io_.data()});
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(delayed.Ready());
+  internal_io::SetRingSubmitErrorForTesting(0);
+  ASSERT_TRUE(delayed.Wait().ok());
+
+  internal_io::SetRingSubmitErrorForTesting(EBADF);
+  IoFuture stuck = engine_->Submit(
+      IoRequest{IoOp::kWrite, file_.get(), len, len, io_.data()});
+  // Past the engine's patience (2 s of failing submissions).
+  absl::SleepFor(absl::Milliseconds(2600));
+  absl::StatusOr<size_t> refused =
+      engine_
+          ->Submit(IoRequest{IoOp::kRead, file_.get(), 2 * len, 4096,
+                             io_.as<char>() + 2 * len})
+          .Wait();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("io_uring_enter"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                absl::StrCat("read ", path_, " at offset ", 2 * len)),
+            std::string::npos)
+      << refused.status();
+  EXPECT_FALSE(stuck.Ready());  // in the ring: neither failed nor lost
+  internal_io::SetRingSubmitErrorForTesting(0);
+  absl::StatusOr<size_t> written = stuck.Wait();
+  ASSERT_TRUE(written.ok()) << written.status();
+  // Working again: both writes are on disk.
+  AlignedBuffer back = *AlignedBuffer::Allocate(2 * len);
+  ASSERT_TRUE(
+      engine_
+          ->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 2 * len, back.data()})
+          .Wait()
+          .ok());
+  EXPECT_EQ(std::memcmp(back.data(), io_.data(), len), 0);
+  EXPECT_EQ(std::memcmp(back.as<char>() + len, io_.data(), len), 0);
 }
 
 TEST_P(IoEngineTest, ReadPastEndIsAnErrorNeverAShortSuccess) {

@@ -30,6 +30,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
 #include "mlp_offload/base/mutex.h"
@@ -41,6 +43,12 @@ namespace {
 
 // user_data of the eventfd poll; pieces are heap pointers, never this value.
 constexpr uint64_t kWakeTag = 1;
+
+// Failing ring submissions: back-off between attempts, and how long they
+// may fail (with nothing completing) before new requests are refused.
+constexpr absl::Duration kMinBackoff = absl::Microseconds(50);
+constexpr absl::Duration kMaxBackoff = absl::Milliseconds(20);
+constexpr absl::Duration kRingGiveUp = absl::Seconds(2);
 
 class UringEngine final : public IoEngine {
  public:
@@ -84,12 +92,19 @@ class UringEngine final : public IoEngine {
     }
     std::vector<Piece> pieces;
     bool stopping;
+    absl::Status broken;
     {
       ::mlp_offload::MutexLock lock(&mu_);
       stopping = stopping_;
+      broken = broken_;
     }
     if (stopping) {
       for (auto& d : done) d(Stopped());
+      return;
+    }
+    if (!broken.ok()) {
+      for (size_t i = 0; i < requests.size(); ++i)
+        done[i](RingError(requests[i], broken));
       return;
     }
     for (size_t i = 0; i < requests.size(); ++i) {
@@ -163,6 +178,17 @@ class UringEngine final : public IoEngine {
 
   static absl::Status Stopped() {
     return absl::FailedPreconditionError("io_uring engine is shut down");
+  }
+
+  // A request refused or abandoned because the ring cannot submit: the
+  // ring's error, naming the request's operation, path and offset.
+  static absl::Status RingError(const IoRequest& request,
+                                const absl::Status& ring) {
+    if (request.file == nullptr) return ring;
+    return absl::Status(ring.code(),
+                        absl::StrCat(OpName(request.op), " ",
+                                     Where(*request.file, request.offset), ": ",
+                                     ring.message()));
   }
 
   static void FailMismatchedBatch(size_t requests,
@@ -258,6 +284,20 @@ class UringEngine final : public IoEngine {
     piece->tracker->PieceDone(piece->offset, absl::OkStatus());
   }
 
+  // Records the ring's state; when it breaks, the pieces queued but not yet
+  // in the ring fail with the error (they never reached the kernel).
+  void SetBroken(absl::Status status) {
+    std::deque<Piece> failed;
+    {
+      ::mlp_offload::MutexLock lock(&mu_);
+      broken_ = status;
+      if (!status.ok()) failed.swap(pending_);
+    }
+    for (Piece& p : failed) {
+      p.tracker->PieceDone(p.offset, RingError(p.tracker->request(), status));
+    }
+  }
+
   void DrainEventFd() {
     uint64_t value;
     // Non-blocking: the poll said it is readable, and a second wake that
@@ -297,14 +337,39 @@ class UringEngine final : public IoEngine {
           break;
         }
       }
-      const int rc = io_uring_submit_and_wait(&ring_, 1);
-      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
-        // The SQEs stay in the ring and go in with the next submission; a
-        // persistent failure here means the ring itself is broken, and the
-        // completions of what is in flight are still reaped below.
-      }
+      const int injected = RingSubmitErrorForTesting();
+      const int rc =
+          injected != 0 ? -injected : io_uring_submit_and_wait(&ring_, 1);
       const unsigned n = io_uring_peek_batch_cqe(
           &ring_, cqes.data(), static_cast<unsigned>(cqes.size()));
+      if (rc >= 0 || rc == -EINTR || n > 0) {
+        failing_since_ = absl::InfiniteFuture();
+        backoff_ = absl::ZeroDuration();
+        if (rc >= 0 && ring_broken_) {
+          ring_broken_ = false;
+          SetBroken(absl::OkStatus());
+        }
+      } else {
+        // The submission failed and nothing completed. The SQEs stay in the
+        // ring and go in with the next submission that works: retry, backing
+        // off (no spinning). EAGAIN (the kernel is short of memory) and
+        // EBUSY (the completion ring is full) pass; anything still failing
+        // after kRingGiveUp makes the engine refuse what has not reached the
+        // ring yet and every new request, naming the error, until a
+        // submission works again. What is already in the ring stays there
+        // (its buffers may still be in the kernel's hands).
+        const absl::Time now = absl::Now();
+        if (failing_since_ == absl::InfiniteFuture()) failing_since_ = now;
+        backoff_ = std::min(kMaxBackoff, std::max(kMinBackoff, backoff_ * 2));
+        if (!ring_broken_ && now - failing_since_ >= kRingGiveUp) {
+          ring_broken_ = true;
+          SetBroken(ErrnoStatus(
+              -rc, "io_uring_enter",
+              absl::StrCat("submitting to the ring for ",
+                           absl::FormatDuration(now - failing_since_))));
+        }
+        absl::SleepFor(backoff_);
+      }
       bool rearm = false;
       for (unsigned i = 0; i < n; ++i) {
         const uint64_t tag = io_uring_cqe_get_data64(cqes[i]);
@@ -341,11 +406,18 @@ class UringEngine final : public IoEngine {
   std::deque<Piece> pending_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool loop_exited_ ABSL_GUARDED_BY(mu_) = false;
+  // Not OK while the ring cannot submit (see Loop).
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
   // Registered buffers by start address.
   std::map<uintptr_t, FixedBuffer> fixed_ ABSL_GUARDED_BY(mu_);
 
   // Loop thread only: pieces to resubmit (short transfers, EAGAIN).
   std::deque<std::unique_ptr<Piece>> retry_;
+  // Loop thread only: since when submissions have failed without anything
+  // completing (InfiniteFuture: they work), and the current back-off.
+  absl::Time failing_since_ = absl::InfiniteFuture();
+  absl::Duration backoff_ = absl::ZeroDuration();
+  bool ring_broken_ = false;  // mirrors !broken_.ok(), without the lock
 };
 
 }  // namespace

@@ -50,11 +50,11 @@ class PacedEngine final : public IoEngine {
     Begin();
     // After the request's last piece the stream ends before the caller hears
     // of it (who may then destroy this engine).
-    IoCallback finish = [this, done = std::move(done)](
-                            absl::StatusOr<size_t> result) mutable {
-      End();
-      done(std::move(result));
-    };
+    IoCallback finish =
+        [this, done = std::move(done)](absl::StatusOr<size_t> result) mutable {
+          End();
+          done(std::move(result));
+        };
     if (!clock_->Capped(request.op)) {
       inner_->Submit(request, std::move(finish));
       return;

@@ -17,6 +17,7 @@ namespace {
 std::atomic<size_t> g_max_transfer{0};
 std::atomic<int> g_eagain_every{0};
 std::atomic<uint64_t> g_transfer_count{0};
+std::atomic<int> g_ring_submit_error{0};
 
 bool Aligned(uint64_t x) { return x % kDirectIoAlignment == 0; }
 
@@ -122,6 +123,12 @@ size_t MaxTransferForTesting() {
 void SetEagainEveryForTesting(int n) {
   g_transfer_count.store(0);
   g_eagain_every.store(n);
+}
+void SetRingSubmitErrorForTesting(int errno_value) {
+  g_ring_submit_error.store(errno_value);
+}
+int RingSubmitErrorForTesting() {
+  return g_ring_submit_error.load(std::memory_order_relaxed);
 }
 bool InjectEagainForTesting() {
   const int every = g_eagain_every.load(std::memory_order_relaxed);

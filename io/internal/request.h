@@ -83,6 +83,11 @@ void SetMaxTransferForTesting(size_t bytes);
 size_t MaxTransferForTesting();
 void SetEagainEveryForTesting(int n);
 bool InjectEagainForTesting();
+// The io_uring engine's ring submission (io_uring_enter) fails with
+// `errno_value` instead of being made, until set back to 0: the SQEs stay
+// queued in the ring and go in with the first real submission after.
+void SetRingSubmitErrorForTesting(int errno_value);
+int RingSubmitErrorForTesting();
 
 }  // namespace internal_io
 }  // namespace mlp_offload
