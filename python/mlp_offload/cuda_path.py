@@ -126,7 +126,7 @@ class DeviceStaging:
         self._d2h_done = [None] * n     # event: copy (and stats) finished
         self._d2h_timing = []           # (start, end) events since the last step
         self._offloaded = [None] * n    # baseline: identity handed to the engine
-        self._seen = {}
+        self._readiness = None          # layout.GradReadiness of the hooks
         self._handles = []
         self._clip = None               # max_norm from clip_grad_norm_
         streams = []
@@ -155,26 +155,15 @@ class DeviceStaging:
 
     def install_hooks(self):
         _remove_handles(self._handles)
-        self._seen = {}
         ref = weakref.ref(self)
-        for sg in self._subgroups:
-            for p in sg.params:
-                if p.requires_grad:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(self._hook(ref, sg.index)))
 
-    @staticmethod
-    def _hook(ref, g):
-        def hook(param):
+        def ready(g):
             staging = ref()
-            if staging is None:
-                return
-            seen = staging._seen.setdefault(g, set())
-            seen.add(id(param))
-            if len(seen) == len(staging._subgroups[g].params):
-                staging._seen[g] = set()
+            if staging is not None:
                 staging._stage(g)
-        return hook
+        self._readiness = _layout.GradReadiness(
+            self._subgroups, range(len(self._subgroups)), ready)
+        self._handles.extend(self._readiness.handles)
 
     @staticmethod
     def _identity(sg):
@@ -254,7 +243,8 @@ class DeviceStaging:
                 raise OffloadError(f"subgroup {sg.index} has parameters without gradient")
             if force or self._staged[sg.index] != ident:
                 self._stage(sg.index)
-        self._seen = {}
+        if self._readiness is not None:
+            self._readiness.reset()
 
     # ------------------------------------------------------- norm, clipping
 

@@ -81,3 +81,30 @@ def flat_fp32(params):
     with torch.no_grad():
         return torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
                           for p in params])
+
+
+class GradReadiness:
+    """Calls `ready(g)` during backward as soon as every parameter of subgroup
+    g has its final gradient (post-accumulate-grad hooks on the subgroups
+    `indices`); `reset()` forgets a partial count (at each step). `handles`
+    are the hooks' handles, for the owner to remove."""
+
+    def __init__(self, subgroups, indices, ready):
+        self._need = {g: len(subgroups[g].params) for g in indices}
+        self._seen = {}
+        self._ready = ready
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(g))
+                        for g in indices for p in subgroups[g].params
+                        if p.requires_grad]
+
+    def _hook(self, g):
+        def hook(param):
+            seen = self._seen.setdefault(g, set())
+            seen.add(id(param))
+            if len(seen) == self._need[g]:
+                self._seen[g] = set()
+                self._ready(g)
+        return hook
+
+    def reset(self):
+        self._seen = {}

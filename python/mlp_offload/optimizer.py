@@ -239,6 +239,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._finalizer = None
         self.last_step_stats = None
         self._grad_hooks = []
+        self._grad_readiness = None  # layout.GradReadiness of the hooks
         self._staging = None  # device parameters: cuda_path.DeviceStaging
         self._build()
 
@@ -373,7 +374,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
-        self._grads_seen = {}
+        self._grad_readiness = None
         if self._staging is not None:
             # Device parameters: the staging copies every subgroup's gradients
             # to the host as soon as they are final, in every mode.
@@ -383,26 +384,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return
         # Baseline: convert and write each subgroup's gradients as soon as the
         # last of them is final, during backward (as ZeRO-Infinity does).
-        for g in self._owned:
-            sg = self._subgroups[g]
-            for p in sg.params:
-                if p.requires_grad:
-                    self._grad_hooks.append(p.register_post_accumulate_grad_hook(
-                        self._make_grad_hook(g)))
-
-    def _make_grad_hook(self, g):
         ref = weakref.ref(self)
 
-        def hook(param):
+        def ready(g):
             opt = ref()
-            if opt is None or not opt._initialized:
-                return
-            seen = opt._grads_seen.setdefault(g, set())
-            seen.add(id(param))
-            if len(seen) == len(opt._subgroups[g].params):
-                opt._grads_seen[g] = set()
+            if opt is not None and opt._initialized:
                 opt._offload_grads(g)
-        return hook
+        self._grad_readiness = _layout.GradReadiness(self._subgroups, self._owned, ready)
+        self._grad_hooks = self._grad_readiness.handles
 
     def _offload_grads(self, g):
         sg = self._subgroups[g]
@@ -755,7 +744,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if self._grad_version.get(g) != versions:
                 self._offload_grads(g)
         self._grad_version = {}
-        self._grads_seen = {}
+        if self._grad_readiness is not None:
+            self._grad_readiness.reset()
 
     def _generic_step(self, grad_scale, skip_nonfinite):
         if skip_nonfinite:
