@@ -19,3 +19,13 @@ def built_path(request, option):
     if not path:
         pytest.skip(f"run through bazel: needs --{option}")
     return os.path.abspath(path)
+
+
+def tier_dirs(tmp_path, n=2, prefix="t"):
+    """n fresh directories <tmp_path>/<prefix>0.. to use as tiers (str paths)."""
+    dirs = []
+    for i in range(n):
+        d = tmp_path / f"{prefix}{i}"
+        d.mkdir()
+        dirs.append(str(d))
+    return dirs

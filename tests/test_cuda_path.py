@@ -17,6 +17,7 @@ import gc
 
 import pytest
 import torch
+from conftest import tier_dirs
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -57,15 +58,6 @@ def _staged_cpu():
         cuda_path._STAGE_CPU_PARAMS = saved
 
 
-def _tiers(tmp_path, n=2):
-    out = []
-    for i in range(n):
-        d = tmp_path / f"tier{i}"
-        d.mkdir()
-        out.append(str(d))
-    return out
-
-
 def _reference_step(ref_model, master, ref_opt, model_grads):
     """torch's optimizer on fp32 masters fed the model-dtype gradients."""
     for m, g in zip(master, model_grads):
@@ -83,7 +75,7 @@ def _run_parity(tmp_path, device, dtype, make_opt, steps=6, mode="mlp", clip=Non
     ref_model = copy.deepcopy(model)
     master = [p.detach().float().clone().requires_grad_(True) for p in ref_model.parameters()]
     ref_opt = make_opt(master)
-    opt = MLPOffloadOptimizer(make_opt(model.parameters()), tiers=_tiers(tmp_path),
+    opt = MLPOffloadOptimizer(make_opt(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                               subgroup_numel=4096, mode=mode, compute_threads=1)
     assert opt._staging is not None
     for x in _batches(steps, device, dtype):
@@ -144,7 +136,7 @@ def test_host_buffer_is_aligned_zeroed_and_viewable():
 
 def test_cpu_parameters_take_the_host_path_by_default(tmp_path):
     opt = MLPOffloadOptimizer(ADAMW(_model(torch.float32, "cpu").parameters()),
-                              tiers=_tiers(tmp_path, 1), subgroup_numel=4096)
+                              tiers=tier_dirs(tmp_path, 1, "tier"), subgroup_numel=4096)
     assert opt._staging is None
     opt.close()
 
@@ -185,7 +177,7 @@ def test_gradients_changed_after_their_copy_are_copied_again(tmp_path):
 def test_staged_nonfinite_raises_and_updates_nothing(tmp_path):
     with _staged_cpu():
         model = _model(torch.float32, "cpu")
-        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                                   subgroup_numel=4096)
         _loss(model, _batches(1, "cpu", torch.float32)[0]).backward()
         with torch.no_grad():
@@ -201,7 +193,7 @@ def test_staged_nonfinite_raises_and_updates_nothing(tmp_path):
 def test_torch_grad_stats_match_a_float64_reference(tmp_path):
     with _staged_cpu():
         model = _model(torch.bfloat16, "cpu")
-        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                                   subgroup_numel=4096)
         _loss(model, _batches(1, "cpu", torch.bfloat16)[0]).backward()
         want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
@@ -228,7 +220,7 @@ def test_matches_torch_on_cuda_baseline_mode_and_clipping(tmp_path):
 @gpu
 def test_staging_buffers_are_pinned(tmp_path):
     model = _model(torch.bfloat16, "cuda")
-    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                               subgroup_numel=4096)
     st = opt._staging
     if _C.cuda.compiled:
@@ -267,7 +259,7 @@ def test_transfers_overlap_the_update(tmp_path):
     width = 2048
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
                                   for _ in range(8)]).cuda()
-    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                               host_cache_bytes=1 << 30, subgroup_numel=width * width)
     x = torch.randn(32, width, device="cuda")
     for _ in range(3):
@@ -291,7 +283,7 @@ def test_no_pinned_memory_left_after_delete(tmp_path):
 
     before = pinned_now()
     model = _model(torch.bfloat16, "cuda")
-    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=_tiers(tmp_path),
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                               subgroup_numel=4096)
     _loss(model, _batches(1, "cuda", torch.bfloat16)[0]).backward()
     opt.step()

@@ -16,6 +16,7 @@ import stat
 
 import pytest
 import torch
+from conftest import tier_dirs
 
 from mlp_offload import MLPOffloadOptimizer, _C, errors
 
@@ -36,15 +37,6 @@ def backward(model, step):
     gen = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
     torch.nn.functional.mse_loss(model(x), y).backward()
-
-
-def tier_dirs(tmp_path, n=2, prefix="t"):
-    dirs = []
-    for i in range(n):
-        d = tmp_path / f"{prefix}{i}"
-        d.mkdir()
-        dirs.append(str(d))
-    return dirs
 
 
 def wrap(model, tiers, make=None, **kwargs):

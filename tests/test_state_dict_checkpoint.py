@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from conftest import tier_dirs
 
 from mlp_offload import MLPOffloadOptimizer, errors
 
@@ -33,15 +34,6 @@ def wrap(opt, tiers, **kwargs):
     kwargs.setdefault("subgroup_numel", 300)
     kwargs.setdefault("compute_threads", 1)
     return MLPOffloadOptimizer(opt, tiers=[str(t) for t in tiers], **kwargs)
-
-
-def tiers_in(tmp_path, name, n=2):
-    out = []
-    for i in range(n):
-        d = tmp_path / f"{name}{i}"
-        d.mkdir()
-        out.append(d)
-    return out
 
 
 def run(model, opt, steps):
@@ -80,7 +72,7 @@ def test_state_dict_moves_between_wrapper_and_plain_optimizer(tmp_path, name):
     ref = make_model()
     ref_opt = make(ref.parameters())
     model = copy.deepcopy(ref)
-    opt = wrap(make(model.parameters()), tiers_in(tmp_path, "t"))
+    opt = wrap(make(model.parameters()), tier_dirs(tmp_path, prefix="t"))
     run(ref, ref_opt, range(4))
     run(model, opt, range(4))
     assert_same_params(model, ref)
@@ -92,7 +84,7 @@ def test_state_dict_moves_between_wrapper_and_plain_optimizer(tmp_path, name):
     plain.load_state_dict(sd)
     # Plain -> a fresh wrapper.
     model2 = copy.deepcopy(ref)
-    opt2 = wrap(make(model2.parameters()), tiers_in(tmp_path, "u", 1), mode="baseline")
+    opt2 = wrap(make(model2.parameters()), tier_dirs(tmp_path, 1, "u"), mode="baseline")
     opt2.load_state_dict(ref_opt.state_dict())
     assert_same_state(opt2.state_dict(), ref_opt.state_dict())
     # All three continue identically.
@@ -112,7 +104,7 @@ def test_wrapping_an_optimizer_with_state_takes_it_over(tmp_path):
     model = copy.deepcopy(ref)
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     inner.load_state_dict(ref_opt.state_dict())
-    opt = wrap(inner, tiers_in(tmp_path, "t", 1))
+    opt = wrap(inner, tier_dirs(tmp_path, 1, "t"))
     assert len(inner.state) == 0  # moved into the engine
     run(ref, ref_opt, range(3, 6))
     run(model, opt, range(3, 6))
@@ -121,7 +113,7 @@ def test_wrapping_an_optimizer_with_state_takes_it_over(tmp_path):
 
 
 def test_load_state_dict_refuses_mismatched_shapes(tmp_path):
-    opt = wrap(torch.optim.Adam(make_model(hidden=32).parameters()), tiers_in(tmp_path, "t", 1))
+    opt = wrap(torch.optim.Adam(make_model(hidden=32).parameters()), tier_dirs(tmp_path, 1, "t"))
     other = make_model(hidden=24)
     other_opt = torch.optim.Adam(other.parameters())
     run(other, other_opt, range(1))
@@ -135,11 +127,11 @@ def test_load_state_dict_refuses_mismatched_shapes(tmp_path):
 def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
     make = OPTIMIZERS[name]
     ref = make_model()
-    ref_opt = wrap(make(ref.parameters()), tiers_in(tmp_path, "ref"), mode=mode)
+    ref_opt = wrap(make(ref.parameters()), tier_dirs(tmp_path, prefix="ref"), mode=mode)
     run(ref, ref_opt, range(10))
 
     model = make_model()
-    opt = wrap(make(model.parameters()), tiers_in(tmp_path, "a"), mode=mode)
+    opt = wrap(make(model.parameters()), tier_dirs(tmp_path, prefix="a"), mode=mode)
     run(model, opt, range(5))
     ckpt = tmp_path / "ckpt"
     opt.save_checkpoint(ckpt)
@@ -152,7 +144,7 @@ def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
     # optimizer on other tiers with a different host cache.
     model2 = make_model(seed=7)
     model2.load_state_dict(model_state)
-    opt2 = wrap(make(model2.parameters()), tiers_in(tmp_path, "b", 1), mode=mode,
+    opt2 = wrap(make(model2.parameters()), tier_dirs(tmp_path, 1, "b"), mode=mode,
                 host_cache_bytes=1 << 30)
     opt2.load_checkpoint(ckpt)
     run(model2, opt2, range(7, 10))
@@ -163,7 +155,7 @@ def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
 
 def test_checkpoint_restores_master_and_param_groups(tmp_path):
     model = make_model()
-    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tiers_in(tmp_path, "a", 1))
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "a"))
     run(model, opt, range(3))
     saved = [p.detach().clone() for p in model.parameters()]
     opt.save_checkpoint(tmp_path / "ckpt")
@@ -179,15 +171,15 @@ def test_checkpoint_restores_master_and_param_groups(tmp_path):
 
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     model = make_model(hidden=32)
-    opt = wrap(torch.optim.Adam(model.parameters()), tiers_in(tmp_path, "a", 1))
+    opt = wrap(torch.optim.Adam(model.parameters()), tier_dirs(tmp_path, 1, "a"))
     run(model, opt, range(1))
     opt.save_checkpoint(tmp_path / "ckpt")
     other = make_model(hidden=24)
-    opt2 = wrap(torch.optim.Adam(other.parameters()), tiers_in(tmp_path, "b", 1))
+    opt2 = wrap(torch.optim.Adam(other.parameters()), tier_dirs(tmp_path, 1, "b"))
     with pytest.raises(errors.StateMismatchError, match=r"parameter 0 has shape \[32, 16\]"):
         opt2.load_checkpoint(tmp_path / "ckpt")
     opt3 = wrap(torch.optim.SGD(make_model().parameters(), lr=0.1),
-                tiers_in(tmp_path, "c", 1))
+                tier_dirs(tmp_path, 1, "c"))
     with pytest.raises(errors.StateMismatchError, match="optimizer"):
         opt3.load_checkpoint(tmp_path / "ckpt")
     with pytest.raises(errors.StateMismatchError, match="no checkpoint"):
@@ -198,7 +190,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
 def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
     model = make_model()
-    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tiers_in(tmp_path, "a", 1))
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "a"))
     run(model, opt, range(2))
     ckpt = tmp_path / "ckpt"
     opt.save_checkpoint(ckpt)
@@ -214,7 +206,7 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
         opt.save_checkpoint(ckpt)
     monkeypatch.undo()
     opt2 = wrap(torch.optim.Adam(make_model().parameters(), lr=1e-2),
-                tiers_in(tmp_path, "b", 1))
+                tier_dirs(tmp_path, 1, "b"))
     opt2.load_checkpoint(ckpt)
     assert_same_state(opt2.state_dict(), at_save)
     opt.close()
