@@ -645,7 +645,8 @@ absl::Status Engine::Impl::OpenTiers() {
     const TierSpec& spec = config.tiers[t];
     if (spec.throttle_shared) {
       SharedThrottleOptions shared;
-      shared.state_path = real[t] + "/.mlp_offload_throttle";
+      shared.state_path =
+          absl::StrCat(real[t], "/", TierSpec::kSharedThrottleFile);
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;

@@ -25,6 +25,9 @@ struct TierSpec {
   // For a shared throttle: with k processes streaming at once the device
   // gives cap / (1 + contention * (k - 1)) in total; 0: no loss. >= 0.
   double throttle_contention = 0;
+  // The shared throttle's state file, in the tier's directory (a fresh one
+  // resets the device's clocks).
+  static constexpr char kSharedThrottleFile[] = ".mlp_offload_throttle";
   // Tiers with the same non-empty pool share one bandwidth (two directories
   // on one device); the planner then splits the pool's bandwidth.
   std::string bandwidth_pool;

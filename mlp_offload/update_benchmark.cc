@@ -313,7 +313,7 @@ absl::StatusOr<Summary> RunRanks(const std::string& name,
                                  uint64_t params, uint64_t sg) {
   // Fresh device clocks and stream counts for every configuration.
   for (const std::string& d : setup.dirs)
-    unlink((d + "/.mlp_offload_throttle").c_str());
+    unlink(absl::StrCat(d, "/", TierSpec::kSharedThrottleFile).c_str());
   int up[2], go[2], report[2];
   if (pipe(up) != 0 || pipe(go) != 0 || pipe(report) != 0)
     return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
