@@ -74,7 +74,11 @@ class IoEngine {
   virtual void SubmitBatch(absl::Span<const IoRequest> requests,
                            absl::Span<IoCallback> done);
   // Waits for every in-flight request to complete (their callbacks run) and
-  // stops the engine. Idempotent; also called by the destructor.
+  // stops the engine. Idempotent; also called by the destructor. It cannot
+  // hang on a broken io_uring ring: once submissions have failed for 2 s,
+  // the requests the kernel never took fail with the io_uring_enter error.
+  // Requests the kernel did take are always waited for (it may still be
+  // reading into or writing from their buffers).
   virtual void Shutdown() = 0;
 
   // Registers host buffers (e.g. AlignedBuffers) with the engine, replacing

@@ -1,5 +1,6 @@
 #include "io/io_engine.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "io/aligned_buffer.h"
@@ -234,6 +236,67 @@ TEST_P(IoEngineTest, FailingRingSubmissionsBackOffThenRefuseAndRecover) {
           .ok());
   EXPECT_EQ(std::memcmp(back.data(), io_.data(), len), 0);
   EXPECT_EQ(std::memcmp(back.as<char>() + len, io_.data(), len), 0);
+}
+
+TEST_P(IoEngineTest, ShutdownWithABrokenRingFailsWhatTheKernelNeverTook) {
+  if (GetParam().kind != IoEngineOptions::Kind::kUring) {
+    GTEST_SKIP() << "the thread-pool engine has no ring";
+  }
+  // 64 KiB pieces, 8 in the ring: the read's 2 and 6 of the write's 16 go
+  // into the ring, the other 10 wait in the engine's queue.
+  const size_t read_len = 128 << 10, write_len = 1 << 20;
+  char* read_into = io_.as<char>();
+  char* write_from = io_.as<char>() + read_len;
+  std::memset(read_into, 0x5a, read_len);
+  FillRandom(write_from, write_len, 9);
+  internal_io::SetRingSubmitErrorForTesting(EBADF);
+  IoFuture read = engine_->Submit(
+      IoRequest{IoOp::kRead, file_.get(), 0, read_len, read_into});
+  IoFuture write = engine_->Submit(
+      IoRequest{IoOp::kWrite, file_.get(), read_len, write_len, write_from});
+  absl::SleepFor(absl::Milliseconds(2600));  // past the engine's patience
+  EXPECT_FALSE(read.Ready());                 // in the ring, kept for now
+
+  absl::Notification shut;
+  std::thread shutdown([&] {
+    engine_->Shutdown();
+    shut.Notify();
+  });
+  const bool bounded = shut.WaitForNotificationWithTimeout(absl::Seconds(20));
+  // Unstick a hung Shutdown so the test fails instead of hanging.
+  internal_io::SetRingSubmitErrorForTesting(0);
+  shutdown.join();
+  ASSERT_TRUE(bounded) << "Shutdown waited for a ring that cannot submit";
+
+  ASSERT_TRUE(read.Ready());
+  ASSERT_TRUE(write.Ready());
+  for (IoFuture* f : {&read, &write}) {
+    absl::StatusOr<size_t> r = f->Wait();
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("io_uring_enter"), std::string::npos)
+        << r.status();
+  }
+  EXPECT_NE(read.Wait().status().message().find(
+                absl::StrCat("read ", path_, " at offset 0")),
+            std::string::npos)
+      << read.Wait().status();
+  // The kernel never saw them: the read buffer and the file are untouched.
+  EXPECT_TRUE(std::all_of(read_into, read_into + read_len,
+                          [](char c) { return c == 0x5a; }));
+  std::vector<char> on_disk(write_len, 1);
+  const int fd = open(path_.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(pread(fd, on_disk.data(), write_len, read_len),
+            static_cast<ssize_t>(write_len));
+  close(fd);
+  EXPECT_TRUE(std::all_of(on_disk.begin(), on_disk.end(),
+                          [](char c) { return c == 0; }));
+  // Shut down for good: new requests are refused, not queued.
+  EXPECT_FALSE(engine_
+                   ->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096,
+                                      read_into})
+                   .Wait()
+                   .ok());
 }
 
 TEST_P(IoEngineTest, ReadPastEndIsAnErrorNeverAShortSuccess) {

@@ -284,6 +284,45 @@ class UringEngine final : public IoEngine {
     piece->tracker->PieceDone(piece->offset, absl::OkStatus());
   }
 
+  // Shutdown while the ring cannot submit: once everything the kernel has
+  // taken has completed, what is left sits in the submission queue unseen by
+  // the kernel (it only takes SQEs inside io_uring_enter, which this thread
+  // alone calls, and closing the ring discards them). Those pieces, and the
+  // ones waiting to be resubmitted, fail with the ring's error and the loop
+  // may exit: their buffers were never handed to the kernel. Returns false
+  // (keep waiting) while not stopping or while the kernel holds a request.
+  bool AbandonUnsubmittedOnShutdown(unsigned in_flight) {
+    absl::Status broken;
+    {
+      ::mlp_offload::MutexLock lock(&mu_);
+      if (!stopping_) return false;
+      broken = broken_;
+    }
+    std::vector<Piece*> unsent;
+    const io_uring_sq& sq = ring_.sq;
+    for (unsigned i = io_uring_smp_load_acquire(sq.khead); i != sq.sqe_tail;
+         ++i) {
+      const uint64_t tag = sq.sqes[i & sq.ring_mask].user_data;
+      if (tag != kWakeTag) unsent.push_back(reinterpret_cast<Piece*>(tag));
+    }
+    if (unsent.size() != in_flight) return false;
+    std::deque<Piece> queued;  // raced in while the ring broke
+    {
+      ::mlp_offload::MutexLock lock(&mu_);
+      loop_exited_ = true;
+      queued.swap(pending_);
+    }
+    for (Piece* raw : unsent) retry_.emplace_back(raw);
+    for (Piece& p : queued) retry_.push_back(std::make_unique<Piece>(std::move(p)));
+    while (!retry_.empty()) {
+      std::unique_ptr<Piece> piece = std::move(retry_.front());
+      retry_.pop_front();
+      piece->tracker->PieceDone(
+          piece->offset, RingError(piece->tracker->request(), broken));
+    }
+    return true;
+  }
+
   // Records the ring's state; when it breaks, the pieces queued but not yet
   // in the ring fail with the error (they never reached the kernel).
   void SetBroken(absl::Status status) {
@@ -357,7 +396,8 @@ class UringEngine final : public IoEngine {
         // after kRingGiveUp makes the engine refuse what has not reached the
         // ring yet and every new request, naming the error, until a
         // submission works again. What is already in the ring stays there
-        // (its buffers may still be in the kernel's hands).
+        // (its buffers may still be in the kernel's hands) until the ring
+        // works or the engine shuts down (AbandonUnsubmittedOnShutdown).
         const absl::Time now = absl::Now();
         if (failing_since_ == absl::InfiniteFuture()) failing_since_ = now;
         backoff_ = std::min(kMaxBackoff, std::max(kMinBackoff, backoff_ * 2));
@@ -369,6 +409,7 @@ class UringEngine final : public IoEngine {
                            absl::FormatDuration(now - failing_since_))));
         }
         absl::SleepFor(backoff_);
+        if (ring_broken_ && AbandonUnsubmittedOnShutdown(in_flight)) break;
       }
       bool rearm = false;
       for (unsigned i = 0; i < n; ++i) {

@@ -25,6 +25,12 @@ def test_wheel_contents(wheel):
     assert len(dist) == 1
     entry = zipfile.ZipFile(wheel).read(dist[0].replace("METADATA", "entry_points.txt"))
     assert b"mlp-offload = mlp_offload.cli:main" in entry
+    # The native libraries it needs travel with it (see the next test).
+    for lib in ("libhwy.so.1", "liburing.so.2", "libabsl_status.so.20220623",
+                "libabsl_base.so.20220623"):
+        assert "mlp_offload.libs/" + lib in names
+    record = zipfile.ZipFile(wheel).read(dist[0].replace("METADATA", "RECORD")).decode()
+    assert "mlp_offload.libs/libhwy.so.1,sha256=" in record  # pip uninstall removes it
     assert os.path.basename(wheel).startswith("mlp_offload-")
     assert wheel.endswith("-cp311-cp311-linux_x86_64.whl")
 
@@ -50,3 +56,17 @@ def test_wheel_installs_into_fresh_venv(wheel, tmp_path):
     info = subprocess.run([str(venv / "bin" / "mlp-offload"), "info"], check=True,
                           capture_output=True, text=True, cwd=str(tmp_path)).stdout
     assert '"simd_target"' in info
+    # Abseil, Highway and liburing load from the wheel's own copies, not from
+    # the system's (which this machine also has): the wheel installs where
+    # Debian's packages are not.
+    probe = ("import re, mlp_offload\n"
+             "maps = open('/proc/self/maps').read().split('\\n')\n"
+             "paths = {l.split()[-1] for l in maps if re.search(r'/(libabsl_|libhwy|liburing)', l)}\n"
+             "print('\\n'.join(sorted(paths)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    loaded = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True,
+                            cwd=str(tmp_path), env=env).stdout.split()
+    names = {os.path.basename(p) for p in loaded}
+    assert {"libhwy.so.1", "liburing.so.2", "libabsl_status.so.20220623"} <= names, loaded
+    libs_dir = os.path.realpath(os.path.join(site, "mlp_offload.libs"))
+    assert all(os.path.dirname(os.path.realpath(p)) == libs_dir for p in loaded), loaded

@@ -21,6 +21,9 @@ def _py_wheel_zip_impl(ctx):
     for group, specs in ctx.attr.entry_points.items():
         for spec in specs:
             args.add("--entry_point", "%s:%s" % (group, spec))
+    if ctx.attr.bundle_libs:
+        args.add("--bundle_libs", ctx.attr.bundle_libs)
+        args.add("--libs_dir", ctx.attr.package_dir + ".libs")
     inputs = []
     for src in ctx.files.srcs:
         inputs.append(src)
@@ -48,6 +51,9 @@ py_wheel_zip = rule(
         "requires": attr.string_list(),
         # {"console_scripts": ["name = module:function", ...]}
         "entry_points": attr.string_list_dict(),
+        # Regex of sonames copied into <package_dir>.libs/ (see build_wheel.py);
+        # the extension must be linked with an RPATH to that directory.
+        "bundle_libs": attr.string(),
         "_builder": attr.label(
             default = "//tools/wheel:build_wheel",
             executable = True,
