@@ -128,3 +128,13 @@ def streaming_buffers(techniques, num_tiers):
     """
     active = num_tiers if techniques["multipath"] else 1
     return max(3, 2 * active + 1)
+
+
+def host_budget_bytes(host_cache_bytes, buffer_bytes, techniques, num_tiers):
+    """The engine's host budget for a user's `host_cache_bytes`.
+
+    The cache holds whole records (`buffer_bytes` each, the planner's record
+    size); the streaming buffers come on top of it.
+    """
+    cached = (host_cache_bytes // buffer_bytes) * buffer_bytes
+    return cached + streaming_buffers(techniques, num_tiers) * buffer_bytes

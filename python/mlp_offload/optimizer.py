@@ -334,9 +334,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # The host cache is on top of the streaming buffers the planner wants.
         probe = _C.engine.make_plan(numel, arrays, grad_bytes, self._tiers, 1 << 62,
                                   self._techniques)
-        budget = (self._host_cache_bytes // probe.buffer_bytes) * probe.buffer_bytes
-        budget += _config.streaming_buffers(self._techniques, len(self._tiers)) \
-            * probe.buffer_bytes
+        budget = _config.host_budget_bytes(self._host_cache_bytes, probe.buffer_bytes,
+                                           self._techniques, len(self._tiers))
         self._generation += 1
         resume_engine = False
         if self._persistent:

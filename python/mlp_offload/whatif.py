@@ -92,9 +92,8 @@ def plan_config(config, sizes, arrays_per_param, grad_bytes, tiers, host_cache_b
     techniques = techniques_of(config)
     probe = _C.engine.make_plan(sizes, arrays_per_param, grad_bytes, tiers, 1 << 62,
                                 techniques, 0.0, ranks)
-    bb = probe.buffer_bytes
-    budget = (host_cache_bytes // bb) * bb + \
-        _config.streaming_buffers(techniques, len(tiers)) * bb
+    budget = _config.host_budget_bytes(host_cache_bytes, probe.buffer_bytes, techniques,
+                                       len(tiers))
     plan = _C.engine.make_plan(sizes, arrays_per_param, grad_bytes, tiers, budget,
                                techniques, float(compute_params_per_sec), ranks)
     return plan, budget

@@ -10,10 +10,13 @@
 # and unpacked here (dpkg-deb, or ar + tar where there is no dpkg) into
 # .dev/deps. The extension finds their shared libraries through its RPATH.
 #
-# Usage: tools/gpu_check/build_ext.sh [--cuda|--no-cuda] [--out DIR]
+# Usage: tools/gpu_check/build_ext.sh [--cuda|--no-cuda] [--out DIR] [--list-sources]
 #   --cuda     compile gpu/ with $CUDA_PATH/bin/nvcc (default /usr/local/cuda)
 #              and define MLP_OFFLOAD_WITH_CUDA, as Bazel's --config=cuda does
 #   --out DIR  where the importable package goes (default .dev/pkg): DIR/mlp_offload
+#   --list-sources  print the project sources it compiles and exit; the test
+#              //tests:test_gpu_check_sources checks them against the Bazel
+#              target's (bazel query), so this list cannot drift
 # Environment: PYTHON (default python3), the interpreter whose headers are
 # used; JOBS (default nproc); CUDA_ARCH (default 90: sm_90 SASS + PTX).
 set -euo pipefail
@@ -22,11 +25,13 @@ cd "$root"
 
 cuda=0
 out="$root/.dev/pkg"
+list_only=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --cuda) cuda=1 ;;
     --no-cuda) cuda=0 ;;
     --out) out="$2"; shift ;;
+    --list-sources) list_only=1 ;;
     *) echo "build_ext.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -35,6 +40,26 @@ PY="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
 CUDA_PATH="${CUDA_PATH:-/usr/local/cuda}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
+
+# The C++ sources of //python:mlp_offload/_C.so (and of the CUDA layer).
+srcs=(io/aligned_buffer.cc io/bandwidth_probe.cc io/fault_injection.cc io/file.cc
+      io/io_engine.cc io/shared_throttle.cc io/threadpool_engine.cc io/tier_lock.cc
+      io/uring_engine.cc io/internal/delay_queue.cc io/internal/paced_engine.cc
+      io/internal/request.cc
+      kernels/memory_probe.cc kernels/optimizer_kernels.cc kernels/target_info.cc
+      mlp_offload/base/status_macros.cc mlp_offload/base/thread_pool.cc
+      mlp_offload/engine.cc mlp_offload/planner.cc mlp_offload/state_store.cc
+      python/bindings/cuda_bindings.cc python/bindings/engine_bindings.cc
+      python/bindings/io_bindings.cc python/bindings/kernels_bindings.cc
+      python/bindings/module.cc python/bindings/status.cc)
+cuda_srcs=(gpu/host_pinning.cc gpu/grad_stats.cc)
+cuda_kernels=gpu/internal/cuda_api.cu
+[[ $cuda == 1 ]] && srcs+=("${cuda_srcs[@]}")
+if [[ $list_only == 1 ]]; then
+  printf '%s\n' "${srcs[@]}"
+  [[ $cuda == 1 ]] && echo "$cuda_kernels"
+  exit 0
+fi
 debs="$root/.dev/debs"
 deps="$root/.dev/deps"
 build="$root/.dev/build/$([[ $cuda == 1 ]] && echo cuda || echo cpu)"
@@ -73,24 +98,16 @@ cxxflags=(-std=c++17 -O2 -fPIC -fvisibility=hidden -DNDEBUG -DHWY_SHARED_DEFINE
           "-DMLP_OFFLOAD_VERSION=\"$version\"" -Wall -Wextra -Wno-sign-compare
           -Wno-unused-parameter -I"$root" -isystem "$inc" -isystem "$py_inc"
           -isystem "$pybind_inc")
-srcs=(io/aligned_buffer.cc io/bandwidth_probe.cc io/fault_injection.cc io/file.cc
-      io/io_engine.cc io/threadpool_engine.cc io/tier_lock.cc io/uring_engine.cc
-      io/internal/delay_queue.cc io/internal/request.cc
-      kernels/memory_probe.cc kernels/optimizer_kernels.cc kernels/target_info.cc
-      mlp_offload/base/status_macros.cc mlp_offload/base/thread_pool.cc
-      mlp_offload/engine.cc mlp_offload/planner.cc mlp_offload/state_store.cc
-      python/bindings/*.cc)
 rm -rf "$build" && mkdir -p "$build"
 objs=()
 extra_libs=()
 if [[ $cuda == 1 ]]; then
   cxxflags+=(-DMLP_OFFLOAD_WITH_CUDA)
-  srcs+=(gpu/host_pinning.cc gpu/grad_stats.cc)
   mkdir -p "$build/gpu"
   "$CUDA_PATH/bin/nvcc" -c -O2 -std=c++17 -Xcompiler -fPIC \
     -gencode "arch=compute_${CUDA_ARCH},code=sm_${CUDA_ARCH}" \
     -gencode "arch=compute_${CUDA_ARCH},code=compute_${CUDA_ARCH}" \
-    -I"$root" gpu/internal/cuda_api.cu -o "$build/gpu/cuda_api.o"
+    -I"$root" "$cuda_kernels" -o "$build/gpu/cuda_api.o"
   objs+=("$build/gpu/cuda_api.o")
   extra_libs+=("$CUDA_PATH/lib64/libcudart_static.a" -ldl -lrt -lpthread)
 fi
