@@ -284,6 +284,8 @@ def test_argument_errors(tmp_path):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, host_cache_bytes=-1)
     with pytest.raises(errors.ConfigError, match="tier_lock_slots"):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, tier_lock_slots=0)
+    with pytest.raises(errors.ConfigError, match="state_dict_type"):
+        wrap(torch.optim.Adam(model.parameters()), tmp_path, state_dict_type="shard")
     with pytest.raises(errors.ConfigError, match="bandwith"):
         MLPOffloadOptimizer(torch.optim.Adam(model.parameters()),
                             tiers=[{"path": str(tmp_path), "bandwith": 1}])

@@ -50,6 +50,9 @@ _CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
 # (without them) is still read.
 _CHECKPOINT_VERSION = 2
 _NONFINITE = ("raise", "skip", "ignore")
+_STATE_DICT_TYPES = ("full", "sharded")
+# The key of a sharded state dict that says whose shard it is.
+_SHARD_KEY = "mlp_offload_shard"
 
 
 def _close_engine(engine, run_dirs):
@@ -136,6 +139,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         `resumed_step` say what happened; the model's parameters are set
         from the resumed master copy.
       checkpoint_dir: where save_checkpoint() writes, read by resume.
+      state_dict_type: what state_dict() returns in a process group: "full"
+        (every rank gets every parameter's state, as torch's optimizer has
+        it) or "sharded" (each rank only the parameters whose subgroups it
+        owns: no communication, and no rank holds more than its shard; load
+        it back on the same rank of the same world size). Without a process
+        group both are the whole state.
       atomic_step: a step that raises leaves the model's parameters as they
         were before it (a copy of them is kept during each step); calling
         step() again with the same gradients completes it. False: no copy,
@@ -152,7 +161,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                  nonfinite="raise", process_group=None, generic_state_keys=None,
                  compute_threads=None, io=None, verify_checksums=True, run_name=None,
                  commit_every=0, resume="never", checkpoint_dir=None, atomic_step=True,
-                 fault_injection=False):
+                 state_dict_type="full", fault_injection=False):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -169,6 +178,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"tier_lock_slots must be an int >= 1, got {tier_lock_slots!r}")
         if not isinstance(compute_threads, int) or compute_threads < 1:
             raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ConfigError(f"state_dict_type must be one of {_STATE_DICT_TYPES}, got "
+                              f"{state_dict_type!r}")
+        self._state_dict_type = state_dict_type
 
         self.optimizer = optimizer
         self._nonfinite = nonfinite
@@ -862,18 +875,28 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             st[k] = arr[off:off + n].view(p.shape).clone()
         return st
 
-    def _read_all_states(self):
-        """{param index: torch-format state} for every parameter (all ranks)."""
+    def _owned_param_ids(self):
+        return sorted(pid for g in self._owned for pid in self._subgroups[g].param_ids)
+
+    def _read_all_states(self, sharded=False):
+        """{param index: torch-format state} for every parameter (all ranks),
+        or with `sharded` for the parameters of this rank's subgroups only
+        (no communication)."""
         self._refresh_hyperparams()
         self._ensure_initialized()
         out = {}
         for sg in self._subgroups:
-            _, arrays, step = self._subgroup_record(sg.index)
+            if sharded:
+                if self._owner(sg.index) != self._rank:
+                    continue
+                _, arrays, step = self._read_subgroup(sg.index)
+            else:
+                _, arrays, step = self._subgroup_record(sg.index)
             for p, pid, off, n in sg.slices():
                 st = self._param_state(sg, pid, p, off, n, arrays, step)
                 if st is not None:
                     out[pid] = st
-        if self._family is None and self._group is not None:
+        if not sharded and self._family is None and self._group is not None:
             # Python-side state lives on the owner rank only.
             objs = [None] * self._world
             torch.distributed.all_gather_object(
@@ -967,8 +990,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The state in torch's format (tensors on the host, fp32).
 
-        Read from the engine one subgroup at a time; in a process group every
-        rank gets the whole state.
+        Read from the engine one subgroup at a time. In a process group every
+        rank gets the whole state, or with state_dict_type="sharded" its own
+        parameters' state and a "mlp_offload_shard" entry naming the rank.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
@@ -976,7 +1000,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise OffloadError("the wrapped optimizer has state of its own: it must "
                                "only be stepped through the MLPOffloadOptimizer")
         sd = self.optimizer.state_dict()  # torch's param_groups, empty state
-        sd["state"] = self._read_all_states()
+        sharded = self._state_dict_type == "sharded" and self._group is not None
+        sd["state"] = self._read_all_states(sharded)
+        if sharded:
+            sd[_SHARD_KEY] = {"rank": self._rank, "world_size": self._world,
+                              "params": self._owned_param_ids()}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -994,6 +1022,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        shard = state_dict.get(_SHARD_KEY)
+        if shard is not None:
+            if (shard.get("rank"), shard.get("world_size")) != (self._rank, self._world):
+                raise StateMismatchError(
+                    f"the state dict is the shard of rank {shard.get('rank')} of "
+                    f"{shard.get('world_size')} ranks, this optimizer is rank {self._rank} "
+                    f"of {self._world}: load each rank's own shard, or a full state dict")
+            if list(shard.get("params", [])) != self._owned_param_ids():
+                raise StateMismatchError(
+                    "the state dict's shard holds other parameters than this rank owns "
+                    "(subgroup_numel or the model differs)")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
