@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -216,6 +217,9 @@ struct Engine::Impl {
 
   int64_t steps_done = 0;
   int64_t committed = -1;
+  // Per tier, the commit record its COMMIT file holds (empty: none yet);
+  // the next commit moves it to COMMIT.prev.
+  std::vector<std::string> commit_bytes;
   bool resumed = false;
 
   // The step in progress.
@@ -458,6 +462,13 @@ struct Engine::Impl {
       return absl::DataLossError(
           absl::StrCat(w, ": record belongs to another subgroup or run"));
     }
+    if (h.step != disk_step[i]) {
+      // A valid record of another step: the slot was rewritten after the
+      // commit that names it (or the commit names the wrong slot).
+      return absl::DataLossError(
+          absl::StrCat(w, ": record holds step ", h.step, ", expected step ",
+                       disk_step[i], " (overwritten after its commit)"));
+    }
     if (config.verify_checksums) {
       // The buffer belongs to this thread until it is handed on, so the
       // checksum runs without the lock and completions keep flowing.
@@ -570,8 +581,12 @@ absl::Status Engine::Impl::WriteCommit() {
     }
     MLP_RETURN_IF_ERROR(state_files[i]->Sync());
   }
-  // A crash between two tiers' records leaves them one step apart; Create
-  // then resumes from the older step, whose slots this step did not touch.
+  // Each tier's previous record moves to COMMIT.prev first. A crash between
+  // two tiers' records leaves them one commit apart; Create then resumes
+  // the older step from the newer tier's COMMIT.prev, whose slots this step
+  // did not touch (writes go to the slots no commit record names). The
+  // ranks of a process group use the same to agree on one step.
+  commit_bytes.resize(tiers.size());
   for (size_t t = 0; t < tiers.size(); ++t) {
     CommitRecord c;
     c.step = steps_done;
@@ -582,8 +597,14 @@ absl::Status Engine::Impl::WriteCommit() {
       c.subgroup_step[i] = disk_step[i];
       c.subgroup_slot[i] = static_cast<uint8_t>(current_slot[i]);
     }
+    std::string encoded = EncodeCommitRecord(c);
+    if (!commit_bytes[t].empty()) {
+      MLP_RETURN_IF_ERROR(WriteFileAtomically(tiers[t].dir + "/COMMIT.prev",
+                                              commit_bytes[t]));
+    }
     MLP_RETURN_IF_ERROR(
-        WriteFileAtomically(tiers[t].dir + "/COMMIT", EncodeCommitRecord(c)));
+        WriteFileAtomically(tiers[t].dir + "/COMMIT", encoded));
+    commit_bytes[t] = std::move(encoded);
   }
   for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
   committed = steps_done;
@@ -681,7 +702,16 @@ absl::Status Engine::Impl::LoadCommitted() {
   Manifest expected;
   expected.arrays_per_param = arrays();
   expected.subgroup_numel = numel;
-  std::vector<CommitRecord> commits;
+  struct Committed {
+    CommitRecord record;
+    std::string bytes;
+  };
+  struct TierCommits {
+    Committed latest;
+    std::optional<Committed> previous;
+    absl::Status prev_status;  // why COMMIT.prev is unusable, if it is
+  };
+  std::vector<TierCommits> commits;
   for (size_t t = 0; t < tiers.size(); ++t) {
     std::string mpath = tiers[t].dir + "/MANIFEST";
     MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
@@ -702,32 +732,71 @@ absl::Status Engine::Impl::LoadCommitted() {
           absl::StrCat("no committed step on ", tiers[t].dir, " (",
                        bytes.status().message(), ")"));
     }
-    MLP_ASSIGN_OR_RETURN(CommitRecord c, ParseCommitRecord(*bytes, cpath));
-    if (c.subgroup_step.size() != numel.size()) {
+    Committed latest;
+    MLP_ASSIGN_OR_RETURN(latest.record, ParseCommitRecord(*bytes, cpath));
+    latest.bytes = std::move(*bytes);
+    if (latest.record.subgroup_step.size() != numel.size()) {
       return absl::DataLossError(
           absl::StrCat(cpath, ": subgroup count mismatch"));
     }
-    commits.push_back(std::move(c));
-  }
-  int64_t step = commits[0].step;
-  for (const CommitRecord& c : commits) step = std::min(step, c.step);
-  for (size_t t = 0; t < tiers.size(); ++t) {
-    const CommitRecord& c = commits[t];
-    // A tier one step ahead (crash between the tiers' commit records) still
-    // holds the older step in its other slots.
-    const bool ahead = c.step == step + 1;
-    if (c.step != step && !ahead) {
-      return absl::DataLossError(
-          absl::StrCat("tiers disagree on the committed step (", step, " vs ",
-                       c.step, " in ", tiers[t].dir, ")"));
+    // The one before, if the run has committed twice (a damaged COMMIT.prev
+    // only matters if that step is asked for).
+    std::optional<Committed> previous;
+    const std::string ppath = cpath + ".prev";
+    absl::Status prev_status = absl::OkStatus();
+    if (auto pbytes = ReadSmallFile(ppath); pbytes.ok()) {
+      auto parsed = ParseCommitRecord(*pbytes, ppath);
+      if (parsed.ok() && parsed->subgroup_step.size() == numel.size()) {
+        previous = Committed{std::move(*parsed), std::move(*pbytes)};
+      } else {
+        prev_status = parsed.ok() ? absl::DataLossError(absl::StrCat(
+                                        ppath, ": subgroup count mismatch"))
+                                  : parsed.status();
+      }
     }
+    commits.push_back({std::move(latest), std::move(previous), prev_status});
+  }
+  // The newest step every tier can give, or the one asked for.
+  int64_t step = config.resume_step;
+  if (step < 0) {
+    step = commits[0].latest.record.step;
+    for (const TierCommits& c : commits)
+      step = std::min(step, c.latest.record.step);
+  }
+  commit_bytes.assign(tiers.size(), "");
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    TierCommits& tc = commits[t];
+    const Committed* use = nullptr;
+    if (tc.latest.record.step == step) {
+      use = &tc.latest;
+    } else if (tc.previous.has_value() && tc.previous->record.step == step) {
+      use = &*tc.previous;
+    } else {
+      return absl::DataLossError(absl::StrCat(
+          tiers[t].dir, " cannot give committed step ", step, ": it has step ",
+          tc.latest.record.step,
+          tc.previous.has_value()
+              ? absl::StrCat(" and step ", tc.previous->record.step)
+              : std::string(tc.prev_status.ok()
+                                ? " only"
+                                : absl::StrCat(" only (COMMIT.prev: ",
+                                               tc.prev_status.message(), ")"))));
+    }
+    const CommitRecord& c = use->record;
     for (int i = 0; i < n(); ++i) {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
-      int slot = ahead ? 1 - c.subgroup_slot[i] : c.subgroup_slot[i];
-      current_slot[i] = committed_slot[i] = slot;
-      disk_step[i] = sg_step[i] =
-          ahead ? c.subgroup_step[i] - 1 : c.subgroup_step[i];
+      current_slot[i] = committed_slot[i] = c.subgroup_slot[i];
+      disk_step[i] = sg_step[i] = c.subgroup_step[i];
       initialized[i] = true;
+    }
+    commit_bytes[t] = use->bytes;
+  }
+  // Rolled back tiers (all checked first): their COMMIT must not name slots
+  // that this run will now rewrite.
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    if (commits[t].latest.record.step != step) {
+      MLP_RETURN_IF_ERROR(
+          WriteFileAtomically(tiers[t].dir + "/COMMIT", commit_bytes[t]));
     }
   }
   for (int t : plan.tier_of_subgroup) {
@@ -829,6 +898,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     for (auto& tier : e.tiers) {
       // A fresh run: an old commit record must not be resumed against it.
       unlink((tier.dir + "/COMMIT").c_str());
+      unlink((tier.dir + "/COMMIT.prev").c_str());
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tier.dir + "/MANIFEST", EncodeManifest(m)));
     }

@@ -46,6 +46,12 @@ struct EngineConfig {
   // Reuse the state already on the tiers (the last committed step) instead
   // of starting fresh. See Engine::Create.
   bool resume = false;
+  // With resume: the committed step to resume (-1: the newest one every
+  // tier holds). Each tier keeps its last two commit records, so this may
+  // be the one before the newest as long as no step ran after that commit:
+  // how the ranks of a process group that crashed part-way through a
+  // commit agree on one step.
+  int64_t resume_step = -1;
   // Make the live state durable every this many steps (0: never): the
   // records kept in host memory are written too, and a commit record names
   // the slot of every subgroup, so a crash resumes from that step.

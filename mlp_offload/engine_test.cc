@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "io/fault_injection.h"
+#include "mlp_offload/state_store.h"
 
 namespace mlp_offload {
 namespace {
@@ -438,6 +439,137 @@ TEST(EngineTest, ResumesFromTheLastCommittedStep) {
       (*engine)->ReadSubgroup(0, got.data(), {m.data(), v.data()}, &step).ok());
   EXPECT_EQ(step, 3);
   EXPECT_EQ(got, want);
+}
+
+// Every subgroup's master copy and moments, and its step.
+struct Snapshot {
+  std::vector<std::vector<float>> master, m, v;
+  std::vector<int64_t> step;
+  bool operator==(const Snapshot& o) const {
+    return master == o.master && m == o.m && v == o.v && step == o.step;
+  }
+};
+
+Snapshot Take(Engine& e, const std::vector<uint64_t>& sizes) {
+  Snapshot s;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    s.master.emplace_back(sizes[i]);
+    s.m.emplace_back(sizes[i]);
+    s.v.emplace_back(sizes[i]);
+    s.step.push_back(-1);
+    absl::Status r = e.ReadSubgroup(static_cast<int>(i), s.master[i].data(),
+                                    {s.m[i].data(), s.v[i].data()}, &s.step[i]);
+    EXPECT_TRUE(r.ok()) << r;
+  }
+  return s;
+}
+
+// Runs steps first..last of `model` (gradients seeded by the step).
+void RunSteps(Engine& e, Model& model, int first, int last) {
+  for (int step = first; step <= last; ++step) {
+    model.NewGrads(step);
+    std::vector<SubgroupStepInput> in = AdamWInputs(model);
+    ASSERT_TRUE(e.Step(in, StepOptions()).ok()) << "step " << step;
+  }
+}
+
+// A run with commits every 2 steps, taken to step 4; `at2` and `at4` get the
+// state after steps 2 and 4.
+EngineConfig CommittedEveryTwo(const std::string& name, Model& model,
+                               Snapshot* at2, Snapshot* at4, int last = 4) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 2;
+  cfg.run_name = name;
+  // No cache between steps: every record is written every step.
+  cfg.techniques = Only(true, false, true, false);
+  auto engine = Engine::Create(cfg);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  if (!engine.ok()) return cfg;
+  Engine& e = **engine;
+  for (int i = 0; i < 4; ++i)
+    EXPECT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  RunSteps(e, model, 1, 2);
+  *at2 = Take(e, cfg.subgroup_numel);
+  RunSteps(e, model, 3, 4);
+  *at4 = Take(e, cfg.subgroup_numel);
+  EXPECT_EQ(e.committed_step(), 4);
+  RunSteps(e, model, 5, last);
+  return cfg;
+}
+
+std::string RunDir(const EngineConfig& cfg, int tier) {
+  return absl::StrCat(cfg.tiers[tier].path, "/", cfg.run_name);
+}
+
+TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
+  Model model({1000, 2000, 3000, 1500}, 21);
+  Snapshot at2, at4;
+  EngineConfig cfg = CommittedEveryTwo("tiers_apart", model, &at2, &at4);
+  // The crash: tier 0's record of step 4 landed, tier 1's did not.
+  absl::StatusOr<std::string> prev =
+      ReadSmallFile(RunDir(cfg, 1) + "/COMMIT.prev");
+  ASSERT_TRUE(prev.ok()) << prev.status();
+  ASSERT_TRUE(WriteFileAtomically(RunDir(cfg, 1) + "/COMMIT", *prev).ok());
+
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_EQ(e.step(), 2);
+  EXPECT_TRUE(Take(e, cfg.subgroup_numel) == at2);
+  // Steps 3 and 4 again: bit for bit what the interrupted run had.
+  RunSteps(e, model, 3, 4);
+  EXPECT_TRUE(Take(e, cfg.subgroup_numel) == at4);
+}
+
+TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {
+  Model model({1000, 2000, 3000, 1500}, 22);
+  Snapshot at2, at4;
+  EngineConfig cfg = CommittedEveryTwo("go_back", model, &at2, &at4);
+  cfg.resume = true;
+  cfg.resume_step = 3;
+  auto refused = Engine::Create(cfg);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(refused.status().message().find(
+                "cannot give committed step 3: it has step 4 and step 2"),
+            std::string::npos)
+      << refused.status();
+  cfg.resume_step = 2;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->step(), 2);
+    EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
+  }
+  // Going back rewrote the commit records: step 4 is gone for good.
+  cfg.resume_step = -1;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->step(), 2);
+}
+
+TEST(EngineTest, SlotsRewrittenAfterACommitAreNeverResumedSilently) {
+  Model model({1000, 2000, 3000, 1500}, 23);
+  Snapshot at2, at4;
+  // Step 5 ran after the commit of step 4 and rewrote the slots of step 2.
+  EngineConfig cfg =
+      CommittedEveryTwo("rewritten", model, &at2, &at4, /*last=*/5);
+  cfg.resume = true;
+  cfg.resume_step = 2;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<float> master(3000), m(3000), v(3000);
+  for (int i = 0; i < 4; ++i) {
+    absl::Status r =
+        (*engine)->ReadSubgroup(i, master.data(), {m.data(), v.data()}, nullptr);
+    ASSERT_FALSE(r.ok()) << "subgroup " << i;
+    EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(r.message().find("holds step 5, expected step 2"),
+              std::string::npos)
+        << r;
+  }
 }
 
 TEST(EngineTest, CorruptRecordIsAnErrorNamingFileAndSubgroup) {

@@ -152,3 +152,67 @@ def test_sharded_state_dict_is_each_ranks_own_and_resumes(tmp_path):
         os.makedirs(t)
     mp.spawn(sharded_worker, args=(free_port(), tiers, str(tmp_path)), nprocs=WORLD,
              join=True)
+
+
+def commit_worker(rank, port, tiers, out_dir, phase):
+    """Phase 1 trains 4 steps committing every 2 (and saves the plain
+    optimizer's run at step 2); phase 2 resumes and trains steps 3 and 4."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)
+    try:
+        make = OPTIMIZERS["adamw"]
+        ref = make_model()
+        model = copy.deepcopy(ref)
+        ref_opt = make(ref.parameters())
+        ref_path = os.path.join(out_dir, "ref_at_step2.pt")
+        if phase == 2:
+            saved = torch.load(ref_path, weights_only=True)
+            ref.load_state_dict(saved["model"])
+            ref_opt.load_state_dict(saved["optimizer"])
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1, run_name="dist", commit_every=2,
+                                  resume="auto")
+        if phase == 2:
+            # Rank 1 died before committing step 4: both ranks resume step 2.
+            assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2), \
+                (rank, opt.resumed_from, opt.resumed_step)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                rel = (p - q).abs().max().item() / q.abs().max().item()
+                assert rel <= 1e-6, (rank, rel)
+        first = 1 if phase == 1 else 3
+        for step in range(first, 5):
+            gen = torch.Generator().manual_seed(1000 * step)
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+            for o, m in ((ref_opt, ref), (opt, model)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+            if phase == 1 and step == 2 and rank == 0:
+                torch.save({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()},
+                           ref_path)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            rel = (p - q).abs().max().item() / q.abs().max().item()
+            assert rel <= 1e-6, (rank, rel)
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_resume_the_step_every_rank_committed(tmp_path):
+    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
+    for t in tiers:
+        os.makedirs(t)
+    mp.spawn(commit_worker, args=(free_port(), tiers, str(tmp_path), 1), nprocs=WORLD,
+             join=True)
+    # A crash as rank 1 was committing step 4 (rank 0 had, and was waiting
+    # for rank 1 in the parameter broadcast): rank 1's tiers hold step 2.
+    rolled = 0
+    for t in tiers:
+        run_dir = os.path.join(t, "dist.r1")
+        if os.path.exists(os.path.join(run_dir, "COMMIT.prev")):
+            os.replace(os.path.join(run_dir, "COMMIT.prev"), os.path.join(run_dir, "COMMIT"))
+            rolled += 1
+    assert rolled == len(tiers)
+    mp.spawn(commit_worker, args=(free_port(), tiers, str(tmp_path), 2), nprocs=WORLD,
+             join=True)

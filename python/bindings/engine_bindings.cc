@@ -394,7 +394,7 @@ void RegisterEngineBindings(py::module_& parent) {
              const std::string& grad_dtype, py::object techniques,
              int compute_threads, py::object io, const std::string& run_name,
              int tier_lock_slots, bool verify_checksums, bool fault_injection,
-             bool resume, int commit_every) {
+             bool resume, int commit_every, int64_t resume_step) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -410,6 +410,7 @@ void RegisterEngineBindings(py::module_& parent) {
             config.fault_injection = fault_injection;
             config.resume = resume;
             config.commit_every = commit_every;
+            config.resume_step = resume_step;
             absl::StatusOr<std::unique_ptr<Engine>> engine;
             {
               py::gil_scoped_release release;
@@ -424,7 +425,7 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("run_name") = "mlp_offload_run",
           py::arg("tier_lock_slots") = 1, py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
-          py::arg("commit_every") = 0,
+          py::arg("commit_every") = 0, py::arg("resume_step") = -1,
           "Validates the config, plans, opens the tiers, creates the run "
           "directories.")
       .def("close", &PyEngine::Close,

@@ -53,6 +53,8 @@ _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
+# A rank with no subgroups puts no limit on the step the ranks resume.
+_ANY_STEP = 2 ** 62
 
 
 def _close_engine(engine, run_dirs):
@@ -337,9 +339,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._finalizer is not None:
             self._finalizer()
         self._engine = None
+        # The ranks of a resumed run must all resume the same committed step.
+        agree = self._persistent and self._want_resume and self._group is not None
         if not self._owned:
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
                          self._rank, len(self._subgroups), self._world)
+            if agree:
+                self._agree_on_step(_ANY_STEP)
             return
         numel = [self._subgroups[g].numel for g in self._owned]
         arrays = 1 + self._num_arrays
@@ -350,21 +356,52 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         budget = _config.host_budget_bytes(self._host_cache_bytes, probe.buffer_bytes,
                                            self._techniques, len(self._tiers))
         self._generation += 1
-        resume_engine = False
+        engine = None
         if self._persistent:
             self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
-            resume_engine = self._want_resume and _recovery.has_committed_state(
-                _recovery.run_dirs(self._tiers, self._run_name))
-            if self._want_resume and not resume_engine and self._resume == "require" \
+            mine = -1
+            if self._want_resume and _recovery.has_committed_state(
+                    _recovery.run_dirs(self._tiers, self._run_name)):
+                engine = self._new_engine(budget, numel, resume=True)
+                mine = engine.committed_step
+            agreed = self._agree_on_step(mine) if agree else mine
+            if self._want_resume and agreed < 0 and self._resume == "require" \
                     and not self._checkpoint_exists():
+                if engine is not None:
+                    engine.close()
                 raise StateMismatchError(
                     f"resume='require': run {self._run_prefix!r} has no committed step on "
-                    f"{[t['path'] for t in self._tiers]} and "
+                    f"{[t['path'] for t in self._tiers]}"
+                    f"{' on every rank' if agree and mine >= 0 else ''} and "
                     f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
+            if engine is not None and agreed != mine:
+                # Another rank died before committing step `mine`: every rank
+                # goes back to the step all of them committed (the engine
+                # keeps the commit before the last), or starts afresh.
+                engine.close()
+                engine = None
+                _log.warning("rank %d: committed step %d is not on every rank; %s",
+                             self._rank, mine,
+                             f"resuming step {agreed}" if agreed >= 0
+                             else "another rank has none, starting afresh")
+                if agreed >= 0:
+                    engine = self._new_engine(budget, numel, resume=True, resume_step=agreed)
         else:
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                               f"-g{self._generation}-r{self._rank}")
-        self._engine = _C.engine.Engine.create(
+        if engine is None:
+            engine = self._new_engine(budget, numel, resume=False)
+        self._engine = engine
+        run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
+        # A persistent run's directories outlive the process (that is the
+        # point); a private one's are removed with the engine.
+        self._finalizer = weakref.finalize(self, _close_engine, self._engine,
+                                           [] if self._persistent else run_dirs)
+        _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
+                  len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+
+    def _new_engine(self, budget, numel, resume, resume_step=-1):
+        return _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
             grad_dtype=_layout.DTYPE_NAMES[self._dtype], techniques=self._techniques,
@@ -373,14 +410,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             verify_checksums=self._engine_settings["verify_checksums"],
             tier_lock_slots=self._engine_settings["tier_lock_slots"],
             fault_injection=self._engine_settings["fault_injection"],
-            resume=resume_engine, commit_every=self._commit_every)
-        run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
-        # A persistent run's directories outlive the process (that is the
-        # point); a private one's are removed with the engine.
-        self._finalizer = weakref.finalize(self, _close_engine, self._engine,
-                                           [] if self._persistent else run_dirs)
-        _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
-                  len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+            resume=resume, commit_every=self._commit_every, resume_step=resume_step)
+
+    def _agree_on_step(self, step):
+        """The smallest committed step over the ranks (-1: some rank has none)."""
+        t = torch.tensor([step], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
+        return int(t.item())
 
     def _install_grad_hooks(self):
         for h in self._grad_hooks:

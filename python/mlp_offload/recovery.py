@@ -14,7 +14,9 @@ the directory) *before* the engine commits step N, once everything it holds
 is final. A crash before the commit leaves the engine at step N-1, whose file
 is still there (older files are removed only after a commit); a crash after
 it finds the file for N. On resume the file matching the engine's committed
-step is read and every other one removed.
+step is read; the files of older steps but the newest one before it are
+removed (the engine keeps the commit before the last too, see
+EngineConfig.resume_step).
 
 Also here: the per-run directory names of a persistent run, and the mapping
 of an engine error to the tier it happened on, so that every error raised
@@ -138,14 +140,20 @@ def read_pystate(run_dir, step):
 
 
 def prune_pystate(run_dir, keep_step):
-    """Removes every Python-side state file but the one of `keep_step`."""
+    """Removes the Python-side state files but those of `keep_step` and of
+    the newest step before it: the engine keeps the commit before the last
+    too (COMMIT.prev), which the ranks of a process group may have to go
+    back to."""
     try:
         names = os.listdir(run_dir)
     except OSError:
         return
-    keep = os.path.basename(pystate_path(run_dir, keep_step))
+    steps = [int(m.group(1)) for m in map(_PYSTATE_RE.match, names) if m]
+    older = [s for s in steps if s < keep_step]
+    keep = {os.path.basename(pystate_path(run_dir, s))
+            for s in [keep_step] + ([max(older)] if older else [])}
     for name in names:
-        if name == keep:
+        if name in keep:
             continue
         if _PYSTATE_RE.match(name) or (name.startswith("pystate-") and ".tmp" in name):
             try:
