@@ -4,6 +4,7 @@ updated parameters reach every rank; results equal the plain optimizer."""
 import copy
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -216,3 +217,85 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
     assert rolled == len(tiers)
     mp.spawn(commit_worker, args=(free_port(), tiers, str(tmp_path), 2), nprocs=WORLD,
              join=True)
+
+
+def checkpoint_worker(rank, port, tiers, ckpt, phase):
+    """Phase 1 saves checkpoints after steps 2 and 4; rank 1 dies in the
+    second save before its manifest lands (rank 0's has). Phase 2 resumes
+    from the checkpoint: every rank must load the save of step 2."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)
+    try:
+        make = OPTIMIZERS["adamw"]
+        ref = make_model()
+        model = copy.deepcopy(ref)
+        ref_opt = make(ref.parameters())
+        ref_path = os.path.join(ckpt, "..", "ckpt_ref_at_step2.pt")
+        if phase == 2:
+            saved = torch.load(ref_path, weights_only=True)
+            ref.load_state_dict(saved["model"])
+            ref_opt.load_state_dict(saved["optimizer"])
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1, run_name="ckpt_run", resume="auto",
+                                  checkpoint_dir=ckpt)
+        if phase == 2:
+            assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 2), \
+                (rank, opt.resumed_from, opt.resumed_step)
+        for step in range(1 if phase == 1 else 3, 5):
+            gen = torch.Generator().manual_seed(1000 * step)
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+            for o, m in ((ref_opt, ref), (opt, model)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+            if phase == 1 and step == 2:
+                opt.save_checkpoint(ckpt)
+                if rank == 0:
+                    torch.save({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()},
+                               ref_path)
+        if phase == 1:
+            if rank == 1:
+                import mlp_offload.optimizer as impl
+                write = impl._atomic_write_bytes
+                mine = os.path.join(ckpt, "manifest.rank1.json")
+                theirs = os.path.join(ckpt, "manifest.rank0.json")
+                first = open(theirs, "rb").read()
+
+                def die_before_manifest(path, data):
+                    if path == mine:
+                        # Rank 0's new manifest is in: die before ours.
+                        while open(theirs, "rb").read() == first:
+                            time.sleep(0.01)
+                        os._exit(17)
+                    write(path, data)
+                impl._atomic_write_bytes = die_before_manifest
+            opt.save_checkpoint(ckpt)  # rank 0 waits in its barrier until killed
+            raise AssertionError("the save should not finish")
+        for p, q in zip(model.parameters(), ref.parameters()):
+            rel = (p - q).abs().max().item() / q.abs().max().item()
+            assert rel <= 1e-6, (rank, rel)
+        opt.save_checkpoint(ckpt)
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(tmp_path):
+    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
+    for t in tiers:
+        os.makedirs(t)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(mp.ProcessExitedException) as died:
+        mp.spawn(checkpoint_worker, args=(free_port(), tiers, ckpt, 1), nprocs=WORLD,
+                 join=True)
+    assert died.value.exit_code == 17, died.value
+    assert os.path.exists(os.path.join(ckpt, "manifest.rank0.prev.json"))
+    mp.spawn(checkpoint_worker, args=(free_port(), tiers, ckpt, 2), nprocs=WORLD, join=True)
+    # The last save (complete) left one save per rank and nothing else.
+    names = sorted(os.listdir(ckpt))
+    assert [n for n in names if n.startswith("manifest")] == [
+        "manifest.rank0.json", "manifest.rank1.json"], names
+    for r in range(WORLD):
+        assert len([n for n in names if n.startswith(f"engine-r{r}-")]) == 1, names
+        assert len([n for n in names if n.startswith(f"python-r{r}-")]) == 1, names

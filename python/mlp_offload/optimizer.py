@@ -341,11 +341,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._engine = None
         # The ranks of a resumed run must all resume the same committed step.
         agree = self._persistent and self._want_resume and self._group is not None
+        self._agreed_step = -1
         if not self._owned:
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
                          self._rank, len(self._subgroups), self._world)
             if agree:
-                self._agree_on_step(_ANY_STEP)
+                self._agreed_step = self._agree_on_step(_ANY_STEP)
+                self._check_require(self._agreed_step)
             return
         numel = [self._subgroups[g].numel for g in self._owned]
         arrays = 1 + self._num_arrays
@@ -365,15 +367,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 engine = self._new_engine(budget, numel, resume=True)
                 mine = engine.committed_step
             agreed = self._agree_on_step(mine) if agree else mine
-            if self._want_resume and agreed < 0 and self._resume == "require" \
-                    and not self._checkpoint_exists():
+            self._agreed_step = agreed
+            try:
+                self._check_require(agreed)
+            except StateMismatchError:
                 if engine is not None:
                     engine.close()
-                raise StateMismatchError(
-                    f"resume='require': run {self._run_prefix!r} has no committed step on "
-                    f"{[t['path'] for t in self._tiers]}"
-                    f"{' on every rank' if agree and mine >= 0 else ''} and "
-                    f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
+                raise
             if engine is not None and agreed != mine:
                 # Another rank died before committing step `mine`: every rank
                 # goes back to the step all of them committed (the engine
@@ -411,6 +411,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             tier_lock_slots=self._engine_settings["tier_lock_slots"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_step=resume_step)
+
+    def _check_require(self, agreed):
+        """resume='require' with no committed step on every rank: a checkpoint
+        on some rank, or StateMismatchError (the same answer on every rank)."""
+        if self._want_resume and agreed < 0 and self._resume == "require" \
+                and not self._checkpoint_somewhere():
+            raise StateMismatchError(
+                f"resume='require': run {self._run_prefix!r} has no committed step on "
+                f"{[t['path'] for t in self._tiers]}"
+                f"{' on every rank' if self._group is not None else ''} and "
+                f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
 
     def _agree_on_step(self, step):
         """The smallest committed step over the ranks (-1: some rank has none)."""
@@ -700,8 +711,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
 
     def _checkpoint_exists(self):
-        return self._checkpoint_dir is not None and \
-            os.path.exists(self._manifest_path(self._checkpoint_dir))
+        return self._checkpoint_dir is not None and any(
+            os.path.exists(self._manifest_path(self._checkpoint_dir, prev))
+            for prev in (False, True))
+
+    def _checkpoint_somewhere(self):
+        """Whether any rank has a checkpoint in checkpoint_dir (collective)."""
+        exists = self._checkpoint_exists()
+        if self._group is None or self._checkpoint_dir is None:
+            return exists
+        return self._any_rank(exists)
 
     def _check_layout(self, got, where):
         want = self._layout_summary()
@@ -726,23 +745,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """resume='auto'/'require': the committed step, else the checkpoint."""
         self._want_resume = False
         engine = self._engine
-        if engine is not None and engine.resumed:
-            step = engine.committed_step
-            run_dir = self._pystate_dir()
-            state = _recovery.read_pystate(run_dir, step)
-            self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
-            self.optimizer.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
-            self.optimizer.state.clear()
-            self.param_groups = self.optimizer.param_groups
-            self._refresh_hyperparams()
-            self._py_state.update({int(k): v for k, v in state["py_state"].items()})
-            self._has_state.update({int(k): v for k, v in state["has_state"].items()})
+        # The same answer on every rank (_create_engine agreed on the step).
+        if self._agreed_step >= 0:
+            step = self._agreed_step
+            if engine is not None:
+                run_dir = self._pystate_dir()
+                state = _recovery.read_pystate(run_dir, step)
+                self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
+                self.optimizer.load_state_dict({"state": {},
+                                                "param_groups": state["param_groups"]})
+                self.optimizer.state.clear()
+                self.param_groups = self.optimizer.param_groups
+                self._refresh_hyperparams()
+                self._py_state.update({int(k): v for k, v in state["py_state"].items()})
+                self._has_state.update({int(k): v for k, v in state["has_state"].items()})
             self._initialized = True
             self._pending_state = None
             self._params_from_masters()
-            _recovery.prune_pystate(run_dir, step)
+            if engine is not None:
+                _recovery.prune_pystate(run_dir, step)
             self.resumed_from, self.resumed_step = "committed_step", step
-        elif self._checkpoint_exists():
+        elif self._checkpoint_somewhere():
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)
             self.resumed_from = "checkpoint"
             self.resumed_step = engine.steps if engine is not None else None
@@ -1106,8 +1129,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------- checkpoints
 
-    def _manifest_path(self, directory):
-        return os.path.join(directory, f"manifest.rank{self._rank}.json")
+    def _manifest_path(self, directory, prev=False):
+        return os.path.join(directory,
+                            f"manifest.rank{self._rank}{'.prev' if prev else ''}.json")
 
     def _layout_summary(self):
         return {
@@ -1125,12 +1149,23 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         Atomic: the new state goes to fresh names and a manifest rename
         commits it, so a crash mid-save leaves the previous checkpoint
-        intact. In a process group every rank writes its own shard.
+        intact. In a process group every rank writes its own shard, and the
+        previous save is removed only once every rank has the new one: if
+        the save is interrupted on some rank, load_checkpoint on every rank
+        loads the previous save.
         """
         directory = os.fspath(directory)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._refresh_hyperparams()
         self._ensure_initialized()
+        save_id = uuid.uuid4().hex
+        if self._group is not None:
+            ids = [save_id]
+            torch.distributed.broadcast_object_list(
+                ids, src=torch.distributed.get_global_rank(self._group, 0)
+                if self._group is not torch.distributed.group.WORLD else 0,
+                group=self._group)
+            save_id = ids[0]
         old = self._read_manifest(directory, missing_ok=True)
         tag = f"r{self._rank}-{uuid.uuid4().hex[:12]}"
         engine_dir = f"engine-{tag}"
@@ -1149,29 +1184,41 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "format": _CHECKPOINT_FORMAT,
             "version": _CHECKPOINT_VERSION,
             "rank": self._rank,
+            "save_id": save_id,
             "engine_dir": engine_dir if self._engine is not None else None,
             "python_state": python_file,
             "python_state_sha256": _recovery.file_sha256(buf_path),
             "layout": self._layout_summary(),
         }
         manifest["checksum"] = _manifest_checksum(manifest)
+        if old is not None:
+            # Kept until every rank has its new manifest (see load).
+            _atomic_write_bytes(self._manifest_path(directory, prev=True),
+                                json.dumps(old, indent=1).encode())
         _atomic_write_bytes(self._manifest_path(directory),
                             json.dumps(manifest, indent=1).encode())
         _fsync_dir(directory)
-        # The previous checkpoint is garbage only now.
-        if old is not None:
-            if old.get("engine_dir") and old["engine_dir"] != engine_dir:
-                shutil.rmtree(os.path.join(directory, old["engine_dir"]), ignore_errors=True)
-            if old.get("python_state") and old["python_state"] != python_file:
-                try:
-                    os.remove(os.path.join(directory, old["python_state"]))
-                except FileNotFoundError:
-                    pass
         if self._group is not None:
             torch.distributed.barrier(group=self._group)
+        # Every rank has the new save: this rank's earlier ones are garbage.
+        try:
+            os.remove(self._manifest_path(directory, prev=True))
+        except FileNotFoundError:
+            pass
+        mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
+        for name in os.listdir(directory):
+            if name.startswith(mine) and name not in (engine_dir, python_file):
+                path = os.path.join(directory, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
 
-    def _read_manifest(self, directory, missing_ok=False):
-        path = self._manifest_path(directory)
+    def _read_manifest(self, directory, missing_ok=False, prev=False):
+        path = self._manifest_path(directory, prev)
         from mlp_offload.errors import CorruptStateError
         try:
             with open(path, "rb") as f:
@@ -1201,6 +1248,33 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                      f"{manifest.get('version')}, expected {_CHECKPOINT_VERSION}")
         return manifest
 
+    def _manifest_to_load(self, directory):
+        """This rank's manifest of the newest save that every rank finished."""
+        if self._group is None:
+            return self._read_manifest(directory)
+        saves = {}
+        for prev in (True, False):  # the current manifest wins a tie
+            m = self._read_manifest(directory, missing_ok=True, prev=prev)
+            if m is not None:
+                saves[m.get("save_id") or m.get("python_state")] = (m, prev)
+        gathered = [None] * self._world
+        torch.distributed.all_gather_object(gathered, sorted(saves), group=self._group)
+        common = set(gathered[0]).intersection(*map(set, gathered[1:]))
+        if not common:
+            raise StateMismatchError(
+                f"no checkpoint in {directory} is complete on every rank (saves by rank: "
+                f"{dict(enumerate(gathered))}): a save was interrupted before every rank "
+                f"had written its part, and no earlier save is left on every rank")
+        current = [sid for sid, (_, prev) in saves.items() if not prev and sid in common]
+        if current:
+            return saves[current[0]][0]
+        # This rank finished a save that another did not: back to the one
+        # before, for good (the next save must not keep the unfinished one).
+        manifest = saves[common.pop()][0]
+        _atomic_write_bytes(self._manifest_path(directory),
+                            json.dumps(manifest, indent=1).encode())
+        return manifest
+
     def load_checkpoint(self, directory, restore_params=False):
         """Loads a checkpoint written by save_checkpoint.
 
@@ -1209,7 +1283,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the model's parameters are set from the checkpoint's master copy.
         """
         directory = os.fspath(directory)
-        manifest = self._read_manifest(directory)
+        manifest = self._manifest_to_load(directory)
         want, got = self._layout_summary(), manifest["layout"]
         for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays"):
             if want[key] != got.get(key):
