@@ -14,15 +14,14 @@ Importing torch takes seconds here, so training processes are forked from a
 small server process that has imported it once (and computed nothing).
 """
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import torch
+
+from fork_server import Server, read_events
 
 STEPS = 60
 CKPT_EVERY = 4
@@ -77,73 +76,6 @@ def train(cmd):
     report("finished")
 ''' % (STEPS, CKPT_EVERY)
 
-# Reads {"progress", "tiers", "ckpt", "out"} commands on stdin and forks a
-# child per command (answering its pid), or {"wait": pid} (answering the
-# wait status).
-SERVER = r'''
-import json, os, sys, traceback
-sys.path[:0] = json.loads(sys.argv[1])
-import torch, mlp_offload
-import torch._dynamo  # torch.optim imports it on first use: seconds, so here
-import crash_child
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if "wait" in cmd:
-        _, status = os.waitpid(cmd["wait"], 0)
-        print(status, flush=True)
-        continue
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            crash_child.train(cmd)
-        except BaseException:
-            with open(cmd["progress"], "a") as f:
-                f.write("error " + json.dumps(traceback.format_exc()) + "\n")
-            code = 1
-        os._exit(code)
-    print(pid, flush=True)
-'''
-
-
-class Server:
-    def __init__(self, tmp_path):
-        (tmp_path / "crash_child.py").write_text(CHILD)
-        paths = [str(tmp_path)] + [p for p in sys.path if p]
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(paths)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-
-    def _ask(self, cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "the fork server died"
-        return int(line)
-
-    def start(self, **cmd):
-        return self._ask(cmd)
-
-    def wait(self, pid):
-        return self._ask({"wait": pid})
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
-def read_events(path):
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    events = [line.split(" ") for line in lines if line]
-    for e in events:
-        assert e[0] != "error", json.loads(" ".join(e[1:]))
-    return events
-
-
 def wait_for(path, pred, pid):
     """Polls the child's progress until pred(events) or it exits."""
     while True:
@@ -165,7 +97,7 @@ def lr_at(k):
 
 def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
     rng = random.Random(8)
-    server = Server(tmp_path)
+    server = Server(tmp_path, "crash_child", CHILD)
     try:
         # The uninterrupted reference.
         ref_tiers = [tmp_path / "ref_a", tmp_path / "ref_b"]

@@ -1,0 +1,80 @@
+"""A process that has imported torch once and forks training processes.
+
+Importing torch takes seconds here; kill tests start dozens of training
+processes, so they are forked from this server instead. The server reads
+one JSON command per line on stdin: {"wait": pid} answers the wait status of
+a child; anything else forks a child that runs `<module>.train(cmd)` and
+answers its pid. A child that raises appends "error <traceback as JSON>" to
+cmd["progress"] and exits 1.
+"""
+
+import json
+import subprocess
+import sys
+
+_SERVER = r'''
+import json, os, sys, traceback
+sys.path[:0] = json.loads(sys.argv[1])
+import torch, mlp_offload
+import torch.distributed
+import torch._dynamo  # torch.optim imports it on first use: seconds, so here
+child = __import__(sys.argv[2])
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if "wait" in cmd:
+        _, status = os.waitpid(cmd["wait"], 0)
+        print(status, flush=True)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            child.train(cmd)
+        except BaseException:
+            with open(cmd["progress"], "a") as f:
+                f.write("error " + json.dumps(traceback.format_exc()) + "\n")
+            code = 1
+        os._exit(code)
+    print(pid, flush=True)
+'''
+
+
+class Server:
+    """Forks children running `train(cmd)` of the module `source` defines."""
+
+    def __init__(self, tmp_path, module, source):
+        (tmp_path / f"{module}.py").write_text(source)
+        paths = [str(tmp_path)] + [p for p in sys.path if p]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, json.dumps(paths), module],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def _ask(self, cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "the fork server died"
+        return int(line)
+
+    def start(self, **cmd):
+        return self._ask(cmd)
+
+    def wait(self, pid):
+        return self._ask({"wait": pid})
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def read_events(path):
+    """The child's progress lines, split in words; fails on a reported error."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    events = [line.split(" ") for line in lines if line]
+    for e in events:
+        assert e[0] != "error", json.loads(" ".join(e[1:]))
+    return events
