@@ -867,22 +867,23 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return bool(t.item())
 
-    def _broadcast_params(self):
+    def _global_rank(self, rank):
+        """The global rank of `rank` of the process group."""
         dist = torch.distributed
+        return rank if self._group is dist.group.WORLD else dist.get_global_rank(
+            self._group, rank)
+
+    def _broadcast_params(self):
         for sg in self._subgroups:
-            src = dist.get_global_rank(self._group, self._owner(sg.index)) \
-                if self._group is not dist.group.WORLD else self._owner(sg.index)
             flat = torch.cat([p.detach().reshape(-1) for p in sg.params])
-            dist.broadcast(flat, src=src, group=self._group)
+            self._broadcast_tensor(flat, sg.index)
             if self._owner(sg.index) != self._rank:
                 for p, _, off, n in sg.slices():
                     p.copy_(flat[off:off + n].view(p.shape))
 
     def _broadcast_tensor(self, tensor, g):
-        dist = torch.distributed
-        src = dist.get_global_rank(self._group, self._owner(g)) \
-            if self._group is not dist.group.WORLD else self._owner(g)
-        dist.broadcast(tensor, src=src, group=self._group)
+        torch.distributed.broadcast(tensor, src=self._global_rank(self._owner(g)),
+                                    group=self._group)
 
     # ------------------------------------------------------------- state
 
@@ -1161,10 +1162,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         save_id = uuid.uuid4().hex
         if self._group is not None:
             ids = [save_id]
-            torch.distributed.broadcast_object_list(
-                ids, src=torch.distributed.get_global_rank(self._group, 0)
-                if self._group is not torch.distributed.group.WORLD else 0,
-                group=self._group)
+            torch.distributed.broadcast_object_list(ids, src=self._global_rank(0),
+                                                    group=self._group)
             save_id = ids[0]
         old = self._read_manifest(directory, missing_ok=True)
         tag = f"r{self._rank}-{uuid.uuid4().hex[:12]}"
