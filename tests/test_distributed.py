@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mlp_offload import MLPOffloadOptimizer
-from mlp_offload.errors import StateMismatchError
+from mlp_offload.errors import OffloadError, StateMismatchError
 
 WORLD = 2
 STEPS = 6
@@ -299,3 +299,42 @@ def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(t
     for r in range(WORLD):
         assert len([n for n in names if n.startswith(f"engine-r{r}-")]) == 1, names
         assert len([n for n in names if n.startswith(f"python-r{r}-")]) == 1, names
+
+
+def failing_resume_worker(rank, port, tiers):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)
+    try:
+        model = make_model()
+
+        def wrap():
+            return MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                                       subgroup_numel=200, compute_threads=1,
+                                       run_name="broken", commit_every=1, resume="auto")
+        opt = wrap()
+        torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
+        opt.step()
+        opt.close()
+        dist.barrier()
+        if rank == 1:  # rank 1's commit record on tier 0 is damaged
+            with open(os.path.join(tiers[0], "broken.r1", "COMMIT"), "r+b") as f:
+                f.write(b"garbage!")
+        dist.barrier()
+        # Every rank raises (none waits for the other): rank 1 with its own
+        # error, rank 0 saying that another rank could not resume.
+        with pytest.raises(OffloadError) as err:
+            wrap()
+        if rank == 1:
+            assert "COMMIT" in str(err.value), str(err.value)
+        else:
+            assert "another rank" in str(err.value), str(err.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_resume_makes_every_rank_raise(tmp_path):
+    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
+    for t in tiers:
+        os.makedirs(t)
+    mp.spawn(failing_resume_worker, args=(free_port(), tiers), nprocs=WORLD, join=True)

@@ -53,8 +53,10 @@ _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
-# A rank with no subgroups puts no limit on the step the ranks resume.
+# A rank with no subgroups puts no limit on the step the ranks resume; one
+# that failed to open its committed state makes every rank raise.
 _ANY_STEP = 2 ** 62
+_FAILED_STEP = -2
 
 
 def _close_engine(engine, run_dirs):
@@ -347,6 +349,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                          self._rank, len(self._subgroups), self._world)
             if agree:
                 self._agreed_step = self._agree_on_step(_ANY_STEP)
+                if self._agreed_step == _FAILED_STEP:
+                    raise self._peer_failed()
                 self._check_require(self._agreed_step)
             return
         numel = [self._subgroups[g].numel for g in self._owned]
@@ -361,12 +365,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         engine = None
         if self._persistent:
             self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
-            mine = -1
+            mine, failure = -1, None
             if self._want_resume and _recovery.has_committed_state(
                     _recovery.run_dirs(self._tiers, self._run_name)):
-                engine = self._new_engine(budget, numel, resume=True)
-                mine = engine.committed_step
+                try:
+                    engine = self._new_engine(budget, numel, resume=True)
+                    mine = engine.committed_step
+                except Exception as e:  # noqa: BLE001 - re-raised below
+                    if not agree:
+                        raise
+                    # Tell the other ranks before raising, or they would wait
+                    # for this one in the agreement.
+                    failure, mine = e, _FAILED_STEP
             agreed = self._agree_on_step(mine) if agree else mine
+            if failure is not None:
+                raise failure
+            if agreed == _FAILED_STEP:
+                if engine is not None:
+                    engine.close()
+                raise self._peer_failed()
             self._agreed_step = agreed
             try:
                 self._check_require(agreed)
@@ -422,6 +439,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{[t['path'] for t in self._tiers]}"
                 f"{' on every rank' if self._group is not None else ''} and "
                 f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
+
+    def _peer_failed(self):
+        return OffloadError(
+            f"rank {self._rank}: another rank of run {self._run_prefix!r} could not open "
+            f"its committed state (its own error says why); not resuming")
 
     def _agree_on_step(self, step):
         """The smallest committed step over the ranks (-1: some rank has none)."""
