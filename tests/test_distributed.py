@@ -338,3 +338,51 @@ def test_a_rank_that_cannot_resume_makes_every_rank_raise(tmp_path):
     for t in tiers:
         os.makedirs(t)
     mp.spawn(failing_resume_worker, args=(free_port(), tiers), nprocs=WORLD, join=True)
+
+
+def failing_checkpoint_worker(rank, port, tiers, ckpt):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)
+    try:
+        model = make_model()
+        opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                                  subgroup_numel=200, compute_threads=1)
+        torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
+        opt.step()
+        opt.save_checkpoint(ckpt)
+        manifest = os.path.join(ckpt, "manifest.rank1.json")
+        good = open(manifest, "rb").read()
+        python_file = [n for n in os.listdir(ckpt) if n.startswith("python-r1-")][0]
+        python_path = os.path.join(ckpt, python_file)
+        for damaged, contents, own in (
+                (manifest, good[:40], "manifest.rank1.json is corrupt"),
+                (python_path, b"not a torch file", "corrupt: checksum mismatch")):
+            saved = open(damaged, "rb").read()
+            dist.barrier()
+            if rank == 1:
+                with open(damaged, "wb") as f:
+                    f.write(contents)
+            dist.barrier()
+            # Both ranks raise, neither waits for the other.
+            with pytest.raises(OffloadError) as err:
+                opt.load_checkpoint(ckpt, restore_params=True)
+            want = own if rank == 1 else "rank 1 failed: CorruptStateError"
+            assert want in str(err.value), (rank, str(err.value))
+            dist.barrier()
+            if rank == 1:
+                with open(damaged, "wb") as f:
+                    f.write(saved)
+        dist.barrier()
+        opt.load_checkpoint(ckpt, restore_params=True)  # intact again
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_load_its_checkpoint_makes_every_rank_raise(tmp_path):
+    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
+    for t in tiers:
+        os.makedirs(t)
+    mp.spawn(failing_checkpoint_worker, args=(free_port(), tiers, str(tmp_path / "ckpt")),
+             nprocs=WORLD, join=True)

@@ -440,6 +440,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{' on every rank' if self._group is not None else ''} and "
                 f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
 
+    def _raise_together(self, error):
+        """Collective: raises `error` on this rank, and on the others an
+        OffloadError naming the rank that failed, so that no rank waits in a
+        later collective for one that gave up. Returns if no rank failed."""
+        if self._group is None:
+            if error is not None:
+                raise error
+            return
+        errors = [None] * self._world
+        torch.distributed.all_gather_object(
+            errors, None if error is None else f"{type(error).__name__}: {error}",
+            group=self._group)
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise OffloadError(f"rank {self._rank}: rank {failed[0][0]} failed: "
+                               f"{failed[0][1]}")
+
     def _peer_failed(self):
         return OffloadError(
             f"rank {self._rank}: another rank of run {self._run_prefix!r} could not open "
@@ -1273,11 +1292,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """This rank's manifest of the newest save that every rank finished."""
         if self._group is None:
             return self._read_manifest(directory)
-        saves = {}
-        for prev in (True, False):  # the current manifest wins a tie
-            m = self._read_manifest(directory, missing_ok=True, prev=prev)
-            if m is not None:
-                saves[m.get("save_id") or m.get("python_state")] = (m, prev)
+        saves, error = {}, None
+        try:
+            for prev in (True, False):  # the current manifest wins a tie
+                m = self._read_manifest(directory, missing_ok=True, prev=prev)
+                if m is not None:
+                    saves[m.get("save_id") or m.get("python_state")] = (m, prev)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        self._raise_together(error)
         gathered = [None] * self._world
         torch.distributed.all_gather_object(gathered, sorted(saves), group=self._group)
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
@@ -1305,6 +1328,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         directory = os.fspath(directory)
         manifest = self._manifest_to_load(directory)
+        error = None
+        try:
+            self._load_checkpoint_files(directory, manifest)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        # Before the parameter broadcast, which would wait for a failed rank.
+        self._raise_together(error)
+        if restore_params:
+            self._params_from_masters()
+
+    def _load_checkpoint_files(self, directory, manifest):
+        """This rank's part of load_checkpoint: checks, then the files."""
         want, got = self._layout_summary(), manifest["layout"]
         for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays"):
             if want[key] != got.get(key):
@@ -1342,5 +1377,3 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._pending_state = None
         self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
         self._has_state.update({int(k): v for k, v in python_state["has_state"].items()})
-        if restore_params:
-            self._params_from_masters()
