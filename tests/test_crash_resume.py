@@ -131,7 +131,12 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
             if kills < KILLS:
                 how = rng.random()
                 next_ckpt = (done // CKPT_EVERY + 1) * CKPT_EVERY
-                if how < 0.2:  # while starting / resuming
+                if ckpt_done is None and kills >= KILLS // 3:
+                    # No save has completed yet (each was killed mid-save, or
+                    # a wipe sent the run back before it): let one complete,
+                    # so that resuming from a checkpoint is tested at all.
+                    wait_for(progress, lambda ev: ev and ev[-1][0] == "ckpt-end", pid)
+                elif how < 0.2:  # while starting / resuming
                     time.sleep(rng.uniform(0, 0.05))
                 elif how < 0.6 and next_ckpt - done <= 2:  # mid-checkpoint
                     wait_for(progress, lambda ev: ev and ev[-1][0] == "ckpt-begin", pid)
