@@ -14,6 +14,7 @@
 //   bazel run -c opt //mlp_offload:update_benchmark -- --params=2e8 --json
 //   bazel run -c opt //mlp_offload:update_benchmark -- --params=1e8 \
 //       --ranks=4 --contention=0.5 --configs=mlp-tier_lock,mlp
+#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -151,6 +152,39 @@ struct Setup {
 };
 
 // A rank's engine over its shard, one configuration.
+// The engine's run directory of configuration `name` on rank `rank`.
+std::string RunName(const std::string& name, const Setup& setup, int rank) {
+  return setup.ranks > 1 ? absl::StrCat("bench_", name, "_r", rank)
+                         : absl::StrCat("bench_", name);
+}
+
+// Removes `path` and everything under it (never following symlinks).
+void RemoveTree(const std::string& path) {
+  nftw(
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) {
+        remove(p);
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
+}
+
+// Removes the given directories when it goes out of scope: the benchmark's
+// state files are gigabytes, and a run leaves none behind.
+class TreeRemover {
+ public:
+  explicit TreeRemover(std::vector<std::string> paths)
+      : paths_(std::move(paths)) {}
+  ~TreeRemover() {
+    for (const std::string& p : paths_) RemoveTree(p);
+  }
+  TreeRemover(const TreeRemover&) = delete;
+  TreeRemover& operator=(const TreeRemover&) = delete;
+
+ private:
+  std::vector<std::string> paths_;
+};
+
 class Worker {
  public:
   static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name,
@@ -178,8 +212,7 @@ class Worker {
     cfg.grad_dtype = DType::kBFloat16;
     cfg.techniques = tech;
     cfg.compute_threads = setup.threads;
-    cfg.run_name = setup.ranks > 1 ? absl::StrCat("bench_", name, "_r", rank)
-                                   : absl::StrCat("bench_", name);
+    cfg.run_name = RunName(name, setup, rank);
     MLP_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(cfg));
     auto w = std::unique_ptr<Worker>(new Worker(std::move(engine), shard));
     for (size_t i = 0; i < shard->sizes.size(); ++i) {
@@ -247,6 +280,11 @@ absl::StatusOr<Summary> RunRank(const std::string& name, const Techniques& tech,
                                 const Setup& setup, int rank, Shard* shard,
                                 const std::function<void()>& before_step,
                                 const std::function<void()>& after_step) {
+  // Declared first, so it runs after the engine is gone.
+  std::vector<std::string> run_dirs;
+  for (const std::string& d : setup.dirs)
+    run_dirs.push_back(absl::StrCat(d, "/", RunName(name, setup, rank)));
+  TreeRemover remove_run_dirs(std::move(run_dirs));
   MLP_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker,
                        Worker::Create(name, tech, setup, rank, shard));
   std::vector<double> times, read_wait, compute, write_wait, grads;
@@ -460,17 +498,21 @@ int Run() {
   setup.threads = std::max(1, absl::GetFlag(FLAGS_threads) / ranks);
   setup.dirs =
       absl::StrSplit(absl::GetFlag(FLAGS_tiers), ',', absl::SkipEmpty());
+  std::vector<std::string> made;  // temporary tiers, removed at the end
   if (setup.dirs.empty()) {
     for (int t = 0; t < 2; ++t) {
       char tmpl[] = "/tmp/mlp_offload_bench_XXXXXX";
       char* d = mkdtemp(tmpl);
       if (d == nullptr) {
         std::perror("mkdtemp");
+        for (const std::string& m : made) RemoveTree(m);
         return 1;
       }
-      setup.dirs.push_back(d);
+      made.push_back(d);
     }
+    setup.dirs = made;
   }
+  TreeRemover remove_made(std::move(made));
   if (setup.dirs.size() != 2) {
     std::fprintf(stderr, "--tiers needs two directories\n");
     return 2;
