@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from mlp_offload import MLPOffloadOptimizer
 from mlp_offload.errors import OffloadError, StateMismatchError
+from conftest import tier_dirs
 
 WORLD = 2
 STEPS = 6
@@ -35,177 +36,170 @@ def make_model():
                                torch.nn.Linear(32, 8))
 
 
-def worker(rank, port, tiers, name, mode):
+def _in_group(rank, port, worker, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=WORLD)
     try:
-        make = OPTIMIZERS[name]
-        ref = make_model()
-        model = copy.deepcopy(ref)
-        ref_opt = make(ref.parameters())
-        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
-                                  subgroup_numel=200, mode=mode, compute_threads=1)
-        n = len(opt.subgroups)
-        assert n >= 3
-        assert opt.engine.num_subgroups == len(range(rank, n, WORLD))
-        for step in range(STEPS):
-            # Each rank its own batch; gradients averaged as DDP would.
-            gen = torch.Generator().manual_seed(1000 * step + rank)
-            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
-            ref_opt.zero_grad()
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ref(x), y).backward()
-            for q in ref.parameters():
-                dist.all_reduce(q.grad)
-                q.grad /= WORLD
-            for p, q in zip(model.parameters(), ref.parameters()):
-                p.grad = q.grad.clone()
-            ref_opt.step()
-            opt.step()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            rel = (p - q).abs().max().item() / q.abs().max().item()
-            assert rel <= 1e-6, (rank, rel)
-        # Every rank sees the whole state in torch's format.
-        sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
-        assert sd["state"].keys() == ref_sd["state"].keys()
-        for i, st in ref_sd["state"].items():
-            for k, v in st.items():
-                assert torch.allclose(sd["state"][i][k].float(), v.float(), rtol=1e-5,
-                                      atol=1e-7), (rank, i, k)
-        opt.close()
+        worker(rank, *args)
     finally:
         dist.destroy_process_group()
+
+
+def spawn(worker, *args):
+    """Runs worker(rank, *args) on WORLD ranks of a fresh gloo group."""
+    mp.spawn(_in_group, args=(free_port(), worker, args), nprocs=WORLD, join=True)
+
+
+def assert_params_match(model, ref, rank):
+    for p, q in zip(model.parameters(), ref.parameters()):
+        rel = (p - q).abs().max().item() / q.abs().max().item()
+        assert rel <= 1e-6, (rank, rel)
+
+
+def assert_states_match(state, ref_state, rank):
+    """Every entry of `state` (torch format) equals `ref_state`'s."""
+    for i, st in state.items():
+        for k, v in st.items():
+            assert torch.allclose(v.float(), ref_state[i][k].float(), rtol=1e-5,
+                                  atol=1e-7), (rank, i, k)
+
+
+def train_same_batches(steps, pairs):
+    """Steps every (optimizer, model) pair on the batch of each step (the
+    same on every rank)."""
+    for step in steps:
+        gen = torch.Generator().manual_seed(1000 * step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        for o, m in pairs:
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+
+
+def save_reference(path, ref, ref_opt):
+    torch.save({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()}, path)
+
+
+def load_reference(path, ref, ref_opt):
+    saved = torch.load(path, weights_only=True)
+    ref.load_state_dict(saved["model"])
+    ref_opt.load_state_dict(saved["optimizer"])
+
+
+def worker(rank, tiers, name, mode):
+    make = OPTIMIZERS[name]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
+                              subgroup_numel=200, mode=mode, compute_threads=1)
+    n = len(opt.subgroups)
+    assert n >= 3
+    assert opt.engine.num_subgroups == len(range(rank, n, WORLD))
+    for step in range(STEPS):
+        # Each rank its own batch; gradients averaged as DDP would.
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for q in ref.parameters():
+            dist.all_reduce(q.grad)
+            q.grad /= WORLD
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad.clone()
+        ref_opt.step()
+        opt.step()
+    assert_params_match(model, ref, rank)
+    # Every rank sees the whole state in torch's format.
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    assert_states_match(sd["state"], ref_sd["state"], rank)
+    opt.close()
 
 
 @pytest.mark.parametrize("name,mode", [("adamw", "mlp"), ("rmsprop", "baseline")])
 def test_two_ranks_match_plain_optimizer(tmp_path, name, mode):
-    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
-    for t in tiers:
-        os.makedirs(t)
-    mp.spawn(worker, args=(free_port(), tiers, name, mode), nprocs=WORLD, join=True)
+    spawn(worker, tier_dirs(tmp_path), name, mode)
 
 
-def sharded_worker(rank, port, tiers, ckpt_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
-    try:
-        make = OPTIMIZERS["adamw"]
-        ref = make_model()
-        model = copy.deepcopy(ref)
-        ref_opt = make(ref.parameters())
+def sharded_worker(rank, tiers, ckpt_dir):
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
 
-        def wrap(m):
-            return MLPOffloadOptimizer(make(m.parameters()), tiers=tiers, subgroup_numel=200,
-                                       compute_threads=1, state_dict_type="sharded")
+    def wrap(m):
+        return MLPOffloadOptimizer(make(m.parameters()), tiers=tiers, subgroup_numel=200,
+                                   compute_threads=1, state_dict_type="sharded")
 
-        def train(steps, first, opt, params):
-            for step in range(first, first + steps):
-                gen = torch.Generator().manual_seed(1000 * step)
-                x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
-                for o, m in ((ref_opt, ref), (opt, params)):
-                    o.zero_grad()
-                    torch.nn.functional.mse_loss(m(x), y).backward()
-                    o.step()
+    opt = wrap(model)
+    train_same_batches(range(0, 3), ((ref_opt, ref), (opt, model)))
+    sd = opt.state_dict()
+    ref_sd = ref_opt.state_dict()
+    # Only this rank's parameters: the shards are disjoint and cover all.
+    shard = sd["mlp_offload_shard"]
+    assert (shard["rank"], shard["world_size"]) == (rank, WORLD)
+    assert sorted(sd["state"]) == shard["params"]
+    owned = [None] * WORLD
+    dist.all_gather_object(owned, sorted(sd["state"]))
+    assert not set(owned[0]) & set(owned[1])
+    assert set(owned[0]) | set(owned[1]) == set(ref_sd["state"])
+    assert_states_match(sd["state"], ref_sd["state"], rank)
+    torch.save(sd, os.path.join(ckpt_dir, f"optim.rank{rank}.pt"))
+    opt.close()
+    dist.barrier()
 
-        opt = wrap(model)
-        train(3, 0, opt, model)
-        sd = opt.state_dict()
-        ref_sd = ref_opt.state_dict()
-        # Only this rank's parameters: the shards are disjoint and cover all.
-        shard = sd["mlp_offload_shard"]
-        assert (shard["rank"], shard["world_size"]) == (rank, WORLD)
-        assert sorted(sd["state"]) == shard["params"]
-        owned = [None] * WORLD
-        dist.all_gather_object(owned, sorted(sd["state"]))
-        assert not set(owned[0]) & set(owned[1])
-        assert set(owned[0]) | set(owned[1]) == set(ref_sd["state"])
-        for i, st in sd["state"].items():
-            for k, v in st.items():
-                assert torch.allclose(v.float(), ref_sd["state"][i][k].float(), rtol=1e-5,
-                                      atol=1e-7), (rank, i, k)
-        torch.save(sd, os.path.join(ckpt_dir, f"optim.rank{rank}.pt"))
-        opt.close()
-        dist.barrier()
-
-        # A fresh optimizer on each rank loads its own shard and trains on
-        # exactly as the plain optimizer does.
-        resumed = copy.deepcopy(ref)
-        opt2 = wrap(resumed)
-        with pytest.raises(StateMismatchError, match=f"shard of rank {1 - rank} of 2 ranks"):
-            opt2.load_state_dict(torch.load(os.path.join(ckpt_dir, f"optim.rank{1 - rank}.pt"),
-                                            weights_only=True))
-        opt2.load_state_dict(torch.load(os.path.join(ckpt_dir, f"optim.rank{rank}.pt"),
+    # A fresh optimizer on each rank loads its own shard and trains on
+    # exactly as the plain optimizer does.
+    resumed = copy.deepcopy(ref)
+    opt2 = wrap(resumed)
+    with pytest.raises(StateMismatchError, match=f"shard of rank {1 - rank} of 2 ranks"):
+        opt2.load_state_dict(torch.load(os.path.join(ckpt_dir, f"optim.rank{1 - rank}.pt"),
                                         weights_only=True))
-        train(3, 3, opt2, resumed)
-        for p, q in zip(resumed.parameters(), ref.parameters()):
-            rel = (p - q).abs().max().item() / q.abs().max().item()
-            assert rel <= 1e-6, (rank, rel)
-        opt2.close()
-    finally:
-        dist.destroy_process_group()
+    opt2.load_state_dict(torch.load(os.path.join(ckpt_dir, f"optim.rank{rank}.pt"),
+                                    weights_only=True))
+    train_same_batches(range(3, 6), ((ref_opt, ref), (opt2, resumed)))
+    assert_params_match(resumed, ref, rank)
+    opt2.close()
 
 
 def test_sharded_state_dict_is_each_ranks_own_and_resumes(tmp_path):
-    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
-    for t in tiers:
-        os.makedirs(t)
-    mp.spawn(sharded_worker, args=(free_port(), tiers, str(tmp_path)), nprocs=WORLD,
-             join=True)
+    spawn(sharded_worker, tier_dirs(tmp_path), str(tmp_path))
 
 
-def commit_worker(rank, port, tiers, out_dir, phase):
+def commit_worker(rank, tiers, out_dir, phase):
     """Phase 1 trains 4 steps committing every 2 (and saves the plain
     optimizer's run at step 2); phase 2 resumes and trains steps 3 and 4."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
-    try:
-        make = OPTIMIZERS["adamw"]
-        ref = make_model()
-        model = copy.deepcopy(ref)
-        ref_opt = make(ref.parameters())
-        ref_path = os.path.join(out_dir, "ref_at_step2.pt")
-        if phase == 2:
-            saved = torch.load(ref_path, weights_only=True)
-            ref.load_state_dict(saved["model"])
-            ref_opt.load_state_dict(saved["optimizer"])
-        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                                  compute_threads=1, run_name="dist", commit_every=2,
-                                  resume="auto")
-        if phase == 2:
-            # Rank 1 died before committing step 4: both ranks resume step 2.
-            assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2), \
-                (rank, opt.resumed_from, opt.resumed_step)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                rel = (p - q).abs().max().item() / q.abs().max().item()
-                assert rel <= 1e-6, (rank, rel)
-        first = 1 if phase == 1 else 3
-        for step in range(first, 5):
-            gen = torch.Generator().manual_seed(1000 * step)
-            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
-            for o, m in ((ref_opt, ref), (opt, model)):
-                o.zero_grad()
-                torch.nn.functional.mse_loss(m(x), y).backward()
-                o.step()
-            if phase == 1 and step == 2 and rank == 0:
-                torch.save({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()},
-                           ref_path)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            rel = (p - q).abs().max().item() / q.abs().max().item()
-            assert rel <= 1e-6, (rank, rel)
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    ref_path = os.path.join(out_dir, "ref_at_step2.pt")
+    if phase == 2:
+        load_reference(ref_path, ref, ref_opt)
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1, run_name="dist", commit_every=2,
+                              resume="auto")
+    if phase == 2:
+        # Rank 1 died before committing step 4: both ranks resume step 2.
+        assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2), \
+            (rank, opt.resumed_from, opt.resumed_step)
+        assert_params_match(model, ref, rank)
+    pairs = ((ref_opt, ref), (opt, model))
+    if phase == 1:
+        train_same_batches(range(1, 3), pairs)
+        if rank == 0:
+            save_reference(ref_path, ref, ref_opt)
+    train_same_batches(range(3, 5), pairs)
+    assert_params_match(model, ref, rank)
+    opt.close()
 
 
 def test_ranks_resume_the_step_every_rank_committed(tmp_path):
-    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
-    for t in tiers:
-        os.makedirs(t)
-    mp.spawn(commit_worker, args=(free_port(), tiers, str(tmp_path), 1), nprocs=WORLD,
-             join=True)
+    tiers = tier_dirs(tmp_path)
+    spawn(commit_worker, tiers, str(tmp_path), 1)
     # A crash as rank 1 was committing step 4 (rank 0 had, and was waiting
     # for rank 1 in the parameter broadcast): rank 1's tiers hold step 2.
     rolled = 0
@@ -215,83 +209,64 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             os.replace(os.path.join(run_dir, "COMMIT.prev"), os.path.join(run_dir, "COMMIT"))
             rolled += 1
     assert rolled == len(tiers)
-    mp.spawn(commit_worker, args=(free_port(), tiers, str(tmp_path), 2), nprocs=WORLD,
-             join=True)
+    spawn(commit_worker, tiers, str(tmp_path), 2)
 
 
-def checkpoint_worker(rank, port, tiers, ckpt, phase):
+def checkpoint_worker(rank, tiers, ckpt, phase):
     """Phase 1 saves checkpoints after steps 2 and 4; rank 1 dies in the
     second save before its manifest lands (rank 0's has). Phase 2 resumes
     from the checkpoint: every rank must load the save of step 2."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
-    try:
-        make = OPTIMIZERS["adamw"]
-        ref = make_model()
-        model = copy.deepcopy(ref)
-        ref_opt = make(ref.parameters())
-        ref_path = os.path.join(ckpt, "..", "ckpt_ref_at_step2.pt")
-        if phase == 2:
-            saved = torch.load(ref_path, weights_only=True)
-            ref.load_state_dict(saved["model"])
-            ref_opt.load_state_dict(saved["optimizer"])
-        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                                  compute_threads=1, run_name="ckpt_run", resume="auto",
-                                  checkpoint_dir=ckpt)
-        if phase == 2:
-            assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 2), \
-                (rank, opt.resumed_from, opt.resumed_step)
-        for step in range(1 if phase == 1 else 3, 5):
-            gen = torch.Generator().manual_seed(1000 * step)
-            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
-            for o, m in ((ref_opt, ref), (opt, model)):
-                o.zero_grad()
-                torch.nn.functional.mse_loss(m(x), y).backward()
-                o.step()
-            if phase == 1 and step == 2:
-                opt.save_checkpoint(ckpt)
-                if rank == 0:
-                    torch.save({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()},
-                               ref_path)
-        if phase == 1:
-            if rank == 1:
-                import mlp_offload.optimizer as impl
-                write = impl._atomic_write_bytes
-                mine = os.path.join(ckpt, "manifest.rank1.json")
-                theirs = os.path.join(ckpt, "manifest.rank0.json")
-                first = open(theirs, "rb").read()
-
-                def die_before_manifest(path, data):
-                    if path == mine:
-                        # Rank 0's new manifest is in: die before ours.
-                        while open(theirs, "rb").read() == first:
-                            time.sleep(0.01)
-                        os._exit(17)
-                    write(path, data)
-                impl._atomic_write_bytes = die_before_manifest
-            opt.save_checkpoint(ckpt)  # rank 0 waits in its barrier until killed
-            raise AssertionError("the save should not finish")
-        for p, q in zip(model.parameters(), ref.parameters()):
-            rel = (p - q).abs().max().item() / q.abs().max().item()
-            assert rel <= 1e-6, (rank, rel)
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    ref_path = os.path.join(ckpt, "..", "ckpt_ref_at_step2.pt")
+    if phase == 2:
+        load_reference(ref_path, ref, ref_opt)
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1, run_name="ckpt_run", resume="auto",
+                              checkpoint_dir=ckpt)
+    if phase == 2:
+        assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 2), \
+            (rank, opt.resumed_from, opt.resumed_step)
+    pairs = ((ref_opt, ref), (opt, model))
+    if phase == 1:
+        train_same_batches(range(1, 3), pairs)
         opt.save_checkpoint(ckpt)
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+        if rank == 0:
+            save_reference(ref_path, ref, ref_opt)
+    train_same_batches(range(3, 5), pairs)
+    if phase == 1:
+        if rank == 1:
+            import mlp_offload.optimizer as impl
+            write = impl._atomic_write_bytes
+            mine = os.path.join(ckpt, "manifest.rank1.json")
+            theirs = os.path.join(ckpt, "manifest.rank0.json")
+            first = open(theirs, "rb").read()
+
+            def die_before_manifest(path, data):
+                if path == mine:
+                    # Rank 0's new manifest is in: die before ours.
+                    while open(theirs, "rb").read() == first:
+                        time.sleep(0.01)
+                    os._exit(17)
+                write(path, data)
+            impl._atomic_write_bytes = die_before_manifest
+        opt.save_checkpoint(ckpt)  # rank 0 waits in its barrier until killed
+        raise AssertionError("the save should not finish")
+    assert_params_match(model, ref, rank)
+    opt.save_checkpoint(ckpt)
+    opt.close()
 
 
 def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(tmp_path):
-    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
-    for t in tiers:
-        os.makedirs(t)
+    tiers = tier_dirs(tmp_path)
     ckpt = str(tmp_path / "ckpt")
     with pytest.raises(mp.ProcessExitedException) as died:
-        mp.spawn(checkpoint_worker, args=(free_port(), tiers, ckpt, 1), nprocs=WORLD,
-                 join=True)
+        spawn(checkpoint_worker, tiers, ckpt, 1)
     assert died.value.exit_code == 17, died.value
     assert os.path.exists(os.path.join(ckpt, "manifest.rank0.prev.json"))
-    mp.spawn(checkpoint_worker, args=(free_port(), tiers, ckpt, 2), nprocs=WORLD, join=True)
+    spawn(checkpoint_worker, tiers, ckpt, 2)
     # The last save (complete) left one save per rank and nothing else.
     names = sorted(os.listdir(ckpt))
     assert [n for n in names if n.startswith("manifest")] == [
@@ -301,88 +276,69 @@ def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(t
         assert len([n for n in names if n.startswith(f"python-r{r}-")]) == 1, names
 
 
-def failing_resume_worker(rank, port, tiers):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
-    try:
-        model = make_model()
+def failing_resume_worker(rank, tiers):
+    model = make_model()
 
-        def wrap():
-            return MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
-                                       subgroup_numel=200, compute_threads=1,
-                                       run_name="broken", commit_every=1, resume="auto")
-        opt = wrap()
-        torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
-        opt.step()
-        opt.close()
-        dist.barrier()
-        if rank == 1:  # rank 1's commit record on tier 0 is damaged
-            with open(os.path.join(tiers[0], "broken.r1", "COMMIT"), "r+b") as f:
-                f.write(b"garbage!")
-        dist.barrier()
-        # Every rank raises (none waits for the other): rank 1 with its own
-        # error, rank 0 saying that another rank could not resume.
-        with pytest.raises(OffloadError) as err:
-            wrap()
-        if rank == 1:
-            assert "COMMIT" in str(err.value), str(err.value)
-        else:
-            assert "another rank" in str(err.value), str(err.value)
-    finally:
-        dist.destroy_process_group()
+    def wrap():
+        return MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                                   subgroup_numel=200, compute_threads=1,
+                                   run_name="broken", commit_every=1, resume="auto")
+    opt = wrap()
+    torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
+    opt.step()
+    opt.close()
+    dist.barrier()
+    if rank == 1:  # rank 1's commit record on tier 0 is damaged
+        with open(os.path.join(tiers[0], "broken.r1", "COMMIT"), "r+b") as f:
+            f.write(b"garbage!")
+    dist.barrier()
+    # Every rank raises (none waits for the other): rank 1 with its own
+    # error, rank 0 saying that another rank could not resume.
+    with pytest.raises(OffloadError) as err:
+        wrap()
+    if rank == 1:
+        assert "COMMIT" in str(err.value), str(err.value)
+    else:
+        assert "another rank" in str(err.value), str(err.value)
 
 
 def test_a_rank_that_cannot_resume_makes_every_rank_raise(tmp_path):
-    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
-    for t in tiers:
-        os.makedirs(t)
-    mp.spawn(failing_resume_worker, args=(free_port(), tiers), nprocs=WORLD, join=True)
+    spawn(failing_resume_worker, tier_dirs(tmp_path))
 
 
-def failing_checkpoint_worker(rank, port, tiers, ckpt):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
-    try:
-        model = make_model()
-        opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
-                                  subgroup_numel=200, compute_threads=1)
-        torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
-        opt.step()
-        opt.save_checkpoint(ckpt)
-        manifest = os.path.join(ckpt, "manifest.rank1.json")
-        good = open(manifest, "rb").read()
-        python_file = [n for n in os.listdir(ckpt) if n.startswith("python-r1-")][0]
-        python_path = os.path.join(ckpt, python_file)
-        for damaged, contents, own in (
-                (manifest, good[:40], "manifest.rank1.json is corrupt"),
-                (python_path, b"not a torch file", "corrupt: checksum mismatch")):
-            saved = open(damaged, "rb").read()
-            dist.barrier()
-            if rank == 1:
-                with open(damaged, "wb") as f:
-                    f.write(contents)
-            dist.barrier()
-            # Both ranks raise, neither waits for the other.
-            with pytest.raises(OffloadError) as err:
-                opt.load_checkpoint(ckpt, restore_params=True)
-            want = own if rank == 1 else "rank 1 failed: CorruptStateError"
-            assert want in str(err.value), (rank, str(err.value))
-            dist.barrier()
-            if rank == 1:
-                with open(damaged, "wb") as f:
-                    f.write(saved)
+def failing_checkpoint_worker(rank, tiers, ckpt):
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    torch.nn.functional.mse_loss(model(torch.randn(4, 16)), torch.randn(4, 8)).backward()
+    opt.step()
+    opt.save_checkpoint(ckpt)
+    manifest = os.path.join(ckpt, "manifest.rank1.json")
+    good = open(manifest, "rb").read()
+    python_file = [n for n in os.listdir(ckpt) if n.startswith("python-r1-")][0]
+    python_path = os.path.join(ckpt, python_file)
+    for damaged, contents, own in (
+            (manifest, good[:40], "manifest.rank1.json is corrupt"),
+            (python_path, b"not a torch file", "corrupt: checksum mismatch")):
+        saved = open(damaged, "rb").read()
         dist.barrier()
-        opt.load_checkpoint(ckpt, restore_params=True)  # intact again
-        opt.close()
-    finally:
-        dist.destroy_process_group()
+        if rank == 1:
+            with open(damaged, "wb") as f:
+                f.write(contents)
+        dist.barrier()
+        # Both ranks raise, neither waits for the other.
+        with pytest.raises(OffloadError) as err:
+            opt.load_checkpoint(ckpt, restore_params=True)
+        want = own if rank == 1 else "rank 1 failed: CorruptStateError"
+        assert want in str(err.value), (rank, str(err.value))
+        dist.barrier()
+        if rank == 1:
+            with open(damaged, "wb") as f:
+                f.write(saved)
+    dist.barrier()
+    opt.load_checkpoint(ckpt, restore_params=True)  # intact again
+    opt.close()
 
 
 def test_a_rank_that_cannot_load_its_checkpoint_makes_every_rank_raise(tmp_path):
-    tiers = [str(tmp_path / "nvme"), str(tmp_path / "pfs")]
-    for t in tiers:
-        os.makedirs(t)
-    mp.spawn(failing_checkpoint_worker, args=(free_port(), tiers, str(tmp_path / "ckpt")),
-             nprocs=WORLD, join=True)
+    spawn(failing_checkpoint_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
