@@ -33,3 +33,11 @@ def tier_dirs(tmp_path, n=2, prefix="t"):
         d.mkdir()
         dirs.append(str(d))
     return dirs
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (process groups)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -67,14 +67,35 @@ class Server:
         self.proc.wait()
 
 
-def read_events(path):
-    """The child's progress lines, split in words; fails on a reported error."""
+def read_events(path, on_error=None):
+    """The child's progress lines, split in words. A reported error fails the
+    test, unless `on_error(traceback)` (which may assert) gives the event to
+    record in its place."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return []
-    events = [line.split(" ") for line in lines if line]
-    for e in events:
-        assert e[0] != "error", json.loads(" ".join(e[1:]))
+    events = []
+    for line in lines:
+        if line.startswith("error "):
+            trace = json.loads(line[len("error "):])
+            assert on_error is not None, trace
+            events.append(on_error(trace))
+        elif line:
+            events.append(line.split(" "))
     return events
+
+
+def assert_same_run(got_path, want_path):
+    """The {"params", "state_dict"} saved by two runs are bit for bit equal."""
+    import torch
+    want = torch.load(want_path, weights_only=True)
+    got = torch.load(got_path, weights_only=True)
+    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
+        assert torch.equal(a, b), f"parameter {i} differs from the uninterrupted run"
+    assert got["state_dict"]["param_groups"] == want["state_dict"]["param_groups"]
+    assert got["state_dict"]["state"].keys() == want["state_dict"]["state"].keys()
+    for pid, st in want["state_dict"]["state"].items():
+        for key, value in st.items():
+            assert torch.equal(got["state_dict"]["state"][pid][key], value), (pid, key)

@@ -19,9 +19,7 @@ import random
 import signal
 import time
 
-import torch
-
-from fork_server import Server, read_events
+from fork_server import Server, assert_same_run, read_events
 
 STEPS = 60
 CKPT_EVERY = 4
@@ -217,12 +215,4 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
     finally:
         server.close()
 
-    want = torch.load(tmp_path / "ref.pt", weights_only=True)
-    got = torch.load(out, weights_only=True)
-    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
-        assert torch.equal(a, b), f"parameter {i} differs from the uninterrupted run"
-    assert got["state_dict"]["param_groups"] == want["state_dict"]["param_groups"]
-    assert got["state_dict"]["state"].keys() == want["state_dict"]["state"].keys()
-    for pid, st in want["state_dict"]["state"].items():
-        for key, value in st.items():
-            assert torch.equal(got["state_dict"]["state"][pid][key], value), (pid, key)
+    assert_same_run(out, tmp_path / "ref.pt")

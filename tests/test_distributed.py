@@ -3,7 +3,6 @@ updated parameters reach every rank; results equal the plain optimizer."""
 
 import copy
 import os
-import socket
 import time
 
 import pytest
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 
 from mlp_offload import MLPOffloadOptimizer
 from mlp_offload.errors import OffloadError, StateMismatchError
-from conftest import tier_dirs
+from conftest import free_port, tier_dirs
 
 WORLD = 2
 STEPS = 6
@@ -22,12 +21,6 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model():

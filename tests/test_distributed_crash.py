@@ -9,38 +9,28 @@ place (a committed step or a checkpoint), and the finished run must equal
 an uninterrupted one exactly.
 """
 
-import json
 import os
 import random
 import signal
-import socket
 import time
 
-import torch
-
-from fork_server import Server, read_events
+from conftest import free_port
+from fork_server import Server, assert_same_run, read_events
 
 # What a surviving rank sees when its peer was killed under it.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "Socket closed", "Timed out")
 
 
+def peer_gone(trace):
+    """A rank's error is expected only if its peer died under it."""
+    assert any(m in trace for m in PEER_GONE), trace
+    return ["peer-gone"]
+
+
 def rank_events(path):
-    """The rank's progress; an error only if its peer died under it."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    events = []
-    for line in lines:
-        if line.startswith("error "):
-            trace = json.loads(line[len("error "):])
-            assert any(m in trace for m in PEER_GONE), trace
-            events.append(["peer-gone"])
-        elif line:
-            events.append(line.split(" "))
-    return events
+    return read_events(path, on_error=peer_gone)
+
 
 STEPS = 40
 KILLS = 12
@@ -98,12 +88,6 @@ def train(cmd):
     dist.destroy_process_group()
     report("finished")
 ''' % STEPS
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(server, tmp_path, name, tiers, ckpt, out):
@@ -181,11 +165,4 @@ def test_two_ranks_killed_at_random_moments_resume_together_bit_identically(tmp_
     finally:
         server.close()
 
-    want = torch.load(tmp_path / "ref.pt", weights_only=True)
-    got = torch.load(out, weights_only=True)
-    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
-        assert torch.equal(a, b), f"parameter {i} differs from the uninterrupted run"
-    assert got["state_dict"]["param_groups"] == want["state_dict"]["param_groups"]
-    for pid, st in want["state_dict"]["state"].items():
-        for key, value in st.items():
-            assert torch.equal(got["state_dict"]["state"][pid][key], value), (pid, key)
+    assert_same_run(out, tmp_path / "ref.pt")
