@@ -312,15 +312,19 @@ class UringEngine final : public IoEngine {
       loop_exited_ = true;
       queued.swap(pending_);
     }
-    for (Piece* raw : unsent) retry_.emplace_back(raw);
-    for (Piece& p : queued) retry_.push_back(std::make_unique<Piece>(std::move(p)));
-    while (!retry_.empty()) {
-      std::unique_ptr<Piece> piece = std::move(retry_.front());
-      retry_.pop_front();
-      piece->tracker->PieceDone(
-          piece->offset, RingError(piece->tracker->request(), broken));
+    for (Piece* raw : unsent) {
+      FailPiece(*raw, broken);
+      delete raw;
     }
+    for (auto& piece : retry_) FailPiece(*piece, broken);
+    retry_.clear();
+    for (Piece& p : queued) FailPiece(p, broken);
     return true;
+  }
+
+  // Completes a piece that never reached the kernel with the ring's error.
+  static void FailPiece(Piece& p, const absl::Status& ring) {
+    p.tracker->PieceDone(p.offset, RingError(p.tracker->request(), ring));
   }
 
   // Records the ring's state; when it breaks, the pieces queued but not yet
@@ -332,9 +336,7 @@ class UringEngine final : public IoEngine {
       broken_ = status;
       if (!status.ok()) failed.swap(pending_);
     }
-    for (Piece& p : failed) {
-      p.tracker->PieceDone(p.offset, RingError(p.tracker->request(), status));
-    }
+    for (Piece& p : failed) FailPiece(p, status);
   }
 
   void DrainEventFd() {

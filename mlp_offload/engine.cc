@@ -711,6 +711,16 @@ absl::Status Engine::Impl::LoadCommitted() {
     std::optional<Committed> previous;
     absl::Status prev_status;  // why COMMIT.prev is unusable, if it is
   };
+  // A commit record of this model, and its bytes (kept to move it on).
+  auto parse = [this](std::string bytes,
+                      const std::string& path) -> absl::StatusOr<Committed> {
+    MLP_ASSIGN_OR_RETURN(CommitRecord record, ParseCommitRecord(bytes, path));
+    if (record.subgroup_step.size() != numel.size()) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": subgroup count mismatch"));
+    }
+    return Committed{std::move(record), std::move(bytes)};
+  };
   std::vector<TierCommits> commits;
   for (size_t t = 0; t < tiers.size(); ++t) {
     std::string mpath = tiers[t].dir + "/MANIFEST";
@@ -732,29 +742,20 @@ absl::Status Engine::Impl::LoadCommitted() {
           absl::StrCat("no committed step on ", tiers[t].dir, " (",
                        bytes.status().message(), ")"));
     }
-    Committed latest;
-    MLP_ASSIGN_OR_RETURN(latest.record, ParseCommitRecord(*bytes, cpath));
-    latest.bytes = std::move(*bytes);
-    if (latest.record.subgroup_step.size() != numel.size()) {
-      return absl::DataLossError(
-          absl::StrCat(cpath, ": subgroup count mismatch"));
-    }
+    MLP_ASSIGN_OR_RETURN(Committed latest, parse(std::move(*bytes), cpath));
     // The one before, if the run has committed twice (a damaged COMMIT.prev
     // only matters if that step is asked for).
-    std::optional<Committed> previous;
+    TierCommits tc{std::move(latest), std::nullopt, absl::OkStatus()};
     const std::string ppath = cpath + ".prev";
-    absl::Status prev_status = absl::OkStatus();
     if (auto pbytes = ReadSmallFile(ppath); pbytes.ok()) {
-      auto parsed = ParseCommitRecord(*pbytes, ppath);
-      if (parsed.ok() && parsed->subgroup_step.size() == numel.size()) {
-        previous = Committed{std::move(*parsed), std::move(*pbytes)};
+      absl::StatusOr<Committed> previous = parse(std::move(*pbytes), ppath);
+      if (previous.ok()) {
+        tc.previous = std::move(*previous);
       } else {
-        prev_status = parsed.ok() ? absl::DataLossError(absl::StrCat(
-                                        ppath, ": subgroup count mismatch"))
-                                  : parsed.status();
+        tc.prev_status = previous.status();
       }
     }
-    commits.push_back({std::move(latest), std::move(previous), prev_status});
+    commits.push_back(std::move(tc));
   }
   // The newest step every tier can give, or the one asked for.
   int64_t step = config.resume_step;
