@@ -53,10 +53,8 @@ _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
-# A rank with no subgroups puts no limit on the step the ranks resume; one
-# that failed to open its committed state makes every rank raise.
+# A rank with no subgroups puts no limit on the step the ranks resume.
 _ANY_STEP = 2 ** 62
-_FAILED_STEP = -2
 
 
 def _close_engine(engine, run_dirs):
@@ -348,9 +346,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
                          self._rank, len(self._subgroups), self._world)
             if agree:
+                self._raise_together(None, "open its committed state")
                 self._agreed_step = self._agree_on_step(_ANY_STEP)
-                if self._agreed_step == _FAILED_STEP:
-                    raise self._peer_failed()
                 self._check_require(self._agreed_step)
             return
         numel = [self._subgroups[g].numel for g in self._owned]
@@ -371,19 +368,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 try:
                     engine = self._new_engine(budget, numel, resume=True)
                     mine = engine.committed_step
-                except Exception as e:  # noqa: BLE001 - re-raised below
-                    if not agree:
-                        raise
-                    # Tell the other ranks before raising, or they would wait
-                    # for this one in the agreement.
-                    failure, mine = e, _FAILED_STEP
-            agreed = self._agree_on_step(mine) if agree else mine
-            if failure is not None:
+                except Exception as e:  # noqa: BLE001 - raised on every rank below
+                    failure = e
+            if agree:
+                # Before the agreement, which would wait for a failed rank.
+                try:
+                    self._raise_together(failure, "open its committed state")
+                except OffloadError:
+                    if engine is not None:
+                        engine.close()
+                    raise
+            elif failure is not None:
                 raise failure
-            if agreed == _FAILED_STEP:
-                if engine is not None:
-                    engine.close()
-                raise self._peer_failed()
+            agreed = self._agree_on_step(mine) if agree else mine
             self._agreed_step = agreed
             try:
                 self._check_require(agreed)
@@ -440,10 +437,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{' on every rank' if self._group is not None else ''} and "
                 f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
 
-    def _raise_together(self, error):
+    def _raise_together(self, error, what):
         """Collective: raises `error` on this rank, and on the others an
-        OffloadError naming the rank that failed, so that no rank waits in a
-        later collective for one that gave up. Returns if no rank failed."""
+        OffloadError naming the rank that could not `what`, so that no rank
+        waits in a later collective for one that gave up. Returns if no rank
+        failed."""
         if self._group is None:
             if error is not None:
                 raise error
@@ -456,13 +454,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise error
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
-            raise OffloadError(f"rank {self._rank}: rank {failed[0][0]} failed: "
-                               f"{failed[0][1]}")
-
-    def _peer_failed(self):
-        return OffloadError(
-            f"rank {self._rank}: another rank of run {self._run_prefix!r} could not open "
-            f"its committed state (its own error says why); not resuming")
+            raise OffloadError(f"rank {self._rank}: another rank could not {what}: "
+                               f"rank {failed[0][0]} failed: {failed[0][1]}")
 
     def _agree_on_step(self, step):
         """The smallest committed step over the ranks (-1: some rank has none)."""
@@ -1300,7 +1293,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     saves[m.get("save_id") or m.get("python_state")] = (m, prev)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
-        self._raise_together(error)
+        self._raise_together(error, f"read its checkpoint manifest in {directory}")
         gathered = [None] * self._world
         torch.distributed.all_gather_object(gathered, sorted(saves), group=self._group)
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
@@ -1334,7 +1327,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         # Before the parameter broadcast, which would wait for a failed rank.
-        self._raise_together(error)
+        self._raise_together(error, f"load its checkpoint files in {directory}")
         if restore_params:
             self._params_from_masters()
 
