@@ -151,7 +151,6 @@ struct Setup {
   int threads = 2;  // per rank
 };
 
-// A rank's engine over its shard, one configuration.
 // The engine's run directory of configuration `name` on rank `rank`.
 std::string RunName(const std::string& name, const Setup& setup, int rank) {
   return setup.ranks > 1 ? absl::StrCat("bench_", name, "_r", rank)
@@ -169,12 +168,12 @@ void RemoveTree(const std::string& path) {
       16, FTW_DEPTH | FTW_PHYS);
 }
 
-// Removes the given directories when it goes out of scope: the benchmark's
-// state files are gigabytes, and a run leaves none behind.
+// Removes the directories added to it when it goes out of scope: the
+// benchmark's state files are gigabytes, and a run leaves none behind.
 class TreeRemover {
  public:
-  explicit TreeRemover(std::vector<std::string> paths)
-      : paths_(std::move(paths)) {}
+  TreeRemover() = default;
+  void Add(std::string path) { paths_.push_back(std::move(path)); }
   ~TreeRemover() {
     for (const std::string& p : paths_) RemoveTree(p);
   }
@@ -185,6 +184,7 @@ class TreeRemover {
   std::vector<std::string> paths_;
 };
 
+// A rank's engine over its shard, one configuration.
 class Worker {
  public:
   static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name,
@@ -281,10 +281,9 @@ absl::StatusOr<Summary> RunRank(const std::string& name, const Techniques& tech,
                                 const std::function<void()>& before_step,
                                 const std::function<void()>& after_step) {
   // Declared first, so it runs after the engine is gone.
-  std::vector<std::string> run_dirs;
+  TreeRemover remove_run_dirs;
   for (const std::string& d : setup.dirs)
-    run_dirs.push_back(absl::StrCat(d, "/", RunName(name, setup, rank)));
-  TreeRemover remove_run_dirs(std::move(run_dirs));
+    remove_run_dirs.Add(absl::StrCat(d, "/", RunName(name, setup, rank)));
   MLP_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker,
                        Worker::Create(name, tech, setup, rank, shard));
   std::vector<double> times, read_wait, compute, write_wait, grads;
@@ -498,21 +497,19 @@ int Run() {
   setup.threads = std::max(1, absl::GetFlag(FLAGS_threads) / ranks);
   setup.dirs =
       absl::StrSplit(absl::GetFlag(FLAGS_tiers), ',', absl::SkipEmpty());
-  std::vector<std::string> made;  // temporary tiers, removed at the end
+  TreeRemover remove_made;  // temporary tiers, removed at the end
   if (setup.dirs.empty()) {
     for (int t = 0; t < 2; ++t) {
       char tmpl[] = "/tmp/mlp_offload_bench_XXXXXX";
       char* d = mkdtemp(tmpl);
       if (d == nullptr) {
         std::perror("mkdtemp");
-        for (const std::string& m : made) RemoveTree(m);
         return 1;
       }
-      made.push_back(d);
+      setup.dirs.push_back(d);
+      remove_made.Add(d);
     }
-    setup.dirs = made;
   }
-  TreeRemover remove_made(std::move(made));
   if (setup.dirs.size() != 2) {
     std::fprintf(stderr, "--tiers needs two directories\n");
     return 2;
