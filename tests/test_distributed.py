@@ -2,6 +2,8 @@
 updated parameters reach every rank; results equal the plain optimizer."""
 
 import copy
+import datetime
+import errno
 import os
 import time
 
@@ -11,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mlp_offload import MLPOffloadOptimizer
-from mlp_offload.errors import OffloadError, StateMismatchError
+from mlp_offload.errors import OffloadError, StateMismatchError, TierIOError
 from conftest import free_port, tier_dirs
 
 WORLD = 2
@@ -31,8 +33,10 @@ def make_model():
 
 def _in_group(rank, port, worker, args):
     torch.set_num_threads(1)
+    # A rank left waiting for another fails in 2 minutes, not in gloo's 30.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD)
+                            rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         worker(rank, *args)
     finally:
@@ -335,3 +339,57 @@ def failing_checkpoint_worker(rank, tiers, ckpt):
 
 def test_a_rank_that_cannot_load_its_checkpoint_makes_every_rank_raise(tmp_path):
     spawn(failing_checkpoint_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
+
+
+def failing_step_worker(rank, tiers, atomic_step):
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1, commit_every=1, run_name="failing",
+                              fault_injection=True,
+                              atomic_step=atomic_step)
+    engine = opt.engine
+    train_same_batches(range(0, 2), ((ref_opt, ref), (opt, model)))
+    gen = torch.Generator().manual_seed(2000)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+    for o, m in ((ref_opt, ref), (opt, model)):
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    ref_opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    if rank == 1:  # rank 1's writes fail on the tier of its first subgroup
+        tier = engine.plan.tier_of_subgroup[0]
+        engine.add_fault(tier, nth=-1, kind="error", op="write", error=errno.EIO)
+    # Both ranks raise (without the agreement rank 0 waits in the parameter
+    # broadcast until the process group's timeout): rank 1 its own error,
+    # rank 0 naming rank 1.
+    for attempt in range(2):
+        with pytest.raises(OffloadError) as err:
+            opt.step()
+        msg = str(err.value)
+        if rank == 1:
+            assert isinstance(err.value, TierIOError), msg
+            assert "Input/output error" in msg and "optimizer step 3" in msg, msg
+        else:
+            assert "rank 1 failed: TierIOError" in msg and "held back" in msg, msg
+        if atomic_step:
+            # Rank 0's finished update is held back too: nobody sees half a step.
+            for p, q in zip(model.parameters(), before):
+                assert torch.equal(p, q), (rank, attempt)
+    assert engine.steps == (2 if rank == 1 else 3)
+    if rank == 1:
+        engine.clear_faults(tier)
+    opt.step()  # completes step 3 on rank 1, and rank 0 does not run it twice
+    assert engine.steps == 3 and engine.committed_step == 3
+    train_same_batches(range(3, 5), ((ref_opt, ref), (opt, model)))
+    assert_params_match(model, ref, rank)
+    assert_states_match(opt.state_dict()["state"], ref_opt.state_dict()["state"], rank)
+    opt.close()
+
+
+@pytest.mark.parametrize("atomic_step", [True, False])
+def test_a_step_failing_on_one_rank_raises_on_every_rank_and_is_retried(tmp_path,
+                                                                        atomic_step):
+    spawn(failing_step_worker, tier_dirs(tmp_path), atomic_step)

@@ -437,7 +437,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{' on every rank' if self._group is not None else ''} and "
                 f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
 
-    def _raise_together(self, error, what):
+    def _raise_together(self, error, what, note=""):
         """Collective: raises `error` on this rank, and on the others an
         OffloadError naming the rank that could not `what`, so that no rank
         waits in a later collective for one that gave up. Returns if no rank
@@ -455,7 +455,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             raise OffloadError(f"rank {self._rank}: another rank could not {what}: "
-                               f"rank {failed[0][0]} failed: {failed[0][1]}")
+                               f"rank {failed[0][0]} failed: {failed[0][1]}{note}")
 
     def _agree_on_step(self, step):
         """The smallest committed step over the ranks (-1: some rank has none)."""
@@ -640,12 +640,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._ensure_initialized()
         skip_nonfinite = amp or self._nonfinite != "ignore"
 
-        stats = None
+        stats = before = failure = None
         if self._engine is not None:
-            stats = self._guarded_step(grad_scale, skip_nonfinite, amp, scale)
+            try:
+                stats, before = self._guarded_step(grad_scale, skip_nonfinite, amp, scale)
+            except Exception as exc:
+                if self._group is None:
+                    raise
+                failure = exc
         skipped = bool(stats and stats.get("skipped"))
         if self._group is not None:
-            skipped = self._any_rank(skipped)
+            skipped = self._agree_on_outcome(skipped, failure, stats, before)
         if skipped and not amp and self._nonfinite == "raise":
             raise NonFiniteGradientError(
                 "gradients contain NaN or Inf: the step was skipped and nothing was "
@@ -723,7 +728,34 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._commit_every > 0 and engine.steps > start \
                 and engine.committed_step == engine.steps:
             _recovery.prune_pystate(self._pystate_dir(), engine.steps)
-        return stats
+        return stats, before
+
+    def _agree_on_outcome(self, skipped, failure, stats, before):
+        """Collective, after this rank's part of step(): whether any rank
+        skipped it (non-finite gradients). If any rank's part raised, every
+        rank raises instead of waiting in the parameter broadcast for it: that
+        rank its own error, the others an OffloadError naming it. A rank whose
+        part completed holds its update back as a failed step would (its
+        parameters as before the step, with atomic_step), so that calling
+        step() again with the same gradients completes the step on every rank
+        exactly once."""
+        t = torch.tensor([int(skipped), int(failure is not None)], dtype=torch.int32)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        if t[1]:
+            if failure is None and stats is not None and not stats.get("skipped"):
+                params = [p for g in self._owned for p in self._subgroups[g].params]
+                self._failed_step = {
+                    "before": before, "completed": True,
+                    "partial": None if before is None else [p.detach().clone() for p in params],
+                }
+                if before is not None:
+                    for p, v in zip(params, before):
+                        p.copy_(v)
+            self._raise_together(
+                failure, "complete its part of the optimizer step",
+                note="; this rank's update is held back: step() again with the same "
+                     "gradients completes the step on every rank")
+        return bool(t[0])
 
     def _commits_next(self):
         """Whether the engine commits at the end of the next step."""
