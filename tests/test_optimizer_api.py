@@ -226,6 +226,29 @@ def test_unscale_and_clip_grad_norm_before_step(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("kind", ["adamw", "rmsprop"])
+def test_gradient_accumulation_over_micro_batches(tmp_path, mode, kind):
+    # The baseline writes a subgroup's gradients when its hooks say they are
+    # final, i.e. after every micro-batch's backward: the step must use the
+    # sum over all of them (rmsprop: the generic path).
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5)}[kind]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = wrap(make(model.parameters()), tmp_path, mode=mode)
+    micro = 3
+    for step in range(4):
+        for o, m in ((ref_opt, ref), (opt, model)):
+            o.zero_grad()
+            for k in range(micro):
+                (loss_of(m, micro * step + k) / micro).backward()
+            o.step()
+        assert_close(model, ref)
+    opt.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["adamw", "adamax"])
 def test_low_precision_params_keep_an_fp32_master(tmp_path, dtype, kind):
