@@ -52,35 +52,26 @@ double Seconds(absl::Time since) {
   return absl::ToDoubleSeconds(absl::Now() - since);
 }
 
-// Sends a tier's requests through its engine, optionally taking the
-// cross-process tier lock around each burst of I/O (technique 4): a
-// dispatcher thread holds the lock while it has requests to issue and gives
-// it up when its queue runs dry or its turn (kTurnBytes) is used up, so the
-// processes sharing the tier take turns instead of thrashing it.
-class TierChannel {
+// Takes a cross-process tier lock around each burst of requests (technique
+// 4): a dispatcher thread holds the lock while it has requests to issue and
+// gives it up when its queue runs dry or its turn (kTurnBytes) is used up and
+// another process waits, so the processes sharing the tier take turns instead
+// of thrashing it.
+class LockedDispatcher {
  public:
-  TierChannel(std::unique_ptr<IoEngine> engine, std::unique_ptr<TierLock> lock)
-      : engine_(std::move(engine)), lock_(std::move(lock)) {
-    if (lock_ != nullptr) dispatcher_ = std::thread([this] { Dispatch(); });
+  LockedDispatcher(IoEngine* engine, std::unique_ptr<TierLock> lock)
+      : engine_(engine), lock_(std::move(lock)) {
+    dispatcher_ = std::thread([this] { Dispatch(); });
   }
-  ~TierChannel() {
-    if (lock_ != nullptr) {
-      {
-        MutexLock l(&mu_);
-        stop_ = true;
-      }
-      dispatcher_.join();
+  ~LockedDispatcher() {  // issues what is queued first
+    {
+      MutexLock l(&mu_);
+      stop_ = true;
     }
-    engine_->Shutdown();
+    dispatcher_.join();
   }
-
-  IoEngine* engine() const { return engine_.get(); }
 
   void Submit(const IoRequest& request, IoCallback done) {
-    if (lock_ == nullptr) {
-      engine_->Submit(request, std::move(done));
-      return;
-    }
     MutexLock l(&mu_);
     queue_.push_back({request, std::move(done)});
   }
@@ -151,13 +142,49 @@ class TierChannel {
     --in_flight_;
   }
 
-  std::unique_ptr<IoEngine> engine_;
+  IoEngine* const engine_;
   std::unique_ptr<TierLock> lock_;
   std::thread dispatcher_;
   Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
   size_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Sends a tier's requests through its engine: directly (no tier lock), under
+// one lock for all of them, or under one lock for reads and another for
+// writes (TierLockMode::kPerDirection).
+class TierChannel {
+ public:
+  // `locks`: none, one for every request, or {reads' lock, writes' lock}.
+  TierChannel(std::unique_ptr<IoEngine> engine,
+              std::vector<std::unique_ptr<TierLock>> locks)
+      : engine_(std::move(engine)) {
+    for (auto& lock : locks) {
+      dispatchers_.push_back(
+          std::make_unique<LockedDispatcher>(engine_.get(), std::move(lock)));
+    }
+  }
+  ~TierChannel() {
+    dispatchers_.clear();  // issues what they still hold
+    engine_->Shutdown();
+  }
+
+  IoEngine* engine() const { return engine_.get(); }
+
+  void Submit(const IoRequest& request, IoCallback done) {
+    if (dispatchers_.empty()) {
+      engine_->Submit(request, std::move(done));
+      return;
+    }
+    const size_t d =
+        dispatchers_.size() == 2 && request.op == IoOp::kWrite ? 1 : 0;
+    dispatchers_[d]->Submit(request, std::move(done));
+  }
+
+ private:
+  std::unique_ptr<IoEngine> engine_;
+  std::vector<std::unique_ptr<LockedDispatcher>> dispatchers_;
 };
 
 enum class BufState { kFree, kReading, kReady, kInUse, kWriting, kCached };
@@ -684,15 +711,23 @@ absl::Status Engine::Impl::OpenTiers() {
       tier.faults = fi.get();
       io = std::move(fi);
     }
-    std::unique_ptr<TierLock> lock;
+    std::vector<std::unique_ptr<TierLock>> locks;
     if (config.techniques.tier_lock) {
-      // The lock lives in the tier's root, shared by every run on it.
-      MLP_ASSIGN_OR_RETURN(lock,
-                           TierLock::Open(real[t] + "/.mlp_offload_tier_lock",
-                                          std::max(1, config.tier_lock_slots)));
+      // The locks live in the tier's root, shared by every run on it.
+      const std::string base = real[t] + "/.mlp_offload_tier_lock";
+      std::vector<std::string> paths = {base};
+      if (config.tier_lock_mode == TierLockMode::kPerDirection) {
+        paths = {base + ".read", base + ".write"};
+      }
+      for (const std::string& path : paths) {
+        MLP_ASSIGN_OR_RETURN(
+            std::unique_ptr<TierLock> lock,
+            TierLock::Open(path, std::max(1, config.tier_lock_slots)));
+        locks.push_back(std::move(lock));
+      }
     }
     tier.channel =
-        std::make_unique<TierChannel>(std::move(io), std::move(lock));
+        std::make_unique<TierChannel>(std::move(io), std::move(locks));
   }
   return absl::OkStatus();
 }

@@ -25,6 +25,9 @@
 
 namespace mlp_offload {
 
+// How the tier lock (technique 4) covers a process's I/O on a tier.
+enum class TierLockMode { kExclusive, kPerDirection };
+
 struct EngineConfig {
   std::vector<TierSpec> tiers;
   uint64_t host_budget_bytes = 0;
@@ -40,6 +43,12 @@ struct EngineConfig {
   // Subdirectory created under every tier path for this run's files.
   std::string run_name = "mlp_offload_run";
   int tier_lock_slots = 1;       // processes per tier at a time
+  // With the tier lock: kExclusive, a process's reads and writes of a tier
+  // hold one lock; kPerDirection, reads one and writes another, so one
+  // process may read a tier while another writes it (the last writes of one
+  // turn overlap the first reads of the next). Every process sharing a tier
+  // must use the same mode (they use different lock files).
+  TierLockMode tier_lock_mode = TierLockMode::kExclusive;
   bool verify_checksums = true;  // on every read
   // Wrap each tier's I/O engine in a FaultInjectingEngine (tests).
   bool fault_injection = false;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <random>
 #include <string>
 #include <tuple>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "io/fault_injection.h"
+#include "io/tier_lock.h"
 #include "mlp_offload/state_store.h"
 
 namespace mlp_offload {
@@ -369,6 +371,69 @@ TEST(EngineTest, GenericPathHandsRecordsToTheCaller) {
       ASSERT_EQ(master[k], before[i][k] - 0.5f * (1 + 2 + 3));
     }
   }
+}
+
+// What one generic step could do while another holder (another rank) held
+// the tier lock file `held_lock`: hand out its first record (which must be
+// read: no cache), and finish (its writes done: two buffers for four
+// subgroups, so the third record waits for the first one's write).
+struct HeldLockProbe {
+  bool read = false;
+  bool finished = false;
+};
+
+HeldLockProbe StepWithAHeldLock(TierLockMode mode, const std::string& held_lock) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.num_state_arrays = 1;
+  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 2));
+  cfg.techniques.cache_reuse = false;
+  cfg.tier_lock_mode = mode;
+  HeldLockProbe probe;
+  auto engine = Engine::Create(cfg);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  if (!engine.ok()) return probe;
+  Engine& e = Initialized(*engine, cfg, 5);
+  auto other = TierLock::Open(cfg.tiers[0].path + "/" + held_lock);
+  EXPECT_TRUE(other.ok()) << other.status();
+  EXPECT_TRUE((*other)->Acquire().ok());
+  EXPECT_TRUE(e.BeginStep().ok());
+  std::promise<void> first_read;
+  auto step = std::async(std::launch::async, [&e, &first_read] {
+    bool first = true;
+    for (;;) {
+      auto v = e.Next();
+      EXPECT_TRUE(v.ok()) << v.status();
+      if (first) first_read.set_value();
+      first = false;
+      if (!v.ok() || v->subgroup < 0) break;
+      EXPECT_TRUE(e.Done().ok());
+    }
+    EXPECT_TRUE(e.EndStep().ok());
+  });
+  // The waits only bound how long blocked I/O is given: I/O that passes the
+  // held lock takes milliseconds.
+  probe.read = first_read.get_future().wait_for(std::chrono::seconds(2)) ==
+               std::future_status::ready;
+  probe.finished = step.wait_for(std::chrono::seconds(probe.read ? 2 : 0)) ==
+                   std::future_status::ready;
+  (*other)->Release();
+  step.get();
+  return probe;
+}
+
+TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
+  // Per direction: reads take the tier's read lock and writes its write
+  // lock, so a rank reads while another writes, but writes wait for it.
+  HeldLockProbe p = StepWithAHeldLock(TierLockMode::kPerDirection,
+                                      ".mlp_offload_tier_lock.write");
+  EXPECT_TRUE(p.read);
+  EXPECT_FALSE(p.finished);
+  p = StepWithAHeldLock(TierLockMode::kPerDirection,
+                        ".mlp_offload_tier_lock.read");
+  EXPECT_FALSE(p.read);
+  // Exclusive: one lock for both directions.
+  p = StepWithAHeldLock(TierLockMode::kExclusive, ".mlp_offload_tier_lock");
+  EXPECT_FALSE(p.read);
 }
 
 TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {

@@ -12,8 +12,8 @@
 // start to the moment the last one is done.
 //
 //   bazel run -c opt //mlp_offload:update_benchmark -- --params=2e8 --json
-//   bazel run -c opt //mlp_offload:update_benchmark -- --params=1e8 \
-//       --ranks=4 --contention=0.5 --configs=mlp-tier_lock,mlp
+//   bazel run -c opt //mlp_offload:update_benchmark -- --params=1e8 --ranks=4
+//       --contention=0.5 --configs=mlp-tier_lock,mlp,mlp:per_direction
 #include <ftw.h>
 #include <poll.h>
 #include <signal.h>
@@ -37,6 +37,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "mlp_offload/base/status_macros.h"
@@ -59,7 +61,9 @@ ABSL_FLAG(
     std::string, configs,
     "baseline,multipath,cache_reuse,delayed_grad_conversion,tier_lock,mlp",
     "configurations to run, in order: baseline, mlp, a technique's name "
-    "(baseline plus it), or mlp-<technique> (all but it)");
+    "(baseline plus it), or mlp-<technique> (all but it); a name with the "
+    "tier lock may add :per_direction (reads and writes locked apart) and "
+    ":slots=N (N ranks at a time)");
 ABSL_FLAG(int, ranks, 1,
           "processes sharing the tiers, each updating params/ranks; > 1 "
           "makes each tier's caps one shared device");
@@ -71,7 +75,7 @@ ABSL_FLAG(bool, json, false, "print one JSON object per configuration");
 namespace mlp_offload {
 namespace {
 
-absl::StatusOr<Techniques> ParseConfig(const std::string& name) {
+absl::StatusOr<Techniques> ParseTechniques(const std::string& name) {
   Techniques t = Techniques::Baseline();
   if (name == "baseline") return t;
   if (name == "mlp") return Techniques::All();
@@ -103,6 +107,38 @@ absl::StatusOr<Techniques> ParseConfig(const std::string& name) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown config '", name, "'"));
   return t;
+}
+
+// A configuration: its techniques and how the tier lock covers a rank's I/O.
+struct BenchConfig {
+  Techniques techniques;
+  TierLockMode lock_mode = TierLockMode::kExclusive;
+  int lock_slots = 1;
+};
+
+// A techniques name (see ParseTechniques), then optionally, for a config
+// with the tier lock, ":per_direction" (reads and writes take separate
+// locks) and/or ":slots=N" (N ranks at a time per tier).
+absl::StatusOr<BenchConfig> ParseConfig(const std::string& name) {
+  std::vector<std::string> parts = absl::StrSplit(name, ':');
+  BenchConfig config;
+  MLP_ASSIGN_OR_RETURN(config.techniques, ParseTechniques(parts[0]));
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (!config.techniques.tier_lock) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config '", name, "': ':", parts[i], "' needs the tier lock"));
+    }
+    if (parts[i] == "per_direction") {
+      config.lock_mode = TierLockMode::kPerDirection;
+    } else if (!absl::StartsWith(parts[i], "slots=") ||
+               !absl::SimpleAtoi(parts[i].substr(6), &config.lock_slots) ||
+               config.lock_slots < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config '", name, "': unknown option '", parts[i],
+                       "' (per_direction or slots=N, N >= 1)"));
+    }
+  }
+  return config;
 }
 
 uint16_t ToBf16(float f) {
@@ -188,7 +224,7 @@ class TreeRemover {
 class Worker {
  public:
   static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name,
-                                                        const Techniques& tech,
+                                                        const BenchConfig& config,
                                                         const Setup& setup,
                                                         int rank,
                                                         Shard* shard) {
@@ -210,7 +246,9 @@ class Worker {
     cfg.subgroup_numel = shard->sizes;
     cfg.num_state_arrays = 2;
     cfg.grad_dtype = DType::kBFloat16;
-    cfg.techniques = tech;
+    cfg.techniques = config.techniques;
+    cfg.tier_lock_mode = config.lock_mode;
+    cfg.tier_lock_slots = config.lock_slots;
     cfg.compute_threads = setup.threads;
     cfg.run_name = RunName(name, setup, rank);
     MLP_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(cfg));
@@ -276,7 +314,7 @@ struct RankReport {
   Summary summary;
 };
 
-absl::StatusOr<Summary> RunRank(const std::string& name, const Techniques& tech,
+absl::StatusOr<Summary> RunRank(const std::string& name, const BenchConfig& config,
                                 const Setup& setup, int rank, Shard* shard,
                                 const std::function<void()>& before_step,
                                 const std::function<void()>& after_step) {
@@ -285,7 +323,7 @@ absl::StatusOr<Summary> RunRank(const std::string& name, const Techniques& tech,
   for (const std::string& d : setup.dirs)
     remove_run_dirs.Add(absl::StrCat(d, "/", RunName(name, setup, rank)));
   MLP_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker,
-                       Worker::Create(name, tech, setup, rank, shard));
+                       Worker::Create(name, config, setup, rank, shard));
   std::vector<double> times, read_wait, compute, write_wait, grads;
   StepStats last;
   const int steps = absl::GetFlag(FLAGS_steps);
@@ -346,7 +384,7 @@ bool ReadAll(int fd, void* data, size_t n) {
 // only keeps time: each step starts when every rank is ready and ends when
 // the last one is done.
 absl::StatusOr<Summary> RunRanks(const std::string& name,
-                                 const Techniques& tech, const Setup& setup,
+                                 const BenchConfig& config, const Setup& setup,
                                  uint64_t params, uint64_t sg) {
   // Fresh device clocks and stream counts for every configuration.
   for (const std::string& d : setup.dirs)
@@ -378,7 +416,7 @@ absl::StatusOr<Summary> RunRanks(const std::string& name,
         if (!WriteAll(up[1], &c, 1)) _exit(3);
       };
       absl::StatusOr<Summary> s =
-          RunRank(name, tech, setup, r, &shard, barrier_in, barrier_out);
+          RunRank(name, config, setup, r, &shard, barrier_in, barrier_out);
       RankReport rep{r, s.ok() ? 1 : 0, s.ok() ? *s : Summary()};
       if (!s.ok())
         std::fprintf(stderr, "%s rank %d: %s\n", name.c_str(), r,
@@ -551,16 +589,16 @@ int Run() {
       absl::StrSplit(absl::GetFlag(FLAGS_configs), ',', absl::SkipEmpty());
   std::vector<std::string> rows;
   for (const std::string& name : names) {
-    auto tech = ParseConfig(name);
-    if (!tech.ok()) {
+    auto config = ParseConfig(name);
+    if (!config.ok()) {
       std::fprintf(stderr, "%s\n",
-                   std::string(tech.status().message()).c_str());
+                   std::string(config.status().message()).c_str());
       return 2;
     }
     absl::StatusOr<Summary> result =
         ranks == 1 ? RunRank(
-                         name, *tech, setup, 0, &shard, [] {}, [] {})
-                   : RunRanks(name, *tech, setup, params, sg);
+                         name, *config, setup, 0, &shard, [] {}, [] {})
+                   : RunRanks(name, *config, setup, params, sg);
     if (!result.ok()) {
       std::fprintf(stderr, "%s: %s\n", name.c_str(),
                    result.status().ToString().c_str());

@@ -307,6 +307,8 @@ def test_argument_errors(tmp_path):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, host_cache_bytes=-1)
     with pytest.raises(errors.ConfigError, match="tier_lock_slots"):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, tier_lock_slots=0)
+    with pytest.raises(errors.ConfigError, match="tier_lock_mode"):
+        wrap(torch.optim.Adam(model.parameters()), tmp_path, tier_lock_mode="shared")
     with pytest.raises(errors.ConfigError, match="state_dict_type"):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, state_dict_type="shard")
     with pytest.raises(errors.ConfigError, match="bandwith"):
@@ -356,21 +358,27 @@ def test_close_removes_the_run_directories(tmp_path):
     assert all(len(runs(t)) == 0 for t in tiers)
 
 
-def test_tier_lock_slots_reach_the_engine_and_change_no_result(tmp_path):
+@pytest.mark.parametrize("slots,mode,locks", [
+    (1, "exclusive", [".mlp_offload_tier_lock"]),
+    (3, "exclusive", [".mlp_offload_tier_lock"]),
+    (1, "per_direction", [".mlp_offload_tier_lock.read", ".mlp_offload_tier_lock.write"]),
+])
+def test_tier_lock_options_reach_the_engine_and_change_no_result(tmp_path, slots, mode,
+                                                                 locks):
     results = []
-    for slots in (1, 3):
+    for options in ({"tier_lock": False}, {"tier_lock_slots": slots, "tier_lock_mode": mode}):
         torch.manual_seed(0)
         model = make_model()
-        d = tmp_path / f"slots{slots}"
+        d = tmp_path / ("locked" if "tier_lock_mode" in options else "unlocked")
         d.mkdir()
-        opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), d,
-                   tier_lock_slots=slots)
+        opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), d, **options)
         for step in range(3):
             opt.zero_grad()
             loss_of(model, step).backward()
             opt.step()
-        # The lock lives in the tier's root, shared by every run on it.
-        assert (d / ".mlp_offload_tier_lock.tickets").exists(), os.listdir(d)
+        # The locks live in the tier's root, shared by every run on it.
+        got = sorted(n[:-len(".tickets")] for n in os.listdir(d) if n.endswith(".tickets"))
+        assert got == (locks if "tier_lock_mode" in options else []), os.listdir(d)
         opt.close()
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results))

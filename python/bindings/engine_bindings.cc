@@ -393,8 +393,9 @@ void RegisterEngineBindings(py::module_& parent) {
              const std::vector<uint64_t>& subgroup_numel, int num_state_arrays,
              const std::string& grad_dtype, py::object techniques,
              int compute_threads, py::object io, const std::string& run_name,
-             int tier_lock_slots, bool verify_checksums, bool fault_injection,
-             bool resume, int commit_every, int64_t resume_step) {
+             int tier_lock_slots, const std::string& tier_lock_mode,
+             bool verify_checksums, bool fault_injection, bool resume,
+             int commit_every, int64_t resume_step) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -406,6 +407,15 @@ void RegisterEngineBindings(py::module_& parent) {
             config.io = IoFromDict(io);
             config.run_name = run_name;
             config.tier_lock_slots = tier_lock_slots;
+            if (tier_lock_mode == "exclusive") {
+              config.tier_lock_mode = TierLockMode::kExclusive;
+            } else if (tier_lock_mode == "per_direction") {
+              config.tier_lock_mode = TierLockMode::kPerDirection;
+            } else {
+              throw py::value_error(
+                  "tier_lock_mode must be 'exclusive' or 'per_direction', got '" +
+                  tier_lock_mode + "'");
+            }
             config.verify_checksums = verify_checksums;
             config.fault_injection = fault_injection;
             config.resume = resume;
@@ -423,7 +433,8 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("grad_dtype"), py::arg("techniques") = "mlp",
           py::arg("compute_threads") = 2, py::arg("io") = py::none(),
           py::arg("run_name") = "mlp_offload_run",
-          py::arg("tier_lock_slots") = 1, py::arg("verify_checksums") = true,
+          py::arg("tier_lock_slots") = 1, py::arg("tier_lock_mode") = "exclusive",
+          py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
           py::arg("commit_every") = 0, py::arg("resume_step") = -1,
           "Validates the config, plans, opens the tiers, creates the run "

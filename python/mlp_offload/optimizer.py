@@ -51,6 +51,7 @@ _CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
 _CHECKPOINT_VERSION = 2
 _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
+_TIER_LOCK_MODES = ("exclusive", "per_direction")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
 # A rank with no subgroups puts no limit on the step the ranks resume.
@@ -120,6 +121,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
       tier_lock_slots: with the tier lock, how many processes of the node may
         do I/O on a tier at once (default 1, the paper's; more suits a device
         that serves a few concurrent streams well).
+      tier_lock_mode: "exclusive" (a process's reads and writes of a tier
+        hold one lock: one process streams at a time) or "per_direction"
+        (reads and writes take separate locks: one process reads while
+        another writes, so the turns overlap; suits a device that serves one
+        reader and one writer well but loses to many streams). Every process
+        sharing a tier must use the same mode.
       tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
         dict does not say; unknown bandwidths are assumed equal.
       nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
@@ -159,6 +166,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, tiers, host_cache_bytes=0, subgroup_numel=100_000_000,
                  mode="mlp", *, multipath=None, cache_reuse=None,
                  delayed_grad_conversion=None, tier_lock=None, tier_lock_slots=1,
+                 tier_lock_mode="exclusive",
                  tier_bandwidths=None,
                  nonfinite="raise", process_group=None, generic_state_keys=None,
                  compute_threads=None, io=None, verify_checksums=True, run_name=None,
@@ -178,6 +186,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if not isinstance(tier_lock_slots, int) or isinstance(tier_lock_slots, bool) \
                 or tier_lock_slots < 1:
             raise ConfigError(f"tier_lock_slots must be an int >= 1, got {tier_lock_slots!r}")
+        if tier_lock_mode not in _TIER_LOCK_MODES:
+            raise ConfigError(f"tier_lock_mode must be one of {_TIER_LOCK_MODES}, got "
+                              f"{tier_lock_mode!r}")
         if not isinstance(compute_threads, int) or compute_threads < 1:
             raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
         if state_dict_type not in _STATE_DICT_TYPES:
@@ -210,6 +221,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "io": io,
             "verify_checksums": bool(verify_checksums),
             "tier_lock_slots": tier_lock_slots,
+            "tier_lock_mode": tier_lock_mode,
         }
         self._run_prefix = run_name or "mlp_offload"
         if resume not in _recovery.RESUME_MODES:
@@ -423,6 +435,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             io=self._engine_settings["io"], run_name=self._run_name,
             verify_checksums=self._engine_settings["verify_checksums"],
             tier_lock_slots=self._engine_settings["tier_lock_slots"],
+            tier_lock_mode=self._engine_settings["tier_lock_mode"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_step=resume_step)
 
