@@ -229,4 +229,112 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
   return results;
 }
 
+absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
+    const std::string& dir, int streams, const ProbeOptions& options,
+    const std::function<absl::StatusOr<std::unique_ptr<IoEngine>>()>&
+        make_engine) {
+  if (streams < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ProbeConcurrency: streams must be >= 2, got ", streams));
+  }
+  if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ProbeConcurrency: bytes (", options.bytes,
+                     ") must be a positive multiple of ", kDirectIoAlignment));
+  }
+  struct stat st;
+  if (stat(dir.c_str(), &st) < 0) return ErrnoStatus(errno, "stat", dir);
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ProbeConcurrency: ", dir, " is not a directory"));
+  }
+  // Engine e reads probes[2e] and writes probes[2e + 1].
+  std::vector<DirProbe> probes(2 * static_cast<size_t>(streams));
+  struct Cleanup {
+    std::vector<DirProbe>* probes;
+    ~Cleanup() {
+      for (DirProbe& p : *probes) {
+        if (p.engine) p.engine->Shutdown();
+        p.file.reset();
+        if (!p.path.empty()) unlink(p.path.c_str());
+      }
+    }
+  } cleanup{&probes};
+  IoEngineOptions engine_options;
+  engine_options.kind = options.engine;
+  engine_options.block_size = options.block_size;
+  engine_options.queue_depth = options.queue_depth;
+  engine_options.num_threads = static_cast<int>(options.queue_depth);
+  const std::string where = absl::StrCat("probing ", dir, " with ", streams,
+                                         " streams");
+  for (size_t i = 0; i < probes.size(); ++i) {
+    DirProbe& p = probes[i];
+    p.dir = dir;
+    p.path = absl::StrCat(dir, "/.mlp_offload_probe.", getpid(), ".",
+                          g_probe_counter.fetch_add(1), ".tmp");
+    FileOptions file_options;
+    file_options.create = true;
+    file_options.truncate = true;
+    file_options.preallocate_bytes = options.bytes;
+    absl::StatusOr<std::unique_ptr<File>> file =
+        File::Open(p.path, file_options);
+    if (!file.ok()) {
+      p.path.clear();  // not ours to remove if it could not be created
+      return Annotate(file.status(), where);
+    }
+    p.file = std::move(*file);
+    if (i % 2 == 1) continue;  // the reader's engine serves both files
+    absl::StatusOr<std::unique_ptr<IoEngine>> engine =
+        make_engine ? make_engine() : CreateIoEngine(engine_options);
+    if (!engine.ok()) return Annotate(engine.status(), where);
+    p.engine = std::move(*engine);
+  }
+  // Every file written once, by its engine, before anything is timed.
+  for (size_t i = 0; i < probes.size(); ++i) {
+    absl::Status written =
+        TimeSequentialTransfer(*probes[i & ~size_t{1}].engine, *probes[i].file,
+                               IoOp::kWrite, options.bytes, options.block_size,
+                               options.queue_depth, /*sync=*/true)
+            .status();
+    if (!written.ok()) return Annotate(written, where);
+  }
+  // `engines` engines at once, each reading its file while writing the
+  // other: total bytes per second.
+  auto run = [&](int engines) -> absl::StatusOr<double> {
+    std::vector<absl::Status> status(2 * engines);
+    ::mlp_offload::Notification go;
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 2 * engines; ++i) {
+      threads.emplace_back([&, i] {
+        DirProbe& p = probes[i];
+        const IoOp op = i % 2 == 0 ? IoOp::kRead : IoOp::kWrite;
+        if (op == IoOp::kRead && !p.file->direct())
+          (void)posix_fadvise(p.file->fd(), 0, 0, POSIX_FADV_DONTNEED);
+        go.WaitForNotification();
+        status[i] = TimeSequentialTransfer(
+                        *probes[i & ~1].engine, *p.file, op, options.bytes,
+                        options.block_size, options.queue_depth,
+                        /*sync=*/op == IoOp::kWrite)
+                        .status();
+      });
+    }
+    const absl::Time start = absl::Now();
+    go.Notify();
+    for (auto& t : threads) t.join();
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    for (const absl::Status& s : status) {
+      if (!s.ok()) return Annotate(s, where);
+    }
+    return 2.0 * engines * static_cast<double>(options.bytes) /
+           std::max(seconds, 1e-9);
+  };
+  ConcurrencyBandwidth r;
+  r.dir = dir;
+  r.streams = streams;
+  MLP_ASSIGN_OR_RETURN(r.one, run(1));
+  MLP_ASSIGN_OR_RETURN(r.many, run(streams));
+  r.contention = std::max(0.0, (r.one / r.many - 1.0) / (streams - 1));
+  return r;
+}
+
 }  // namespace mlp_offload

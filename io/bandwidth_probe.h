@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,32 @@ struct PathBandwidth {
 // afterwards (also on error). Errors name the directory and the operation.
 absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     const std::vector<std::string>& dirs, const ProbeOptions& options);
+
+// How a directory's device serves several processes at once: the ranks of a
+// node that share a tier, each reading one file while writing another (an
+// offload engine's steady state).
+struct ConcurrencyBandwidth {
+  std::string dir;
+  int streams = 0;  // k, the processes emulated (one I/O engine each)
+  // Bytes per second read plus written, in total: one engine alone, then k
+  // engines at once.
+  double one = 0;
+  double many = 0;
+  // c such that many = one / (1 + c (k - 1)), the contention model of
+  // io/shared_throttle.h (0 when k engines get at least what one gets).
+  double contention = 0;
+};
+
+// Measures ConcurrencyBandwidth with `options.bytes` read and written per
+// engine (the files are written once first, so reads hit the device and
+// writes overwrite, and removed afterwards, also on error). `make_engine`
+// makes each engine (null: CreateIoEngine with the options' kind, block
+// size and queue depth); tests pass emulated devices. InvalidArgument for
+// streams < 2; errors name the directory and the operation.
+absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
+    const std::string& dir, int streams, const ProbeOptions& options,
+    const std::function<absl::StatusOr<std::unique_ptr<IoEngine>>()>&
+        make_engine = nullptr);
 
 // Transfers [0, bytes) of `file` sequentially in `block_size` requests with
 // `queue_depth` of them in flight (like fio's sequential job), and returns the

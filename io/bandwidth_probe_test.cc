@@ -8,6 +8,8 @@
 
 #include "gtest/gtest.h"
 #include "io/internal/test_util.h"
+#include "io/shared_throttle.h"
+#include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
 namespace {
@@ -60,6 +62,57 @@ TEST(BandwidthProbeTest, ErrorsNameTheDirectory) {
   bad.bytes = 1000;
   EXPECT_EQ(ProbeBandwidth({"/tmp"}, bad).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// An emulated device: 40 MB/s each way, shared by every engine made, k
+// streaming engines getting cap / (1 + c (k - 1)) in total.
+absl::StatusOr<ConcurrencyBandwidth> ProbeEmulatedDevice(double c,
+                                                          int streams) {
+  const std::string dir = internal_io::ScratchDir("probe_concurrency");
+  SharedThrottleOptions device;
+  device.state_path = internal_io::ScratchPath("probe_device");
+  device.read_bytes_per_sec = device.write_bytes_per_sec = 40e6;
+  device.contention = c;
+  ProbeOptions options;
+  options.bytes = 8 << 20;
+  options.block_size = 1 << 20;
+  options.queue_depth = 4;
+  absl::StatusOr<ConcurrencyBandwidth> r = ProbeConcurrency(
+      dir, streams, options,
+      [&]() -> absl::StatusOr<std::unique_ptr<IoEngine>> {
+        IoEngineOptions o;
+        o.kind = IoEngineOptions::Kind::kThreadPool;
+        o.num_threads = 4;
+        MLP_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> inner,
+                             CreateIoEngine(o));
+        return MakeSharedThrottledEngine(std::move(inner), device);
+      });
+  EXPECT_EQ(CountEntries(dir), 0);  // the probe's files are gone
+  return r;
+}
+
+TEST(BandwidthProbeTest, ConcurrencyProbeMeasuresTheDevicesContention) {
+  for (double c : {0.0, 0.5}) {
+    absl::StatusOr<ConcurrencyBandwidth> r = ProbeEmulatedDevice(c, 3);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->streams, 3);
+    // One engine reads and writes at once: both caps, 80 MB/s.
+    EXPECT_NEAR(r->one, 80e6, 12e6) << c;
+    EXPECT_NEAR(r->many, 80e6 / (1 + 2 * c), 12e6) << c;
+    EXPECT_NEAR(r->contention, c, 0.15);
+  }
+}
+
+TEST(BandwidthProbeTest, ConcurrencyProbeRefusesBadArguments) {
+  const std::string dir = internal_io::ScratchDir("probe_concurrency_args");
+  EXPECT_EQ(ProbeConcurrency(dir, 1, ProbeOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::string missing = internal_io::ScratchPath("no_such_dir");
+  absl::StatusOr<ConcurrencyBandwidth> r =
+      ProbeConcurrency(missing, 2, ProbeOptions());
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(missing), std::string::npos);
+  EXPECT_EQ(CountEntries(dir), 0);
 }
 
 }  // namespace

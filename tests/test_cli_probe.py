@@ -48,3 +48,29 @@ def test_probe_needs_a_path():
     with pytest.raises(SystemExit) as e:
         cli.main(["probe"])
     assert e.value.code == 2
+
+
+def test_probe_ranks_measures_concurrency_and_suggests_a_tier_lock(tmp_path, capsys):
+    code = cli.main(["probe", "--json", "--bytes", "4MiB", "--block-size", "256KiB",
+                     "--queue-depth", "4", "--ranks", "3", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    (row,) = json.loads(out)
+    c = row["concurrency"]
+    assert c["dir"] == str(tmp_path) and c["streams"] == 3
+    assert c["one"] > 0 and c["many"] > 0 and c["contention"] >= 0
+    assert c["suggested"] == cli.suggest_tier_lock(c)
+    assert not any(tmp_path.iterdir())
+    code = cli.main(["probe", "--bytes", "4MiB", "--ranks", "2", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "2 at once" in out and "tier_lock" in out, out
+
+
+@pytest.mark.parametrize("one,many,contention,want", [
+    (100, 150, 0.0, {"tier_lock": False}),  # more streams, more bandwidth
+    (100, 100, 0.0, {"tier_lock": True, "tier_lock_mode": "per_direction"}),
+    (100, 50, 0.3, {"tier_lock": True, "tier_lock_mode": "per_direction"}),
+    (100, 40, 0.5, {"tier_lock": True, "tier_lock_mode": "exclusive"}),
+])
+def test_tier_lock_suggestion(one, many, contention, want):
+    assert cli.suggest_tier_lock({"one": one, "many": many, "contention": contention}) == want

@@ -56,6 +56,35 @@ void RegisterIoBindings(py::module_& m) {
       "direct_fallback_reason, device and shares_device_with.");
 
   m.def(
+      "probe_concurrency",
+      [](const std::string& dir, int streams, uint64_t bytes, size_t block_size,
+         unsigned queue_depth) {
+        ProbeOptions options;
+        options.bytes = bytes;
+        options.block_size = block_size;
+        options.queue_depth = queue_depth;
+        absl::StatusOr<ConcurrencyBandwidth> result;
+        {
+          py::gil_scoped_release release;
+          result = ProbeConcurrency(dir, streams, options);
+        }
+        ConcurrencyBandwidth r = ValueOrThrow(std::move(result));
+        py::dict d;
+        d["dir"] = r.dir;
+        d["streams"] = r.streams;
+        d["one"] = r.one;
+        d["many"] = r.many;
+        d["contention"] = r.contention;
+        return d;
+      },
+      py::arg("dir"), py::arg("streams"), py::arg("bytes") = uint64_t{256} << 20,
+      py::arg("block_size") = size_t{1} << 20, py::arg("queue_depth") = 32u,
+      "How the directory's device serves `streams` processes at once, each "
+      "reading one file while writing another: a dict with one and many "
+      "(bytes/s read plus written, one engine alone and `streams` at once) "
+      "and contention (c with many = one / (1 + c (streams - 1))).");
+
+  m.def(
       "io_uring_available",
       []() {
         std::string reason;

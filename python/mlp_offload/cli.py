@@ -114,6 +114,27 @@ def _tier_dirs(paths, prefix):
 
 # -------------------------------------------------------------------- probe
 
+# Which tier lock suits a device, from its concurrency probe. The bounds come
+# from the four-rank update benchmark (README, technique 4): on a device
+# whose k streams get cap / (1 + c (k-1)), the per-direction lock is as fast
+# as no lock at c = 0 and the fastest setting up to c ~ 0.3, the exclusive
+# lock beyond. No lock only wins on a device that gives more to several
+# streams than to one (a striped parallel file system, a drive that needs
+# deeper queues), which the probe sees as many > one.
+_MORE_STREAMS_GAIN = 1.05
+_PER_DIRECTION_UP_TO = 0.3
+
+
+def suggest_tier_lock(concurrency):
+    """MLPOffloadOptimizer keyword arguments for the tier lock of a device,
+    from a probe_concurrency result."""
+    if concurrency["many"] >= _MORE_STREAMS_GAIN * concurrency["one"]:
+        return {"tier_lock": False}
+    if concurrency["contention"] <= _PER_DIRECTION_UP_TO:
+        return {"tier_lock": True, "tier_lock_mode": "per_direction"}
+    return {"tier_lock": True, "tier_lock_mode": "exclusive"}
+
+
 def _cmd_probe(args, out):
     from mlp_offload import _C
     for d in args.paths:
@@ -121,6 +142,13 @@ def _cmd_probe(args, out):
             raise ConfigError(f"{d} is not a directory")
     results = _C.probe_bandwidth(list(args.paths), bytes=args.bytes,
                                  block_size=args.block_size, queue_depth=args.queue_depth)
+    if args.ranks > 1:
+        for r in results:
+            c = _C.probe_concurrency(r["dir"], args.ranks, bytes=args.bytes,
+                                     block_size=args.block_size,
+                                     queue_depth=args.queue_depth)
+            c["suggested"] = suggest_tier_lock(c)
+            r["concurrency"] = c
     if args.json:
         json.dump(results, out, indent=2)
         out.write("\n")
@@ -145,6 +173,19 @@ def _cmd_probe(args, out):
     for i, r in enumerate(results):
         out.write(f"  --tier tier{i}:{r['dir']}:{r['read_alone'] / 1e9:.3g}:"
                   f"{r['write_alone'] / 1e9:.3g}\n")
+    if args.ranks > 1:
+        out.write(f"\n{args.ranks} processes sharing each path, each reading one file while "
+                  f"writing another (MB/s read + written, in total):\n\n")
+        rows = []
+        for r in results:
+            c = r["concurrency"]
+            rows.append([r["dir"], _mbps(c["one"]), _mbps(c["many"]),
+                         f"{c['contention']:.2f}",
+                         ", ".join(f"{k}={v!r}" for k, v in c["suggested"].items())])
+        _table(["path", "one", f"{args.ranks} at once", "contention c",
+                "suggested MLPOffloadOptimizer arguments"], rows, out)
+        out.write("\n(c: k processes get 1 / (1 + c (k-1)) of what one gets; the "
+                  "suggestion follows the four-rank benchmark in the README)\n")
     return 0
 
 
@@ -402,6 +443,10 @@ def build_parser():
                    help="bytes per request")
     p.add_argument("--queue-depth", type=_positive_int, default=32,
                    help="requests in flight per path")
+    p.add_argument("--ranks", type=_positive_int, default=1,
+                   help="if > 1, also measure each path with this many processes "
+                   "reading and writing at once (the ranks of a node sharing it) "
+                   "and suggest a tier lock setting")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = sub.add_parser("plan", formatter_class=fmt,
