@@ -650,17 +650,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if not self._grad_presence():
             return loss  # torch skips parameters without gradients
         self._refresh_hyperparams()
-        self._ensure_initialized()
         skip_nonfinite = amp or self._nonfinite != "ignore"
 
         stats = before = failure = None
-        if self._engine is not None:
-            try:
+        try:
+            self._ensure_initialized()
+            if self._engine is not None:
                 stats, before = self._guarded_step(grad_scale, skip_nonfinite, amp, scale)
-            except Exception as exc:
-                if self._group is None:
-                    raise
-                failure = exc
+        except Exception as exc:
+            if self._group is None:
+                raise
+            failure = exc
         skipped = bool(stats and stats.get("skipped"))
         if self._group is not None:
             skipped = self._agree_on_outcome(skipped, failure, stats, before)
