@@ -64,14 +64,14 @@ TEST(BandwidthProbeTest, ErrorsNameTheDirectory) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// An emulated device: 40 MB/s each way, shared by every engine made, k
+// An emulated device: 20 MB/s each way, shared by every engine made, k
 // streaming engines getting cap / (1 + c (k - 1)) in total.
 absl::StatusOr<ConcurrencyBandwidth> ProbeEmulatedDevice(double c,
                                                           int streams) {
   const std::string dir = internal_io::ScratchDir("probe_concurrency");
   SharedThrottleOptions device;
   device.state_path = internal_io::ScratchPath("probe_device");
-  device.read_bytes_per_sec = device.write_bytes_per_sec = 40e6;
+  device.read_bytes_per_sec = device.write_bytes_per_sec = 20e6;
   device.contention = c;
   ProbeOptions options;
   options.bytes = 8 << 20;
@@ -96,10 +96,11 @@ TEST(BandwidthProbeTest, ConcurrencyProbeMeasuresTheDevicesContention) {
     absl::StatusOr<ConcurrencyBandwidth> r = ProbeEmulatedDevice(c, 3);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->streams, 3);
-    // One engine reads and writes at once: both caps, 80 MB/s.
-    EXPECT_NEAR(r->one, 80e6, 12e6) << c;
-    EXPECT_NEAR(r->many, 80e6 / (1 + 2 * c), 12e6) << c;
-    EXPECT_NEAR(r->contention, c, 0.15);
+    // One engine reads and writes at once: both caps, 40 MB/s (less the
+    // engines' overhead: TSan's made it 35 MB/s).
+    EXPECT_NEAR(r->one, 40e6, 10e6) << c;
+    EXPECT_NEAR(r->many, 40e6 / (1 + 2 * c), 10e6) << c;
+    EXPECT_NEAR(r->contention, c, 0.2);  // 0.43 at c = 0.5 under TSan
   }
 }
 
