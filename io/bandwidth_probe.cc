@@ -234,8 +234,8 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
     const std::function<absl::StatusOr<std::unique_ptr<IoEngine>>()>&
         make_engine) {
   if (streams < 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ProbeConcurrency: streams must be >= 2, got ", streams));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ProbeConcurrency: streams must be >= 2, got ", streams));
   }
   if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
     return absl::InvalidArgumentError(
@@ -265,8 +265,8 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
   engine_options.block_size = options.block_size;
   engine_options.queue_depth = options.queue_depth;
   engine_options.num_threads = static_cast<int>(options.queue_depth);
-  const std::string where = absl::StrCat("probing ", dir, " with ", streams,
-                                         " streams");
+  const std::string where =
+      absl::StrCat("probing ", dir, " with ", streams, " streams");
   for (size_t i = 0; i < probes.size(); ++i) {
     DirProbe& p = probes[i];
     p.dir = dir;
@@ -312,10 +312,10 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
         if (op == IoOp::kRead && !p.file->direct())
           (void)posix_fadvise(p.file->fd(), 0, 0, POSIX_FADV_DONTNEED);
         go.WaitForNotification();
-        status[i] = TimeSequentialTransfer(
-                        *probes[i & ~1].engine, *p.file, op, options.bytes,
-                        options.block_size, options.queue_depth,
-                        /*sync=*/false)
+        status[i] = TimeSequentialTransfer(*probes[i & ~1].engine, *p.file, op,
+                                           options.bytes, options.block_size,
+                                           options.queue_depth,
+                                           /*sync=*/false)
                         .status();
       });
     }

@@ -67,7 +67,7 @@ TEST(BandwidthProbeTest, ErrorsNameTheDirectory) {
 // An emulated device: 20 MB/s each way, shared by every engine made, k
 // streaming engines getting cap / (1 + c (k - 1)) in total.
 absl::StatusOr<ConcurrencyBandwidth> ProbeEmulatedDevice(double c,
-                                                          int streams) {
+                                                         int streams) {
   const std::string dir = internal_io::ScratchDir("probe_concurrency");
   SharedThrottleOptions device;
   device.state_path = internal_io::ScratchPath("probe_device");

@@ -255,7 +255,7 @@ TEST_P(IoEngineTest, ShutdownWithABrokenRingFailsWhatTheKernelNeverTook) {
   IoFuture write = engine_->Submit(
       IoRequest{IoOp::kWrite, file_.get(), read_len, write_len, write_from});
   absl::SleepFor(absl::Milliseconds(2600));  // past the engine's patience
-  EXPECT_FALSE(read.Ready());                 // in the ring, kept for now
+  EXPECT_FALSE(read.Ready());                // in the ring, kept for now
 
   absl::Notification shut;
   std::thread shutdown([&] {
@@ -292,11 +292,10 @@ TEST_P(IoEngineTest, ShutdownWithABrokenRingFailsWhatTheKernelNeverTook) {
   EXPECT_TRUE(std::all_of(on_disk.begin(), on_disk.end(),
                           [](char c) { return c == 0; }));
   // Shut down for good: new requests are refused, not queued.
-  EXPECT_FALSE(engine_
-                   ->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096,
-                                      read_into})
-                   .Wait()
-                   .ok());
+  EXPECT_FALSE(
+      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, 4096, read_into})
+          .Wait()
+          .ok());
 }
 
 TEST_P(IoEngineTest, ReadPastEndIsAnErrorNeverAShortSuccess) {

@@ -626,11 +626,10 @@ absl::Status Engine::Impl::WriteCommit() {
     }
     std::string encoded = EncodeCommitRecord(c);
     if (!commit_bytes[t].empty()) {
-      MLP_RETURN_IF_ERROR(WriteFileAtomically(tiers[t].dir + "/COMMIT.prev",
-                                              commit_bytes[t]));
+      MLP_RETURN_IF_ERROR(
+          WriteFileAtomically(tiers[t].dir + "/COMMIT.prev", commit_bytes[t]));
     }
-    MLP_RETURN_IF_ERROR(
-        WriteFileAtomically(tiers[t].dir + "/COMMIT", encoded));
+    MLP_RETURN_IF_ERROR(WriteFileAtomically(tiers[t].dir + "/COMMIT", encoded));
     commit_bytes[t] = std::move(encoded);
   }
   for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
@@ -816,7 +815,8 @@ absl::Status Engine::Impl::LoadCommitted() {
               : std::string(tc.prev_status.ok()
                                 ? " only"
                                 : absl::StrCat(" only (COMMIT.prev: ",
-                                               tc.prev_status.message(), ")"))));
+                                               tc.prev_status.message(),
+                                               ")"))));
     }
     const CommitRecord& c = use->record;
     for (int i = 0; i < n(); ++i) {

@@ -42,7 +42,7 @@ struct EngineConfig {
   IoEngineOptions io;
   // Subdirectory created under every tier path for this run's files.
   std::string run_name = "mlp_offload_run";
-  int tier_lock_slots = 1;       // processes per tier at a time
+  int tier_lock_slots = 1;  // processes per tier at a time
   // With the tier lock: kExclusive, a process's reads and writes of a tier
   // hold one lock; kPerDirection, reads one and writes another, so one
   // process may read a tier while another writes it (the last writes of one

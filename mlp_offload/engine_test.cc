@@ -382,7 +382,8 @@ struct HeldLockProbe {
   bool finished = false;
 };
 
-HeldLockProbe StepWithAHeldLock(TierLockMode mode, const std::string& held_lock) {
+HeldLockProbe StepWithAHeldLock(TierLockMode mode,
+                                const std::string& held_lock) {
   EngineConfig cfg = SmallConfig(1);
   cfg.num_state_arrays = 1;
   cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 2));
@@ -627,8 +628,8 @@ TEST(EngineTest, SlotsRewrittenAfterACommitAreNeverResumedSilently) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<float> master(3000), m(3000), v(3000);
   for (int i = 0; i < 4; ++i) {
-    absl::Status r =
-        (*engine)->ReadSubgroup(i, master.data(), {m.data(), v.data()}, nullptr);
+    absl::Status r = (*engine)->ReadSubgroup(i, master.data(),
+                                             {m.data(), v.data()}, nullptr);
     ASSERT_FALSE(r.ok()) << "subgroup " << i;
     EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
     EXPECT_NE(r.message().find("holds step 5, expected step 2"),

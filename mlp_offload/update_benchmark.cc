@@ -34,11 +34,11 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "mlp_offload/base/status_macros.h"
@@ -223,11 +223,9 @@ class TreeRemover {
 // A rank's engine over its shard, one configuration.
 class Worker {
  public:
-  static absl::StatusOr<std::unique_ptr<Worker>> Create(const std::string& name,
-                                                        const BenchConfig& config,
-                                                        const Setup& setup,
-                                                        int rank,
-                                                        Shard* shard) {
+  static absl::StatusOr<std::unique_ptr<Worker>> Create(
+      const std::string& name, const BenchConfig& config, const Setup& setup,
+      int rank, Shard* shard) {
     EngineConfig cfg;
     for (int t = 0; t < 2; ++t) {
       TierSpec spec;
@@ -314,8 +312,9 @@ struct RankReport {
   Summary summary;
 };
 
-absl::StatusOr<Summary> RunRank(const std::string& name, const BenchConfig& config,
-                                const Setup& setup, int rank, Shard* shard,
+absl::StatusOr<Summary> RunRank(const std::string& name,
+                                const BenchConfig& config, const Setup& setup,
+                                int rank, Shard* shard,
                                 const std::function<void()>& before_step,
                                 const std::function<void()>& after_step) {
   // Declared first, so it runs after the engine is gone.

@@ -413,7 +413,8 @@ void RegisterEngineBindings(py::module_& parent) {
               config.tier_lock_mode = TierLockMode::kPerDirection;
             } else {
               throw py::value_error(
-                  "tier_lock_mode must be 'exclusive' or 'per_direction', got '" +
+                  "tier_lock_mode must be 'exclusive' or 'per_direction', got "
+                  "'" +
                   tier_lock_mode + "'");
             }
             config.verify_checksums = verify_checksums;
@@ -433,7 +434,8 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("grad_dtype"), py::arg("techniques") = "mlp",
           py::arg("compute_threads") = 2, py::arg("io") = py::none(),
           py::arg("run_name") = "mlp_offload_run",
-          py::arg("tier_lock_slots") = 1, py::arg("tier_lock_mode") = "exclusive",
+          py::arg("tier_lock_slots") = 1,
+          py::arg("tier_lock_mode") = "exclusive",
           py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
           py::arg("commit_every") = 0, py::arg("resume_step") = -1,

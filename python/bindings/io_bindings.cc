@@ -77,7 +77,8 @@ void RegisterIoBindings(py::module_& m) {
         d["contention"] = r.contention;
         return d;
       },
-      py::arg("dir"), py::arg("streams"), py::arg("bytes") = uint64_t{256} << 20,
+      py::arg("dir"), py::arg("streams"),
+      py::arg("bytes") = uint64_t{256} << 20,
       py::arg("block_size") = size_t{1} << 20, py::arg("queue_depth") = 32u,
       "How the directory's device serves `streams` processes at once, each "
       "reading one file while writing another: a dict with one and many "
