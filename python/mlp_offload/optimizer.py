@@ -702,11 +702,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         step that completed but whose commit failed is not run twice.
         """
         engine = self._engine
-        params = [p for g in self._owned for p in self._subgroups[g].params]
+        params = self._owned_params()
         failed, self._failed_step = self._failed_step, None
         if failed is not None and failed["partial"] is not None:
-            for p, v in zip(params, failed["partial"]):
-                p.copy_(v)
+            self._restore(params, failed["partial"])
         if failed is not None:
             before = failed["before"]
         else:
@@ -726,13 +725,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             except OffloadError:  # the engine was closed under us
                 completed = incomplete = False
             if completed or incomplete:
-                self._failed_step = {
-                    "before": before, "completed": completed,
-                    "partial": None if before is None else [p.detach().clone() for p in params],
-                }
-            if before is not None:
-                for p, v in zip(params, before):
-                    p.copy_(v)
+                self._hold_back(params, before, completed)
+            elif before is not None:
+                self._restore(params, before)
             err = _recovery.annotate(exc, self._tiers, self._run_name,
                                      f"optimizer step {start + 1}")
             if err is exc:
@@ -742,6 +737,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 and engine.committed_step == engine.steps:
             _recovery.prune_pystate(self._pystate_dir(), engine.steps)
         return stats, before
+
+    def _owned_params(self):
+        return [p for g in self._owned for p in self._subgroups[g].params]
+
+    @staticmethod
+    def _restore(params, values):
+        for p, v in zip(params, values):
+            p.copy_(v)
+
+    def _hold_back(self, params, before, completed):
+        """Keeps a step that raised (or that another rank failed) for the
+        next step() to finish: its parameters' current values (the partial
+        or complete update) are saved and, with atomic_step, the parameters
+        put back to `before`."""
+        self._failed_step = {
+            "before": before, "completed": completed,
+            "partial": None if before is None else [p.detach().clone() for p in params],
+        }
+        if before is not None:
+            self._restore(params, before)
 
     def _agree_on_outcome(self, skipped, failure, stats, before):
         """Collective, after this rank's part of step(): whether any rank
@@ -756,14 +771,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
         if t[1]:
             if failure is None and stats is not None and not stats.get("skipped"):
-                params = [p for g in self._owned for p in self._subgroups[g].params]
-                self._failed_step = {
-                    "before": before, "completed": True,
-                    "partial": None if before is None else [p.detach().clone() for p in params],
-                }
-                if before is not None:
-                    for p, v in zip(params, before):
-                        p.copy_(v)
+                self._hold_back(self._owned_params(), before, completed=True)
             self._raise_together(
                 failure, "complete its part of the optimizer step",
                 note="; this rank's update is held back: step() again with the same "
