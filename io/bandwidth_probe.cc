@@ -97,6 +97,56 @@ struct DirProbe {
 
 std::atomic<int> g_probe_counter{0};
 
+// The probes of one measurement; their files are removed whatever happens.
+struct Probes {
+  std::vector<DirProbe> all;
+  explicit Probes(size_t n) : all(n) {}
+  ~Probes() {
+    for (DirProbe& p : all) {
+      if (p.engine) p.engine->Shutdown();
+      p.file.reset();
+      if (!p.path.empty()) unlink(p.path.c_str());
+    }
+  }
+};
+
+absl::Status CheckBytes(const char* who, const ProbeOptions& options) {
+  if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": bytes (", options.bytes,
+                     ") must be a positive multiple of ", kDirectIoAlignment));
+  }
+  return absl::OkStatus();
+}
+
+IoEngineOptions EngineOptions(const ProbeOptions& options) {
+  IoEngineOptions engine_options;
+  engine_options.kind = options.engine;
+  engine_options.block_size = options.block_size;
+  engine_options.queue_depth = options.queue_depth;
+  engine_options.num_threads = static_cast<int>(options.queue_depth);
+  return engine_options;
+}
+
+// Creates p's temporary file in `dir`, preallocated to `bytes`.
+absl::Status CreateProbeFile(const std::string& dir, uint64_t bytes,
+                             DirProbe& p) {
+  p.dir = dir;
+  p.path = absl::StrCat(dir, "/.mlp_offload_probe.", getpid(), ".",
+                        g_probe_counter.fetch_add(1), ".tmp");
+  FileOptions file_options;
+  file_options.create = true;
+  file_options.truncate = true;
+  file_options.preallocate_bytes = bytes;
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(p.path, file_options);
+  if (!file.ok()) {
+    p.path.clear();  // not ours to remove if it could not be created
+    return file.status();
+  }
+  p.file = std::move(*file);
+  return absl::OkStatus();
+}
+
 // Bytes per second of one sequential pass over the directory's file.
 absl::StatusOr<double> Measure(DirProbe& p, IoOp op,
                                const ProbeOptions& options) {
@@ -118,34 +168,15 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
     const std::vector<std::string>& dirs, const ProbeOptions& options) {
   if (dirs.empty())
     return absl::InvalidArgumentError("ProbeBandwidth: no directories");
-  if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ProbeBandwidth: bytes (", options.bytes,
-                     ") must be a positive multiple of ", kDirectIoAlignment));
-  }
+  MLP_RETURN_IF_ERROR(CheckBytes("ProbeBandwidth", options));
   std::vector<PathBandwidth> results(dirs.size());
-  std::vector<DirProbe> probes(dirs.size());
-  // Removes the temporary files whatever happens below.
-  struct Cleanup {
-    std::vector<DirProbe>* probes;
-    ~Cleanup() {
-      for (DirProbe& p : *probes) {
-        if (p.engine) p.engine->Shutdown();
-        p.file.reset();
-        if (!p.path.empty()) unlink(p.path.c_str());
-      }
-    }
-  } cleanup{&probes};
-
-  IoEngineOptions engine_options;
-  engine_options.kind = options.engine;
-  engine_options.block_size = options.block_size;
-  engine_options.queue_depth = options.queue_depth;
-  engine_options.num_threads = static_cast<int>(options.queue_depth);
+  Probes cleanup(dirs.size());
+  std::vector<DirProbe>& probes = cleanup.all;
+  const IoEngineOptions engine_options = EngineOptions(options);
   for (size_t i = 0; i < dirs.size(); ++i) {
     DirProbe& p = probes[i];
     PathBandwidth& r = results[i];
-    p.dir = r.dir = dirs[i];
+    r.dir = dirs[i];
     struct stat st;
     if (stat(dirs[i].c_str(), &st) < 0)
       return ErrnoStatus(errno, "stat", dirs[i]);
@@ -154,19 +185,9 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
           absl::StrCat("ProbeBandwidth: ", dirs[i], " is not a directory"));
     }
     r.device = st.st_dev;
-    p.path = absl::StrCat(dirs[i], "/.mlp_offload_probe.", getpid(), ".",
-                          g_probe_counter.fetch_add(1), ".tmp");
-    FileOptions file_options;
-    file_options.create = true;
-    file_options.truncate = true;
-    file_options.preallocate_bytes = options.bytes;
-    absl::StatusOr<std::unique_ptr<File>> file =
-        File::Open(p.path, file_options);
-    if (!file.ok()) {
-      p.path.clear();  // not ours to remove if it could not be created
-      return Annotate(file.status(), absl::StrCat("probing ", dirs[i]));
-    }
-    p.file = std::move(*file);
+    absl::Status created = CreateProbeFile(dirs[i], options.bytes, p);
+    if (!created.ok())
+      return Annotate(created, absl::StrCat("probing ", dirs[i]));
     r.direct = p.file->direct();
     r.direct_fallback_reason = p.file->direct_fallback_reason();
     MLP_ASSIGN_OR_RETURN(p.engine, CreateIoEngine(engine_options));
@@ -237,11 +258,7 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
     return absl::InvalidArgumentError(
         absl::StrCat("ProbeConcurrency: streams must be >= 2, got ", streams));
   }
-  if (options.bytes == 0 || options.bytes % kDirectIoAlignment != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ProbeConcurrency: bytes (", options.bytes,
-                     ") must be a positive multiple of ", kDirectIoAlignment));
-  }
+  MLP_RETURN_IF_ERROR(CheckBytes("ProbeConcurrency", options));
   struct stat st;
   if (stat(dir.c_str(), &st) < 0) return ErrnoStatus(errno, "stat", dir);
   if (!S_ISDIR(st.st_mode)) {
@@ -249,40 +266,15 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
         absl::StrCat("ProbeConcurrency: ", dir, " is not a directory"));
   }
   // Engine e reads probes[2e] and writes probes[2e + 1].
-  std::vector<DirProbe> probes(2 * static_cast<size_t>(streams));
-  struct Cleanup {
-    std::vector<DirProbe>* probes;
-    ~Cleanup() {
-      for (DirProbe& p : *probes) {
-        if (p.engine) p.engine->Shutdown();
-        p.file.reset();
-        if (!p.path.empty()) unlink(p.path.c_str());
-      }
-    }
-  } cleanup{&probes};
-  IoEngineOptions engine_options;
-  engine_options.kind = options.engine;
-  engine_options.block_size = options.block_size;
-  engine_options.queue_depth = options.queue_depth;
-  engine_options.num_threads = static_cast<int>(options.queue_depth);
+  Probes cleanup(2 * static_cast<size_t>(streams));
+  std::vector<DirProbe>& probes = cleanup.all;
+  const IoEngineOptions engine_options = EngineOptions(options);
   const std::string where =
       absl::StrCat("probing ", dir, " with ", streams, " streams");
   for (size_t i = 0; i < probes.size(); ++i) {
     DirProbe& p = probes[i];
-    p.dir = dir;
-    p.path = absl::StrCat(dir, "/.mlp_offload_probe.", getpid(), ".",
-                          g_probe_counter.fetch_add(1), ".tmp");
-    FileOptions file_options;
-    file_options.create = true;
-    file_options.truncate = true;
-    file_options.preallocate_bytes = options.bytes;
-    absl::StatusOr<std::unique_ptr<File>> file =
-        File::Open(p.path, file_options);
-    if (!file.ok()) {
-      p.path.clear();  // not ours to remove if it could not be created
-      return Annotate(file.status(), where);
-    }
-    p.file = std::move(*file);
+    absl::Status created = CreateProbeFile(dir, options.bytes, p);
+    if (!created.ok()) return Annotate(created, where);
     if (i % 2 == 1) continue;  // the reader's engine serves both files
     absl::StatusOr<std::unique_ptr<IoEngine>> engine =
         make_engine ? make_engine() : CreateIoEngine(engine_options);
