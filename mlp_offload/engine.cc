@@ -48,6 +48,16 @@ namespace {
 constexpr uint64_t kAlign = kDirectIoAlignment;
 uint64_t RoundUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+// 64-bit FNV-1a: a name that is the same in every process and build.
+uint64_t StableHash(absl::string_view s) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 double Seconds(absl::Time since) {
   return absl::ToDoubleSeconds(absl::Now() - since);
 }
@@ -202,6 +212,29 @@ struct Buffer {
 };
 
 }  // namespace
+
+absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
+                                           const std::string& tier_dir) {
+  std::string dir = lock_dir;
+  if (dir.empty()) {
+    struct stat st;
+    const bool shm = stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) &&
+                     access("/dev/shm", W_OK | X_OK) == 0;
+    dir = shm ? "/dev/shm" : "/tmp";
+  }
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0)
+    return ErrnoStatus(errno, "tier lock directory: stat", dir);
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier lock directory ", dir, " is not a directory"));
+  }
+  char real[PATH_MAX];
+  if (realpath(tier_dir.c_str(), real) == nullptr)
+    return ErrnoStatus(errno, "realpath", tier_dir);
+  return absl::StrCat(dir, "/mlp_offload_tier_lock.", getuid(), ".",
+                      absl::Hex(StableHash(real), absl::kZeroPad16));
+}
 
 struct Engine::Impl {
   EngineConfig config;
@@ -712,8 +745,14 @@ absl::Status Engine::Impl::OpenTiers() {
     }
     std::vector<std::unique_ptr<TierLock>> locks;
     if (config.techniques.tier_lock) {
-      // The locks live in the tier's root, shared by every run on it.
-      const std::string base = real[t] + "/.mlp_offload_tier_lock";
+      // Node-local, shared by every run of this node on the tier.
+      absl::StatusOr<std::string> prefix =
+          TierLockPrefix(config.tier_lock_dir, real[t]);
+      if (!prefix.ok()) {
+        return Annotate(prefix.status(),
+                        absl::StrCat("tier ", t, ": tier lock"));
+      }
+      const std::string& base = *prefix;
       std::vector<std::string> paths = {base};
       if (config.tier_lock_mode == TierLockMode::kPerDirection) {
         paths = {base + ".read", base + ".write"};

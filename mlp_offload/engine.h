@@ -28,6 +28,14 @@ namespace mlp_offload {
 // How the tier lock (technique 4) covers a process's I/O on a tier.
 enum class TierLockMode { kExclusive, kPerDirection };
 
+// The path prefix of the tier lock of the directory `tier_dir` (resolved
+// with realpath) in `lock_dir` ("" as in EngineConfig::tier_lock_dir): the
+// same for every process of this user on this node that uses the tier. The
+// lock's file is this plus ".tickets" (TierLockMode::kPerDirection:
+// ".read.tickets" and ".write.tickets"). Errors name the directory at fault.
+absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
+                                           const std::string& tier_dir);
+
 struct EngineConfig {
   std::vector<TierSpec> tiers;
   uint64_t host_budget_bytes = 0;
@@ -49,6 +57,13 @@ struct EngineConfig {
   // turn overlap the first reads of the next). Every process sharing a tier
   // must use the same mode (they use different lock files).
   TierLockMode tier_lock_mode = TierLockMode::kExclusive;
+  // The node-local directory of the tier locks' files ("": /dev/shm, or /tmp
+  // where there is none). A tier's lock is named after its resolved path and
+  // the user (TierLockPrefix), so the processes of one node that share a tier
+  // take turns on it, while the other nodes that share it (a parallel file
+  // system) have their own turns, as in PAPER.md, and no lock ever depends on
+  // a network file system's locking.
+  std::string tier_lock_dir;
   bool verify_checksums = true;  // on every read
   // Wrap each tier's I/O engine in a FaultInjectingEngine (tests).
   bool fault_injection = false;

@@ -60,6 +60,7 @@ EngineConfig Config(const std::vector<std::string>& dirs) {
       4 * (4096 + AlignedRecordBytes(50000, 3));  // 1 cached
   cfg.commit_every = 1;
   cfg.run_name = "crash_run";
+  cfg.tier_lock_dir = dirs[0];  // node-local: the test's own directory
   cfg.resume = true;
   return cfg;
 }

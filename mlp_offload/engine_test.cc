@@ -261,6 +261,7 @@ EngineConfig SmallConfig(int tiers) {
   cfg.subgroup_numel = {1000, 2000, 3000, 1500};
   cfg.num_state_arrays = 2;
   cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(3000, 3));
+  cfg.tier_lock_dir = TempDir("locks");
   return cfg;
 }
 
@@ -374,9 +375,10 @@ TEST(EngineTest, GenericPathHandsRecordsToTheCaller) {
 }
 
 // What one generic step could do while another holder (another rank) held
-// the tier lock file `held_lock`: hand out its first record (which must be
-// read: no cache), and finish (its writes done: two buffers for four
-// subgroups, so the third record waits for the first one's write).
+// the tier's lock `held_lock` ("", ".read" or ".write"): hand out its first
+// record (which must be read: no cache), and finish (its writes done: two
+// buffers for four subgroups, so the third record waits for the first one's
+// write).
 struct HeldLockProbe {
   bool read = false;
   bool finished = false;
@@ -394,7 +396,9 @@ HeldLockProbe StepWithAHeldLock(TierLockMode mode,
   EXPECT_TRUE(engine.ok()) << engine.status();
   if (!engine.ok()) return probe;
   Engine& e = Initialized(*engine, cfg, 5);
-  auto other = TierLock::Open(cfg.tiers[0].path + "/" + held_lock);
+  auto prefix = TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path);
+  EXPECT_TRUE(prefix.ok()) << prefix.status();
+  auto other = TierLock::Open(*prefix + held_lock);
   EXPECT_TRUE(other.ok()) << other.status();
   EXPECT_TRUE((*other)->Acquire().ok());
   EXPECT_TRUE(e.BeginStep().ok());
@@ -425,16 +429,57 @@ HeldLockProbe StepWithAHeldLock(TierLockMode mode,
 TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
   // Per direction: reads take the tier's read lock and writes its write
   // lock, so a rank reads while another writes, but writes wait for it.
-  HeldLockProbe p = StepWithAHeldLock(TierLockMode::kPerDirection,
-                                      ".mlp_offload_tier_lock.write");
+  HeldLockProbe p = StepWithAHeldLock(TierLockMode::kPerDirection, ".write");
   EXPECT_TRUE(p.read);
   EXPECT_FALSE(p.finished);
-  p = StepWithAHeldLock(TierLockMode::kPerDirection,
-                        ".mlp_offload_tier_lock.read");
+  p = StepWithAHeldLock(TierLockMode::kPerDirection, ".read");
   EXPECT_FALSE(p.read);
   // Exclusive: one lock for both directions.
-  p = StepWithAHeldLock(TierLockMode::kExclusive, ".mlp_offload_tier_lock");
+  p = StepWithAHeldLock(TierLockMode::kExclusive, "");
   EXPECT_FALSE(p.read);
+}
+
+TEST(EngineTest, TierLocksAreNodeLocalAndNamedAfterTheTier) {
+  EngineConfig cfg = SmallConfig(2);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  // One lock file per tier, in the lock directory: none on the tiers (which
+  // may be a parallel file system shared with other nodes).
+  std::vector<std::string> want;
+  for (const TierSpec& tier : cfg.tiers) {
+    auto prefix = TierLockPrefix(cfg.tier_lock_dir, tier.path);
+    ASSERT_TRUE(prefix.ok()) << prefix.status();
+    EXPECT_EQ(prefix->rfind(cfg.tier_lock_dir + "/mlp_offload_tier_lock.", 0),
+              0u)
+        << *prefix;
+    struct stat st;
+    EXPECT_EQ(stat((*prefix + ".tickets").c_str(), &st), 0) << *prefix;
+    want.push_back(*prefix);
+  }
+  EXPECT_NE(want[0], want[1]);
+  // The same directory by another name (a symlink, "/./") is the same lock.
+  const std::string link = cfg.tiers[0].path + ".link";
+  ASSERT_EQ(symlink(cfg.tiers[0].path.c_str(), link.c_str()), 0);
+  EXPECT_EQ(*TierLockPrefix(cfg.tier_lock_dir, link), want[0]);
+  EXPECT_EQ(*TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path + "/."),
+            want[0]);
+  // By default in /dev/shm (or /tmp where there is none).
+  auto by_default = TierLockPrefix("", cfg.tiers[0].path);
+  ASSERT_TRUE(by_default.ok()) << by_default.status();
+  EXPECT_TRUE(by_default->rfind("/dev/shm/mlp_offload_tier_lock.", 0) == 0 ||
+              by_default->rfind("/tmp/mlp_offload_tier_lock.", 0) == 0)
+      << *by_default;
+  // A lock directory that does not exist is an error naming it.
+  cfg = SmallConfig(1);
+  cfg.tier_lock_dir = "/nonexistent/locks";
+  auto bad = Engine::Create(cfg);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("/nonexistent/locks"),
+            std::string::npos)
+      << bad.status();
+  // Without the tier lock no lock directory is needed.
+  cfg.techniques.tier_lock = false;
+  EXPECT_TRUE(Engine::Create(cfg).ok());
 }
 
 TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {

@@ -70,6 +70,9 @@ ABSL_FLAG(int, ranks, 1,
 ABSL_FLAG(double, contention, 0,
           "with --ranks > 1: a tier streamed by k ranks at once gives "
           "cap / (1 + contention * (k - 1)) in total");
+ABSL_FLAG(std::string, tier_lock_dir, "",
+          "directory of the tier locks' files (default: a temporary one, "
+          "removed at the end)");
 ABSL_FLAG(bool, json, false, "print one JSON object per configuration");
 
 namespace mlp_offload {
@@ -180,6 +183,7 @@ Shard MakeShard(uint64_t params, uint64_t sg, uint32_t seed) {
 
 struct Setup {
   std::vector<std::string> dirs;
+  std::string lock_dir;
   double fast = 0, slow = 0;
   uint64_t budget = 0;  // per rank
   int ranks = 1;
@@ -241,6 +245,7 @@ class Worker {
       cfg.tiers.push_back(spec);
     }
     cfg.host_budget_bytes = setup.budget;
+    cfg.tier_lock_dir = setup.lock_dir;
     cfg.subgroup_numel = shard->sizes;
     cfg.num_state_arrays = 2;
     cfg.grad_dtype = DType::kBFloat16;
@@ -534,19 +539,26 @@ int Run() {
   setup.threads = std::max(1, absl::GetFlag(FLAGS_threads) / ranks);
   setup.dirs =
       absl::StrSplit(absl::GetFlag(FLAGS_tiers), ',', absl::SkipEmpty());
-  TreeRemover remove_made;  // temporary tiers, removed at the end
+  TreeRemover remove_made;  // temporary directories, removed at the end
+  auto make_temp_dir = [&remove_made](std::string* dir) {
+    char tmpl[] = "/tmp/mlp_offload_bench_XXXXXX";
+    char* d = mkdtemp(tmpl);
+    if (d == nullptr) {
+      std::perror("mkdtemp");
+      return false;
+    }
+    *dir = d;
+    remove_made.Add(d);
+    return true;
+  };
   if (setup.dirs.empty()) {
-    for (int t = 0; t < 2; ++t) {
-      char tmpl[] = "/tmp/mlp_offload_bench_XXXXXX";
-      char* d = mkdtemp(tmpl);
-      if (d == nullptr) {
-        std::perror("mkdtemp");
-        return 1;
-      }
-      setup.dirs.push_back(d);
-      remove_made.Add(d);
+    setup.dirs.resize(2);
+    for (std::string& d : setup.dirs) {
+      if (!make_temp_dir(&d)) return 1;
     }
   }
+  setup.lock_dir = absl::GetFlag(FLAGS_tier_lock_dir);
+  if (setup.lock_dir.empty() && !make_temp_dir(&setup.lock_dir)) return 1;
   if (setup.dirs.size() != 2) {
     std::fprintf(stderr, "--tiers needs two directories\n");
     return 2;

@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -15,6 +17,16 @@ def pytest_addoption(parser):
                      help="bazel query output: the extension's source files")
     parser.addoption("--build-ext", default=None,
                      help="path of tools/gpu_check/build_ext.sh")
+
+
+def pytest_configure(config):
+    # The tier locks' files go to a directory of this test session (and of
+    # the processes it starts), not to the machine's /dev/shm.
+    if "MLP_OFFLOAD_TIER_LOCK_DIR" not in os.environ:
+        locks = tempfile.mkdtemp(prefix="mlp_offload_test_locks_",
+                                 dir=os.environ.get("TEST_TMPDIR"))
+        os.environ["MLP_OFFLOAD_TIER_LOCK_DIR"] = locks
+        config.add_cleanup(lambda: shutil.rmtree(locks, ignore_errors=True))
 
 
 def built_path(request, option):

@@ -347,8 +347,6 @@ def test_files_are_private_and_symlinks_are_not_followed(tmp_path):
                 mode = stat.S_IMODE(os.lstat(os.path.join(dirpath, d)).st_mode)
                 assert mode == 0o700, (os.path.join(dirpath, d), oct(mode))
             for f in filenames:
-                if f == ".mlp_offload_tier_lock":  # shared by every run on the tier
-                    continue
                 mode = stat.S_IMODE(os.lstat(os.path.join(dirpath, f)).st_mode)
                 assert mode == 0o600, (os.path.join(dirpath, f), oct(mode))
                 checked += 1

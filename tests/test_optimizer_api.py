@@ -6,6 +6,7 @@ clip_grad_norm_, mixed precision, and the errors for what is not supported.
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -358,15 +359,19 @@ def test_close_removes_the_run_directories(tmp_path):
     assert all(len(runs(t)) == 0 for t in tiers)
 
 
-@pytest.mark.parametrize("slots,mode,locks", [
-    (1, "exclusive", [".mlp_offload_tier_lock"]),
-    (3, "exclusive", [".mlp_offload_tier_lock"]),
-    (1, "per_direction", [".mlp_offload_tier_lock.read", ".mlp_offload_tier_lock.write"]),
+@pytest.mark.parametrize("slots,mode,suffixes", [
+    (1, "exclusive", [""]),
+    (3, "exclusive", [""]),
+    (1, "per_direction", [".read", ".write"]),
 ])
 def test_tier_lock_options_reach_the_engine_and_change_no_result(tmp_path, slots, mode,
-                                                                 locks):
+                                                                 suffixes):
     results = []
-    for options in ({"tier_lock": False}, {"tier_lock_slots": slots, "tier_lock_mode": mode}):
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    for options in ({"tier_lock": False},
+                    {"tier_lock_slots": slots, "tier_lock_mode": mode,
+                     "tier_lock_dir": str(locks)}):
         torch.manual_seed(0)
         model = make_model()
         d = tmp_path / ("locked" if "tier_lock_mode" in options else "unlocked")
@@ -376,9 +381,12 @@ def test_tier_lock_options_reach_the_engine_and_change_no_result(tmp_path, slots
             opt.zero_grad()
             loss_of(model, step).backward()
             opt.step()
-        # The locks live in the tier's root, shared by every run on it.
-        got = sorted(n[:-len(".tickets")] for n in os.listdir(d) if n.endswith(".tickets"))
-        assert got == (locks if "tier_lock_mode" in options else []), os.listdir(d)
+        # The lock's files are node-local, named after the tier; none on it.
+        assert not [n for n in os.listdir(d) if "lock" in n.lower() and n != "LOCK"]
         opt.close()
         results.append([p.detach().clone() for p in model.parameters()])
+    names = sorted(os.listdir(locks))
+    pattern = re.compile(rf"mlp_offload_tier_lock\.{os.getuid()}\.[0-9a-f]{{16}}(.*)\.tickets")
+    assert [pattern.fullmatch(n) and pattern.fullmatch(n).group(1) for n in names] == \
+        suffixes, names
     assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -28,8 +28,9 @@ def rows(bench, tmp_path, *extra):
 
 def test_ranks_share_the_tiers(bench, tmp_path):
     with_lock, without = None, None
+    (tmp_path / "locks").mkdir()
     got = rows(bench, tmp_path, "--ranks=2", "--contention=0.5",
-               "--configs=mlp,mlp-tier_lock")
+               "--configs=mlp,mlp-tier_lock", f"--tier_lock_dir={tmp_path / 'locks'}")
     assert [r["config"] for r in got] == ["mlp", "mlp-tier_lock"]
     with_lock, without = got
     for r in got:
@@ -42,12 +43,14 @@ def test_ranks_share_the_tiers(bench, tmp_path):
     # The lock changes who moves bytes when, not how many.
     assert with_lock["bytes_read"] == without["bytes_read"]
     assert with_lock["bytes_written"] == without["bytes_written"]
-    # The ranks took turns through the tier lock's file, and the benchmark
-    # removed their run directories (gigabytes at real sizes) when done.
+    # The ranks took turns through the tier locks' files (one per tier, in
+    # the lock directory, none on the tiers), and the benchmark removed their
+    # run directories (gigabytes at real sizes) when done.
+    locks = os.listdir(tmp_path / "locks")
+    assert len(locks) == 2 and all(n.endswith(".tickets") for n in locks), locks
     for tier in ("fast", "slow"):
         names = os.listdir(tmp_path / tier)
-        assert ".mlp_offload_tier_lock.tickets" in names, names
-        assert not [n for n in names if n.startswith("bench_")], names
+        assert not [n for n in names if "tier_lock" in n or n.startswith("bench_")], names
 
 
 def test_one_rank_reports_the_same_fields(bench, tmp_path):

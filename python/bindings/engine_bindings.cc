@@ -394,8 +394,9 @@ void RegisterEngineBindings(py::module_& parent) {
              const std::string& grad_dtype, py::object techniques,
              int compute_threads, py::object io, const std::string& run_name,
              int tier_lock_slots, const std::string& tier_lock_mode,
-             bool verify_checksums, bool fault_injection, bool resume,
-             int commit_every, int64_t resume_step) {
+             const std::string& tier_lock_dir, bool verify_checksums,
+             bool fault_injection, bool resume, int commit_every,
+             int64_t resume_step) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -407,6 +408,7 @@ void RegisterEngineBindings(py::module_& parent) {
             config.io = IoFromDict(io);
             config.run_name = run_name;
             config.tier_lock_slots = tier_lock_slots;
+            config.tier_lock_dir = tier_lock_dir;
             if (tier_lock_mode == "exclusive") {
               config.tier_lock_mode = TierLockMode::kExclusive;
             } else if (tier_lock_mode == "per_direction") {
@@ -436,7 +438,7 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("run_name") = "mlp_offload_run",
           py::arg("tier_lock_slots") = 1,
           py::arg("tier_lock_mode") = "exclusive",
-          py::arg("verify_checksums") = true,
+          py::arg("tier_lock_dir") = "", py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
           py::arg("commit_every") = 0, py::arg("resume_step") = -1,
           "Validates the config, plans, opens the tiers, creates the run "

@@ -127,6 +127,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         another writes, so the turns overlap; suits a device that serves one
         reader and one writer well but loses to many streams). Every process
         sharing a tier must use the same mode.
+      tier_lock_dir: node-local directory for the tier locks' files (None:
+        $MLP_OFFLOAD_TIER_LOCK_DIR, else /dev/shm, else /tmp). A tier's lock
+        is named after its resolved path, so the processes of a node that
+        share a tier take turns on it and other nodes (sharing a parallel
+        file system) take their own turns; nothing is locked on the tier.
       tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
         dict does not say; unknown bandwidths are assumed equal.
       nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
@@ -166,7 +171,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, tiers, host_cache_bytes=0, subgroup_numel=100_000_000,
                  mode="mlp", *, multipath=None, cache_reuse=None,
                  delayed_grad_conversion=None, tier_lock=None, tier_lock_slots=1,
-                 tier_lock_mode="exclusive",
+                 tier_lock_mode="exclusive", tier_lock_dir=None,
                  tier_bandwidths=None,
                  nonfinite="raise", process_group=None, generic_state_keys=None,
                  compute_threads=None, io=None, verify_checksums=True, run_name=None,
@@ -222,6 +227,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "verify_checksums": bool(verify_checksums),
             "tier_lock_slots": tier_lock_slots,
             "tier_lock_mode": tier_lock_mode,
+            "tier_lock_dir": str(tier_lock_dir if tier_lock_dir is not None
+                                 else os.environ.get("MLP_OFFLOAD_TIER_LOCK_DIR", "")),
         }
         self._run_prefix = run_name or "mlp_offload"
         if resume not in _recovery.RESUME_MODES:
@@ -436,6 +443,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             verify_checksums=self._engine_settings["verify_checksums"],
             tier_lock_slots=self._engine_settings["tier_lock_slots"],
             tier_lock_mode=self._engine_settings["tier_lock_mode"],
+            tier_lock_dir=self._engine_settings["tier_lock_dir"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_step=resume_step)
 
