@@ -4,6 +4,7 @@ updated parameters reach every rank; results equal the plain optimizer."""
 import copy
 import datetime
 import errno
+import gc
 import os
 import time
 
@@ -39,7 +40,13 @@ def _in_group(rank, port, worker, args):
                             timeout=datetime.timedelta(seconds=120))
     try:
         worker(rank, *args)
+        dist.barrier()  # no rank tears the group down while another uses it
     finally:
+        # An optimizer still referenced (from a caught exception's traceback,
+        # a reference cycle) holds the group: free it now, so that the gloo
+        # backend goes in destroy_process_group and not while the interpreter
+        # exits (gloo threads then abort the process).
+        gc.collect()
         dist.destroy_process_group()
 
 

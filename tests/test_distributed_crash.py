@@ -37,6 +37,7 @@ KILLS = 12
 
 CHILD = r'''
 import datetime
+import gc
 import os
 import torch
 import torch.distributed as dist
@@ -85,6 +86,8 @@ def train(cmd):
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "state_dict": sd}, cmd["out"])
     opt.close()
+    del opt  # it holds the group: gone before the group, not at exit
+    gc.collect()
     dist.destroy_process_group()
     report("finished")
 ''' % STEPS
