@@ -15,15 +15,26 @@ namespace mlp_offload {
 namespace python {
 namespace py = pybind11;
 
+namespace {
+
+ProbeOptions MakeProbeOptions(uint64_t bytes, size_t block_size,
+                              unsigned queue_depth) {
+  ProbeOptions options;
+  options.bytes = bytes;
+  options.block_size = block_size;
+  options.queue_depth = queue_depth;
+  return options;
+}
+
+}  // namespace
+
 void RegisterIoBindings(py::module_& m) {
   m.def(
       "probe_bandwidth",
       [](const std::vector<std::string>& dirs, uint64_t bytes,
          size_t block_size, unsigned queue_depth) {
-        ProbeOptions options;
-        options.bytes = bytes;
-        options.block_size = block_size;
-        options.queue_depth = queue_depth;
+        const ProbeOptions options =
+            MakeProbeOptions(bytes, block_size, queue_depth);
         absl::StatusOr<std::vector<PathBandwidth>> result;
         {
           // Seconds of disk I/O: let other Python threads run meanwhile.
@@ -59,10 +70,8 @@ void RegisterIoBindings(py::module_& m) {
       "probe_concurrency",
       [](const std::string& dir, int streams, uint64_t bytes, size_t block_size,
          unsigned queue_depth) {
-        ProbeOptions options;
-        options.bytes = bytes;
-        options.block_size = block_size;
-        options.queue_depth = queue_depth;
+        const ProbeOptions options =
+            MakeProbeOptions(bytes, block_size, queue_depth);
         absl::StatusOr<ConcurrencyBandwidth> result;
         {
           py::gil_scoped_release release;
