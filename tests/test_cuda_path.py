@@ -13,17 +13,22 @@ gradient statistics, and no pinned memory left after the optimizer is gone.
 
 import contextlib
 import copy
+import datetime
+import errno
 import gc
 
 import pytest
 import torch
-from conftest import tier_dirs
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import free_port, tier_dirs
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
 from mlp_offload import MLPOffloadOptimizer, _C, build_info
 from mlp_offload import cuda_path
-from mlp_offload.errors import NonFiniteGradientError
+from mlp_offload import optimizer as _optimizer
+from mlp_offload.errors import NonFiniteGradientError, TierIOError
 
 HAVE_GPU = torch.cuda.is_available()
 NO_GPU_REASON = (f"needs a CUDA device (torch {torch.__version__}: "
@@ -70,12 +75,13 @@ def _reference_step(ref_model, master, ref_opt, model_grads):
 
 
 def _run_parity(tmp_path, device, dtype, make_opt, steps=6, mode="mlp", clip=None,
-                poke=None):
+                poke=None, tiers=None):
     model = _model(dtype, device)
     ref_model = copy.deepcopy(model)
     master = [p.detach().float().clone().requires_grad_(True) for p in ref_model.parameters()]
     ref_opt = make_opt(master)
-    opt = MLPOffloadOptimizer(make_opt(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
+    opt = MLPOffloadOptimizer(make_opt(model.parameters()),
+                              tiers=tiers or tier_dirs(tmp_path, prefix="tier"),
                               subgroup_numel=4096, mode=mode, compute_threads=1)
     assert opt._staging is not None
     for x in _batches(steps, device, dtype):
@@ -190,6 +196,29 @@ def test_staged_nonfinite_raises_and_updates_nothing(tmp_path):
         opt.close()
 
 
+class _FakeGroup:
+    def __init__(self, types):
+        self._device_types = [torch.device(t) for t in types]
+
+
+def test_collectives_use_a_device_the_process_group_takes(monkeypatch):
+    def device_for(group):
+        return _optimizer._collective_device(_optimizer._group_device_types(group))
+
+    # gloo (on a machine with or without a GPU), "cpu:gloo,cuda:nccl": the CPU.
+    assert device_for(_FakeGroup(["cpu"])) == torch.device("cpu")
+    assert device_for(_FakeGroup(["cuda", "cpu"])) == torch.device("cpu")
+    assert device_for(_FakeGroup([])) == torch.device("cpu")
+    # NCCL takes CUDA tensors only: the current device.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert device_for(_FakeGroup(["cuda"])) == torch.device("cuda", 3)
+    # A torch without ProcessGroup._device_types: the backend's name.
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    assert device_for(object()) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    assert device_for(object()) == torch.device("cpu")
+
+
 def test_torch_grad_stats_match_a_float64_reference(tmp_path):
     with _staged_cpu():
         model = _model(torch.bfloat16, "cpu")
@@ -292,3 +321,120 @@ def test_no_pinned_memory_left_after_delete(tmp_path):
     gc.collect()
     torch.cuda.synchronize()
     assert pinned_now() == before
+
+
+@gpu
+def test_atomic_step_keeps_no_device_copy_of_the_parameters(tmp_path):
+    # The undo copies of atomic_step go to pinned host memory, subgroup by
+    # subgroup: a step allocates (almost) nothing on the device.
+    width = 1024
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                  for _ in range(4)]).cuda()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
+                              subgroup_numel=width * width, atomic_step=True)
+    x = torch.randn(8, width, device="cuda")
+    for step in range(2):
+        model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra < 0.1 * param_bytes, (step, extra, param_bytes)
+        opt.zero_grad(set_to_none=True)
+    assert opt.last_step_stats["undo_copy_seconds"] > 0
+    opt.close()
+
+
+@gpu
+def test_a_failed_step_is_undone_on_the_device(tmp_path):
+    def run(fail):
+        # Subgroups of at most 300 parameters, more than the streaming buffers
+        # hold (test_fault_tolerance's model): steps write to every tier.
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+            torch.nn.Linear(32, 32), torch.nn.GELU(),
+            torch.nn.Linear(32, 8)).to(device="cuda", dtype=torch.bfloat16)
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()),
+                                  tiers=tier_dirs(tmp_path, prefix="f" if fail else "r"),
+                                  subgroup_numel=300, compute_threads=1, fault_injection=True)
+        for k, x in enumerate(_batches(4, "cuda", torch.bfloat16, width=16)):
+            _loss(model, x).backward()
+            if fail and k == 2:
+                before = [p.detach().clone() for p in model.parameters()]
+                tier = opt.engine.plan.tier_of_subgroup[0]
+                opt.engine.add_fault(tier, nth=-1, kind="error", op="write", error=errno.EIO)
+                with pytest.raises(TierIOError):
+                    opt.step()
+                assert opt._staging._captured, "no subgroup was updated: nothing to undo"
+                for p, b in zip(model.parameters(), before):
+                    assert torch.equal(p, b)
+                opt.engine.clear_faults(tier)
+            opt.step()  # the retried step completes it
+            opt.zero_grad(set_to_none=True)
+        out = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return out
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+@gpu
+def test_runs_in_a_nccl_process_group(tmp_path):
+    # NCCL takes CUDA tensors only: every collective of the optimizer (the
+    # step's agreement, the parameter broadcast, state_dict's records, the
+    # checkpoint's object collectives and barrier) on a one-rank NCCL group.
+    if not dist.is_nccl_available():
+        pytest.skip(f"torch {torch.__version__} was built without NCCL")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=120))
+    try:
+        _run_parity(tmp_path, "cuda", torch.bfloat16, ADAMW, steps=3)
+        model = _model(torch.float32, "cuda")
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="a"),
+                                  subgroup_numel=4096)
+        assert opt._comm_device.type == "cuda"
+        for x in _batches(2, "cuda", torch.float32):
+            _loss(model, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sd = opt.state_dict()
+        assert sd["state"]
+        opt.save_checkpoint(str(tmp_path / "ckpt"))
+        again = MLPOffloadOptimizer(ADAMW(copy.deepcopy(model).parameters()),
+                                    tiers=tier_dirs(tmp_path, prefix="b"), subgroup_numel=4096)
+        again.load_checkpoint(str(tmp_path / "ckpt"))
+        got = again.state_dict()
+        for pid, st in sd["state"].items():
+            for key, value in st.items():
+                assert torch.equal(got["state"][pid][key], value), (pid, key)
+        opt.close()
+        again.close()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _two_ranks_on_one_gpu(rank, port, tiers):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=120))
+    try:
+        # Each rank updates half the subgroups; the parity check after every
+        # step sees the other half arrive through the broadcast.
+        _run_parity(None, "cuda", torch.bfloat16, ADAMW, steps=4, tiers=tiers)
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@gpu
+def test_two_ranks_on_one_gpu_match_torch(tmp_path):
+    mp.spawn(_two_ranks_on_one_gpu, args=(free_port(), tier_dirs(tmp_path, prefix="tier")),
+             nprocs=2, join=True)

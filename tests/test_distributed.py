@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mlp_offload import MLPOffloadOptimizer
+from mlp_offload import MLPOffloadOptimizer, cuda_path
 from mlp_offload.errors import OffloadError, StateMismatchError, TierIOError
 from conftest import free_port, tier_dirs
 
@@ -348,7 +348,10 @@ def test_a_rank_that_cannot_load_its_checkpoint_makes_every_rank_raise(tmp_path)
     spawn(failing_checkpoint_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
 
 
-def failing_step_worker(rank, tiers, atomic_step, fail_at):
+def failing_step_worker(rank, tiers, atomic_step, fail_at, staged):
+    # staged: the device path's bookkeeping on CPU parameters (its undo copies
+    # are taken subgroup by subgroup as the updates go back to the model).
+    cuda_path._STAGE_CPU_PARAMS = staged
     make = OPTIMIZERS["adamw"]
     ref = make_model()
     model = copy.deepcopy(ref)
@@ -357,6 +360,7 @@ def failing_step_worker(rank, tiers, atomic_step, fail_at):
                               compute_threads=1, commit_every=1, run_name="failing",
                               fault_injection=True,
                               atomic_step=atomic_step)
+    assert (opt._staging is not None) == staged
     engine = opt.engine
     done = 2 if fail_at == "step" else 0  # "init": the first step initialises
     train_same_batches(range(0, done), ((ref_opt, ref), (opt, model)))
@@ -399,10 +403,10 @@ def failing_step_worker(rank, tiers, atomic_step, fail_at):
     opt.close()
 
 
-@pytest.mark.parametrize("atomic_step,fail_at", [(True, "step"), (False, "step"),
-                                                 (True, "init")])
-def test_a_step_failing_on_one_rank_raises_on_every_rank_and_is_retried(tmp_path,
-                                                                        atomic_step,
-                                                                        fail_at):
+@pytest.mark.parametrize("atomic_step,fail_at,staged", [
+    (True, "step", False), (False, "step", False), (True, "init", False),
+    (True, "step", True)])
+def test_a_step_failing_on_one_rank_raises_on_every_rank_and_is_retried(
+        tmp_path, atomic_step, fail_at, staged):
     # fail_at "init": rank 1 cannot write its initial state (the first step).
-    spawn(failing_step_worker, tier_dirs(tmp_path), atomic_step, fail_at)
+    spawn(failing_step_worker, tier_dirs(tmp_path), atomic_step, fail_at, staged)

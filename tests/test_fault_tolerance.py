@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import tier_dirs
 
-from mlp_offload import MLPOffloadOptimizer, _C, errors
+from mlp_offload import MLPOffloadOptimizer, _C, cuda_path, errors
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -85,8 +85,8 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))
-@pytest.mark.parametrize("path", ["native", "generic"])
-def test_fault_fails_the_step_whole_and_training_continues(tmp_path, name, path):
+@pytest.mark.parametrize("path", ["native", "generic", "staged"])
+def test_fault_fails_the_step_whole_and_training_continues(tmp_path, monkeypatch, name, path):
     make = None
     if path == "generic":
         make = lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5)  # noqa: E731
@@ -94,7 +94,13 @@ def test_fault_fails_the_step_whole_and_training_continues(tmp_path, name, path)
     want_params, want_sd = reference(tmp_path, steps, make)
     model = make_model()
     tiers = tier_dirs(tmp_path)
+    if path == "staged":
+        # The device path's bookkeeping on CPU parameters: a failed step is
+        # undone from the staging's copies of the old values, taken as each
+        # subgroup's update goes back (no copy of the whole model).
+        monkeypatch.setattr(cuda_path, "_STAGE_CPU_PARAMS", True)
     opt = wrap(model, tiers, make=make, fault_injection=True)
+    assert (opt._staging is not None) == (path == "staged")
     engine = opt.engine
     assert sorted(set(engine.plan.tier_of_subgroup)) == [0, 1]
     spec, exc_type, words = FAULTS[name]
@@ -112,6 +118,10 @@ def test_fault_fails_the_step_whole_and_training_continues(tmp_path, name, path)
             assert engine.faults_fired(1) > 0
             # All or nothing: the parameters are the pre-step ones.
             assert_equal(params_of(model), before, "after a failed step")
+            if path == "staged":
+                undo = opt._failed_step["before"]
+                assert isinstance(undo, cuda_path._ValuesBefore), type(undo)
+                assert opt._staging._captured, "no subgroup was updated: nothing undone"
             # Still failing: the same error, the same parameters.
             with pytest.raises(exc_type):
                 opt.step()

@@ -22,9 +22,17 @@ place, accumulation, GradScaler.unscale_) are copied again at step time, so
 results never depend on when the hooks ran; `clip_grad_norm_` of the
 optimizer clips without touching the gradients, from the device statistics.
 
+With atomic_step (the default) a failed step must be undone: the H2D copy
+of a subgroup's new parameters is preceded, on the same stream, by a D2H
+copy of their old values into a pinned host buffer (both hide behind the
+next subgroup's CPU update), so no device memory holds a second copy of the
+model's parameters; the price is that host buffer (model dtype, this rank's
+subgroups). atomic_step=False drops both.
+
 Every step leaves its timings in the optimizer's `last_step_stats`:
-d2h/h2d transfer seconds (device-timed) next to the seconds the host spent
-waiting for them, which is what the overlap saves.
+d2h/h2d transfer seconds (device-timed; undo_copy_seconds for the copies of
+the old values) next to the seconds the host spent waiting for them, which
+is what the overlap saves.
 """
 
 import time
@@ -96,6 +104,17 @@ class _Allocator:
         return torch.frombuffer(buf, dtype=dtype, count=numel)
 
 
+class _ValuesBefore:
+    """The parameters before a step, kept by the staging (restore() puts them
+    back): host copies of the subgroups the step updated."""
+
+    def __init__(self, staging):
+        self._staging = staging
+
+    def restore(self):
+        self._staging._restore_before()
+
+
 class DeviceStaging:
     """Gradient and parameter staging of one MLPOffloadOptimizer on a device."""
 
@@ -118,6 +137,12 @@ class DeviceStaging:
         self._ring = [self._alloc.empty(widest, self._dtype) for _ in range(PARAM_RING)] \
             if widest else []
         self._ring_busy = [None] * len(self._ring)  # event of the H2D reading it
+        # atomic_step: each owned subgroup's parameters as they were before
+        # the step, copied device-to-host just before its update goes back
+        # (so a failed step can be undone without a device copy of the model).
+        self._before_host = {g: self._alloc.empty(self._subgroups[g].numel, self._dtype)
+                             for g in opt._owned} if opt._atomic_step else {}
+        self._captured = set()          # subgroups whose _before_host is this step's
 
         # Per subgroup, on the device: sum of squares and NaN/Inf flag.
         self._sumsq = torch.zeros(n, dtype=torch.float32, device=self.device)
@@ -148,6 +173,7 @@ class DeviceStaging:
     def close(self):
         self._finalizer()
         self._grad_host.clear()
+        self._before_host.clear()
         self._ring = []
         self._ring_busy = []
 
@@ -296,7 +322,7 @@ class DeviceStaging:
             self._offload_to_engine(opt)
 
         d2h_wait = h2d_wait = compute = 0.0
-        h2d_timing = []
+        h2d_timing, undo_timing = [], []
         if self.cuda:
             # Backward kernels still in flight may read the parameters.
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))
@@ -329,7 +355,9 @@ class DeviceStaging:
                     self._generic_update(opt, sg, view, out, grad_scale)
                 compute += time.perf_counter() - t
                 engine.done()
-                h2d_timing.append(self._to_device(sg, out, k))
+                undo, h2d = self._to_device(sg, out, k)
+                undo_timing.append(undo)
+                h2d_timing.append(h2d)
             stats = engine.end_step()
         except BaseException:
             engine.abort_step()
@@ -345,6 +373,7 @@ class DeviceStaging:
         stats["h2d_wait_seconds"] = h2d_wait + tail
         stats["d2h_seconds"] = self._elapsed(self._d2h_timing)
         stats["h2d_seconds"] = self._elapsed(h2d_timing)
+        stats["undo_copy_seconds"] = self._elapsed(undo_timing)
         stats["transfer_wait_seconds"] = d2h_wait + h2d_wait + tail
         stats["seconds"] = time.perf_counter() - t_start
         self._d2h_timing = []
@@ -375,20 +404,61 @@ class DeviceStaging:
         out.copy_(master)
 
     def _to_device(self, sg, out, k):
-        """Issues the H2D copy of one subgroup's new parameters from ring slot k."""
+        """Issues the H2D copy of one subgroup's new parameters from ring slot
+        k, after (same stream) the D2H copy of their old values that undoes
+        a failed step; returns the (start, end) events of both, or Nones."""
+        before = None
+        if self._before_host and sg.index not in self._captured:
+            before = self._before_host[sg.index]
+            self._captured.add(sg.index)
         if not self.cuda:
             for p, _, off, n in sg.slices():
+                if before is not None:
+                    before[off:off + n].copy_(p.detach().view(-1))
                 p.detach().view(-1).copy_(out[off:off + n])
-            return None
+            return None, None
         with torch.cuda.stream(self._h2d):
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+            if before is not None:
+                for p, _, off, n in sg.slices():
+                    before[off:off + n].copy_(p.detach().view(-1), non_blocking=True)
+            middle = torch.cuda.Event(enable_timing=True)
+            middle.record()
             for p, _, off, n in sg.slices():
                 p.detach().view(-1).copy_(out[off:off + n], non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record()
         self._ring_busy[k] = done
-        return start, done
+        return (start, middle) if before is not None else None, (middle, done)
+
+    # ------------------------------------------------------ undoing a step
+
+    def values_before_step(self):
+        """At the start of a step (atomic_step): what puts the parameters
+        back to their values now, for the subgroups the step updates."""
+        self._captured = set()
+        return _ValuesBefore(self)
+
+    def updated_values(self):
+        """After a failed step: host copies of the parameters the step (and
+        the earlier tries of it) updated, which restore() puts back."""
+        self._sync_transfers()
+        params = [p for g in sorted(self._captured) for p in self._subgroups[g].params]
+        return _layout.ParamValues(params, device=torch.device("cpu"))
+
+    def _restore_before(self):
+        self._sync_transfers()  # in-flight updates would land after the undo
+        for g in sorted(self._captured):
+            before = self._before_host[g]
+            for p, _, off, n in self._subgroups[g].slices():
+                p.detach().view(-1).copy_(before[off:off + n])
+        self._sync_transfers()
+
+    def _sync_transfers(self):
+        if self.cuda:
+            self._h2d.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
 
     @staticmethod
     def _elapsed(pairs):

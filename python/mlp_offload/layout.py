@@ -83,6 +83,21 @@ def flat_fp32(params):
                           for p in params])
 
 
+class ParamValues:
+    """Saved values of some parameters (in their dtype, on `device`, by
+    default where they are), which restore() puts back."""
+
+    def __init__(self, params, device=None):
+        with torch.no_grad():
+            self._saved = [(p, p.detach().to(device=device or p.device, copy=True))
+                           for p in params]
+
+    def restore(self):
+        with torch.no_grad():
+            for p, v in self._saved:
+                p.copy_(v)
+
+
 class GradReadiness:
     """Calls `ready(g)` during backward as soon as every parameter of subgroup
     g has its final gradient (post-accumulate-grad hooks on the subgroups

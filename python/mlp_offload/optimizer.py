@@ -58,6 +58,26 @@ _SHARD_KEY = "mlp_offload_shard"
 _ANY_STEP = 2 ** 62
 
 
+def _group_device_types(group):
+    """The device types ("cpu", "cuda", ...) whose tensors `group` takes."""
+    types = getattr(group, "_device_types", None)
+    if types is None:  # a torch without the attribute: go by the backend's name
+        backend = str(torch.distributed.get_backend(group))
+        types = ["cuda"] if backend == "nccl" else ["cpu"]
+    return {torch.device(t).type for t in types}
+
+
+def _collective_device(types):
+    """Where the small tensors of a group's collectives live: the CPU when a
+    backend of the group takes CPU tensors (gloo, mpi, "cpu:gloo,cuda:nccl"),
+    else the group's device, e.g. the current CUDA device for NCCL, which
+    refuses CPU tensors."""
+    if not types or "cpu" in types:
+        return torch.device("cpu")
+    kind = sorted(types)[0]
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
 def _close_engine(engine, run_dirs):
     """Closes the engine, then removes its run directory on every tier."""
     if engine is not None and not engine.closed:
@@ -160,7 +180,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         it back on the same rank of the same world size). Without a process
         group both are the whole state.
       atomic_step: a step that raises leaves the model's parameters as they
-        were before it (a copy of them is kept during each step); calling
+        were before it (a copy of this rank's parameters is kept during each
+        step, in host memory; for parameters on a GPU it is taken subgroup by
+        subgroup into a pinned host buffer as the updates go back); calling
         step() again with the same gradients completes it. False: no copy,
         and a failed step may leave some subgroups' parameters updated until
         it is completed.
@@ -211,11 +233,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
         self._rank, self._world = 0, 1
+        self._comm_types = {"cpu"}
+        self._comm_device = torch.device("cpu")
         dist = torch.distributed
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             self._group = process_group if process_group is not None else dist.group.WORLD
             self._rank = dist.get_rank(self._group)
             self._world = dist.get_world_size(self._group)
+            self._comm_types = _group_device_types(self._group)
+            self._comm_device = _collective_device(self._comm_types)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
 
         self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
@@ -480,7 +506,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _agree_on_step(self, step):
         """The smallest committed step over the ranks (-1: some rank has none)."""
-        t = torch.tensor([step], dtype=torch.int64)
+        t = torch.tensor([step], dtype=torch.int64, device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
         return int(t.item())
 
@@ -710,14 +736,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         step that completed but whose commit failed is not run twice.
         """
         engine = self._engine
-        params = self._owned_params()
         failed, self._failed_step = self._failed_step, None
         if failed is not None and failed["partial"] is not None:
-            self._restore(params, failed["partial"])
+            failed["partial"].restore()
         if failed is not None:
             before = failed["before"]
         else:
-            before = [p.detach().clone() for p in params] if self._atomic_step else None
+            before = self._values_before() if self._atomic_step else None
         start = engine.steps
         try:
             if failed is not None and failed["completed"]:
@@ -733,9 +758,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             except OffloadError:  # the engine was closed under us
                 completed = incomplete = False
             if completed or incomplete:
-                self._hold_back(params, before, completed)
+                self._hold_back(before, completed)
             elif before is not None:
-                self._restore(params, before)
+                before.restore()
             err = _recovery.annotate(exc, self._tiers, self._run_name,
                                      f"optimizer step {start + 1}")
             if err is exc:
@@ -749,22 +774,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _owned_params(self):
         return [p for g in self._owned for p in self._subgroups[g].params]
 
-    @staticmethod
-    def _restore(params, values):
-        for p, v in zip(params, values):
-            p.copy_(v)
+    def _values_before(self):
+        """What puts this rank's parameters back to their values before the
+        step (atomic_step): a copy of them, or for device parameters the
+        staging's host copies, taken as each subgroup's update goes back to
+        the device (no device memory)."""
+        if self._staging is not None:
+            return self._staging.values_before_step()
+        return _layout.ParamValues(self._owned_params())
 
-    def _hold_back(self, params, before, completed):
+    def _hold_back(self, before, completed):
         """Keeps a step that raised (or that another rank failed) for the
         next step() to finish: its parameters' current values (the partial
         or complete update) are saved and, with atomic_step, the parameters
         put back to `before`."""
-        self._failed_step = {
-            "before": before, "completed": completed,
-            "partial": None if before is None else [p.detach().clone() for p in params],
-        }
+        partial = None
         if before is not None:
-            self._restore(params, before)
+            partial = self._staging.updated_values() if self._staging is not None \
+                else _layout.ParamValues(self._owned_params())
+        self._failed_step = {"before": before, "completed": completed, "partial": partial}
+        if before is not None:
+            before.restore()
 
     def _agree_on_outcome(self, skipped, failure, stats, before):
         """Collective, after this rank's part of step(): whether any rank
@@ -775,11 +805,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parameters as before the step, with atomic_step), so that calling
         step() again with the same gradients completes the step on every rank
         exactly once."""
-        t = torch.tensor([int(skipped), int(failure is not None)], dtype=torch.int32)
+        t = torch.tensor([int(skipped), int(failure is not None)], dtype=torch.int32,
+                         device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        t = t.cpu()
         if t[1]:
             if failure is None and stats is not None and not stats.get("skipped"):
-                self._hold_back(self._owned_params(), before, completed=True)
+                self._hold_back(before, completed=True)
             self._raise_together(
                 failure, "complete its part of the optimizer step",
                 note="; this rank's update is held back: step() again with the same "
@@ -958,7 +990,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return g % self._world
 
     def _any_rank(self, flag):
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return bool(t.item())
 
@@ -977,8 +1009,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     p.copy_(flat[off:off + n].view(p.shape))
 
     def _broadcast_tensor(self, tensor, g):
-        torch.distributed.broadcast(tensor, src=self._global_rank(self._owner(g)),
+        """Broadcasts `tensor` from subgroup g's owner, through the group's
+        collective device where the group cannot take it where it is (CPU
+        tensors with NCCL)."""
+        wire = tensor if tensor.device.type in self._comm_types \
+            else tensor.to(self._comm_device)
+        torch.distributed.broadcast(wire, src=self._global_rank(self._owner(g)),
                                     group=self._group)
+        if wire is not tensor:
+            tensor.copy_(wire)
 
     # ------------------------------------------------------------- state
 
