@@ -44,7 +44,8 @@ def _run(name, make_opt, cfg, batches, warmup):
             opt_s.append(t2 - t1)
             stats = getattr(opt, "last_step_stats", None) or {}
             waits.append(stats.get("transfer_wait_seconds", 0.0))
-            transfers.append(stats.get("h2d_seconds", 0.0) + stats.get("d2h_seconds", 0.0))
+            transfers.append(sum(stats.get(k, 0.0) for k in
+                                 ("h2d_seconds", "d2h_seconds", "undo_copy_seconds")))
     row = {
         "optimizer": name,
         "params_M": round(model.num_params() / 1e6, 1),
