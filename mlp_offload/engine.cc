@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <optional>
 #include <random>
 #include <thread>
@@ -1668,22 +1669,78 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   return RemoveTree(old);
 }
 
+namespace {
+
+// A checkpoint directory, or the `.old` copy a crash between SaveCheckpoint's
+// two renames leaves.
+std::string CheckpointDir(const std::string& dir) {
+  if (!Exists(dir) && Exists(dir + ".old")) return dir + ".old";
+  return dir;
+}
+
+absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir) {
+  const std::string path = dir + "/MANIFEST";
+  MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path));
+  return ParseManifest(text, path);
+}
+
+}  // namespace
+
 absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
   Impl& e = *impl_;
   if (e.in_step)
     return absl::FailedPreconditionError("LoadCheckpoint during a step");
-  std::string dir = dir_in;
-  if (!Exists(dir) && Exists(dir + ".old")) dir += ".old";  // crash mid-swap
-  const std::string mpath = dir + "/MANIFEST";
-  MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
-  MLP_ASSIGN_OR_RETURN(Manifest m, ParseManifest(text, mpath));
+  const std::string dir = CheckpointDir(dir_in);
+  MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dir));
   Manifest expected;
   expected.arrays_per_param = e.arrays();
   expected.subgroup_numel = e.numel;
   MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, dir));
+  std::vector<CheckpointRecord> records(e.n());
+  for (int i = 0; i < e.n(); ++i) records[i] = {dir, i};
+  return LoadCheckpointRecords(records);
+}
+
+absl::Status Engine::LoadCheckpointRecords(
+    const std::vector<CheckpointRecord>& records) {
+  Impl& e = *impl_;
+  if (e.in_step)
+    return absl::FailedPreconditionError("LoadCheckpoint during a step");
+  if (records.size() != static_cast<size_t>(e.n())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoadCheckpointRecords: ", records.size(), " records for ",
+                     e.n(), " subgroups"));
+  }
+  // Every source's manifest first: nothing is loaded from a checkpoint of
+  // another model or optimizer.
+  std::vector<std::string> dirs(records.size());
+  std::map<std::string, Manifest> manifests;
+  for (int i = 0; i < e.n(); ++i) {
+    dirs[i] = CheckpointDir(records[i].dir);
+    auto it = manifests.find(dirs[i]);
+    if (it == manifests.end()) {
+      MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dirs[i]));
+      it = manifests.emplace(dirs[i], std::move(m)).first;
+    }
+    const Manifest& m = it->second;
+    const int j = records[i].subgroup;
+    if (m.arrays_per_param != static_cast<uint32_t>(e.arrays())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(dirs[i], " holds state with ", m.arrays_per_param,
+                       " arrays per parameter, this optimizer needs ",
+                       e.arrays(), " (another optimizer?)"));
+    }
+    if (j < 0 || static_cast<size_t>(j) >= m.subgroup_numel.size() ||
+        m.subgroup_numel[j] != e.numel[i]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(dirs[i], ": has no subgroup ", j, " of ", e.numel[i],
+                       " parameters (subgroup ", i, " here; another model?)"));
+    }
+  }
   MutexLock l(&e.mu);
   for (int i = 0; i < e.n(); ++i) {
-    std::string path = absl::StrCat(dir, "/sg_", i, ".ckpt");
+    const int j = records[i].subgroup;
+    std::string path = absl::StrCat(dirs[i], "/sg_", j, ".ckpt");
     int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) return ErrnoStatus(errno, "open", path);
     int b = e.buffer_of[i];
@@ -1713,7 +1770,7 @@ absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
         s = hs.status();
       } else {
         h = *hs;
-        if (h.subgroup != static_cast<uint32_t>(i) || h.numel != e.numel[i] ||
+        if (h.subgroup != static_cast<uint32_t>(j) || h.numel != e.numel[i] ||
             h.num_arrays != static_cast<uint32_t>(e.arrays())) {
           s = absl::FailedPreconditionError(
               absl::StrCat(path, ": record of another subgroup"));

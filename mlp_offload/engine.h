@@ -208,6 +208,21 @@ class Engine {
   // written for other subgroup sizes or state layout.
   absl::Status LoadCheckpoint(const std::string& dir);
 
+  // One subgroup's record in a checkpoint that another engine wrote (the
+  // same model saved by another number of ranks): that engine's checkpoint
+  // directory and its index of the subgroup.
+  struct CheckpointRecord {
+    std::string dir;
+    int subgroup = 0;
+  };
+  // Loads subgroup i of this engine from records[i], one per subgroup: a
+  // checkpoint resharded to another rank count. Every source must be a
+  // complete checkpoint whose manifest and record header agree with this
+  // engine's subgroup i (size, state layout) and whose payload checksum
+  // matches; FailedPrecondition / DataLoss naming the file otherwise.
+  absl::Status LoadCheckpointRecords(
+      const std::vector<CheckpointRecord>& records);
+
   // Per-tier fault injectors (config.fault_injection), else nullptr.
   FaultInjectingEngine* fault_injector(int tier) const;
   // The step that the state on the tiers can be resumed from (-1: none).

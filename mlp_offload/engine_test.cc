@@ -1,5 +1,6 @@
 #include "mlp_offload/engine.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -512,6 +513,73 @@ TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
   absl::Status s = (*third)->LoadCheckpoint(ckpt);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("subgroup 1 has 2000 parameters"),
+            std::string::npos)
+      << s;
+}
+
+TEST(EngineTest, LoadsRecordsOfCheckpointsThatOtherEnginesWrote) {
+  // Two "ranks" of a 4-subgroup model (subgroups 0, 2 and 1, 3) save; one
+  // engine holding all four loads its subgroups from their checkpoints.
+  const std::vector<uint64_t> all = {1000, 2000, 3000, 1500};
+  std::vector<std::string> dirs;
+  std::vector<std::vector<float>> want(4);
+  std::vector<int64_t> want_step(4);
+  for (int r = 0; r < 2; ++r) {
+    EngineConfig cfg = SmallConfig(1);
+    cfg.subgroup_numel = {all[r], all[r + 2]};
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = Initialized(*engine, cfg, 20 + r);
+    dirs.push_back(TempDir(absl::StrCat("rank", r)) + "/engine");
+    ASSERT_TRUE(e.SaveCheckpoint(dirs.back()).ok());
+    for (int j = 0; j < 2; ++j) {
+      std::vector<float> m(all[r + 2 * j]), v(all[r + 2 * j]);
+      want[r + 2 * j].resize(all[r + 2 * j]);
+      ASSERT_TRUE(e.ReadSubgroup(j, want[r + 2 * j].data(),
+                                 {m.data(), v.data()}, &want_step[r + 2 * j])
+                      .ok());
+    }
+  }
+  EngineConfig cfg = SmallConfig(2);
+  cfg.subgroup_numel = all;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 30);
+  ASSERT_TRUE(e.LoadCheckpointRecords(
+                   {{dirs[0], 0}, {dirs[1], 0}, {dirs[0], 1}, {dirs[1], 1}})
+                  .ok());
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> got(all[i]), m(all[i]), v(all[i]);
+    int64_t step = -1;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, got.data(), {m.data(), v.data()}, &step).ok());
+    EXPECT_EQ(got, want[i]) << "subgroup " << i;
+    EXPECT_EQ(step, want_step[i]);
+  }
+
+  // A record of another size, a missing checkpoint, a damaged record.
+  absl::Status s = e.LoadCheckpointRecords(
+      {{dirs[0], 0}, {dirs[0], 1}, {dirs[0], 1}, {dirs[1], 1}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("has no subgroup 1 of 2000 parameters"),
+            std::string::npos)
+      << s;
+  s = e.LoadCheckpointRecords(
+      {{dirs[0], 0}, {dirs[1] + "x", 0}, {dirs[0], 1}, {dirs[1], 1}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_NE(s.message().find(dirs[1] + "x/MANIFEST"), std::string::npos) << s;
+  {
+    const std::string path = dirs[1] + "/sg_1.ckpt";
+    int fd = open(path.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    const char byte = 0x5a;
+    ASSERT_EQ(pwrite(fd, &byte, 1, kRecordHeaderBytes + 100), 1);
+    close(fd);
+  }
+  s = e.LoadCheckpointRecords(
+      {{dirs[0], 0}, {dirs[1], 0}, {dirs[0], 1}, {dirs[1], 1}});
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("sg_1.ckpt: payload checksum mismatch"),
             std::string::npos)
       << s;
 }

@@ -6,6 +6,7 @@ import datetime
 import errno
 import gc
 import os
+import shutil
 import time
 
 import pytest
@@ -32,11 +33,11 @@ def make_model():
                                torch.nn.Linear(32, 8))
 
 
-def _in_group(rank, port, worker, args):
+def _in_group(rank, port, worker, args, world):
     torch.set_num_threads(1)
     # A rank left waiting for another fails in 2 minutes, not in gloo's 30.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=WORLD,
+                            rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         worker(rank, *args)
@@ -50,9 +51,9 @@ def _in_group(rank, port, worker, args):
         dist.destroy_process_group()
 
 
-def spawn(worker, *args):
-    """Runs worker(rank, *args) on WORLD ranks of a fresh gloo group."""
-    mp.spawn(_in_group, args=(free_port(), worker, args), nprocs=WORLD, join=True)
+def spawn(worker, *args, world=WORLD):
+    """Runs worker(rank, *args) on `world` ranks of a fresh gloo group."""
+    mp.spawn(_in_group, args=(free_port(), worker, args, world), nprocs=world, join=True)
 
 
 def assert_params_match(model, ref, rank):
@@ -214,6 +215,13 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             rolled += 1
     assert rolled == len(tiers)
     spawn(commit_worker, tiers, str(tmp_path), 2)
+    # The run's committed state is per rank: one process cannot resume it,
+    # and says why (not "another model?").
+    model = make_model()
+    with pytest.raises(StateMismatchError, match="committed by 2 ranks and this job has 1"):
+        MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                            subgroup_numel=200, compute_threads=1, run_name="dist",
+                            commit_every=2, resume="auto")
 
 
 def checkpoint_worker(rank, tiers, ckpt, phase):
@@ -410,3 +418,85 @@ def test_a_step_failing_on_one_rank_raises_on_every_rank_and_is_retried(
         tmp_path, atomic_step, fail_at, staged):
     # fail_at "init": rank 1 cannot write its initial state (the first step).
     spawn(failing_step_worker, tier_dirs(tmp_path), atomic_step, fail_at, staged)
+
+
+def assert_loaded(opt, model, want, who):
+    """The optimizer's full state and the model equal `want` exactly."""
+    for key, value in want["model"].items():
+        assert torch.equal(model.state_dict()[key], value), (who, key)
+    got = opt.state_dict()["state"]
+    assert got.keys() == want["optimizer"]["state"].keys(), who
+    for pid, st in want["optimizer"]["state"].items():
+        assert got[pid].keys() == st.keys(), (who, pid)
+        for key, value in st.items():
+            assert torch.equal(got[pid][key], value), (who, pid, key)
+
+
+def reshard_worker(rank, phase, tiers, out, name):
+    make = OPTIMIZERS[name]
+    if phase == "save":  # two ranks train and save
+        ref = make_model()
+        model = copy.deepcopy(ref)
+        ref_opt = make(ref.parameters())
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1)
+        train_same_batches(range(3), ((ref_opt, ref), (opt, model)))
+        assert_params_match(model, ref, rank)
+        opt.save_checkpoint(os.path.join(out, "by2"))
+        sd = opt.state_dict()  # collective
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": sd},
+                       os.path.join(out, "want.pt"))
+        opt.close()
+        return
+    # Three ranks load the saves of two ranks and of one.
+    want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
+    for ckpt in ("by2", "by1"):
+        torch.manual_seed(99)  # other weights: restore_params sets them
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 8))
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1)
+        assert opt.engine.num_subgroups == len(range(rank, len(opt.subgroups), 3))
+        opt.load_checkpoint(os.path.join(out, ckpt), restore_params=True)
+        assert_loaded(opt, model, want, (rank, ckpt))
+        # Training goes on as the plain optimizer loaded from the same state.
+        ref = make_model()
+        ref.load_state_dict(want["model"])
+        ref_opt = make(ref.parameters())
+        ref_opt.load_state_dict(copy.deepcopy(want["optimizer"]))  # it shares 'step' tensors
+        train_same_batches(range(3, 5), ((ref_opt, ref), (opt, model)))
+        assert_params_match(model, ref, rank)
+        opt.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "rmsprop"])
+def test_a_checkpoint_loads_on_another_rank_count(tmp_path, name):
+    tiers, out = tier_dirs(tmp_path), str(tmp_path)
+    spawn(reshard_worker, "save", tiers, out, name)
+    # Two ranks' save, loaded by one process (no process group), saved again.
+    want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS[name](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    opt.load_checkpoint(os.path.join(out, "by2"), restore_params=True)
+    assert_loaded(opt, model, want, "one rank")
+    opt.save_checkpoint(os.path.join(out, "by1"))
+    # Saved by one rank where two had saved: rank 1's files go.
+    again = os.path.join(out, "by2_then_1")
+    shutil.copytree(os.path.join(out, "by2"), again)
+    assert any("r1" in name or "rank1" in name for name in os.listdir(again))
+    opt.save_checkpoint(again)
+    left = sorted(os.listdir(again))
+    assert len(left) == 3 and not any("r1" in name or "rank1" in name for name in left), left
+    opt.load_checkpoint(again, restore_params=True)
+    assert_loaded(opt, model, want, "one rank, saved over two ranks' save")
+    # A saving rank's files missing: refused, naming them.
+    broken = os.path.join(out, "broken")
+    shutil.copytree(os.path.join(out, "by2"), broken)
+    os.remove(os.path.join(broken, "manifest.rank1.json"))
+    with pytest.raises(StateMismatchError, match=r"saved by 2 ranks and manifest.rank1.json "
+                                                 r"\(rank 1\) is missing"):
+        opt.load_checkpoint(broken)
+    opt.close()
+    spawn(reshard_worker, "load", tiers, out, name, world=3)

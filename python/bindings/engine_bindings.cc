@@ -729,7 +729,28 @@ void RegisterEngineBindings(py::module_& parent) {
             }
             ThrowIfError(status);
           },
-          py::arg("dir"), "Loads a checkpoint written by save_checkpoint.");
+          py::arg("dir"), "Loads a checkpoint written by save_checkpoint.")
+      .def(
+          "load_checkpoint_records",
+          [](PyEngine& e,
+             const std::vector<std::pair<std::string, int>>& records) {
+            Engine& engine = e.get();
+            std::vector<Engine::CheckpointRecord> sources;
+            sources.reserve(records.size());
+            for (const auto& [dir, subgroup] : records) {
+              sources.push_back({dir, subgroup});
+            }
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.LoadCheckpointRecords(sources);
+            }
+            ThrowIfError(status);
+          },
+          py::arg("records"),
+          "Loads subgroup i from records[i] = (engine checkpoint dir, that "
+          "checkpoint's subgroup index): a checkpoint saved by another rank "
+          "count.");
 }
 
 }  // namespace python

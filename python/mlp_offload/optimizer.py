@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 import weakref
@@ -76,6 +77,24 @@ def _collective_device(types):
         return torch.device("cpu")
     kind = sorted(types)[0]
     return torch.device(kind, getattr(torch, kind).current_device())
+
+
+# The files of a rank's checkpoint parts: manifest.rank<k>[.prev].json,
+# engine-r<k>-<id>[.old|.tmp.<pid>], python-r<k>-<id>.pt.
+_RANK_FILE = re.compile(r"^(manifest\.rank|engine-r|python-r)(\d+)[.-]")
+
+
+def _remove_entries(directory, names):
+    """Removes the files and directory trees `names` of `directory`."""
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def _close_engine(engine, run_dirs):
@@ -414,7 +433,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     engine = self._new_engine(budget, numel, resume=True)
                     mine = engine.committed_step
                 except Exception as e:  # noqa: BLE001 - raised on every rank below
-                    failure = e
+                    failure = self._explain_other_world(e)
             if agree:
                 # Before the agreement, which would wait for a failed rank.
                 try:
@@ -458,6 +477,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            [] if self._persistent else run_dirs)
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+
+    def _explain_other_world(self, error):
+        """`error` of resuming committed state, or, where that state was
+        committed by another number of ranks, a StateMismatchError saying so."""
+        if not isinstance(error, StateMismatchError):
+            return error
+        world = _recovery.committed_world_size(self._pystate_dir())
+        if world is None or world == self._world:
+            return error
+        return StateMismatchError(
+            f"run {self._run_prefix!r} on {[t['path'] for t in self._tiers]} was committed "
+            f"by {world} ranks and this job has {self._world}: a run's committed state "
+            f"resumes on the same number of ranks only. To change it, resume with {world} "
+            f"ranks and save_checkpoint(), then load that checkpoint here (load_checkpoint, "
+            f"or resume='auto' with checkpoint_dir and a new run_name)")
 
     def _new_engine(self, budget, numel, resume, resume_step=-1):
         return _C.engine.Engine.create(
@@ -1264,9 +1298,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------- checkpoints
 
-    def _manifest_path(self, directory, prev=False):
-        return os.path.join(directory,
-                            f"manifest.rank{self._rank}{'.prev' if prev else ''}.json")
+    def _manifest_path(self, directory, prev=False, rank=None):
+        rank = self._rank if rank is None else rank
+        return os.path.join(directory, f"manifest.rank{rank}{'.prev' if prev else ''}.json")
 
     def _layout_summary(self):
         return {
@@ -1339,19 +1373,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except FileNotFoundError:
             pass
         mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
-        for name in os.listdir(directory):
-            if name.startswith(mine) and name not in (engine_dir, python_file):
-                path = os.path.join(directory, name)
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    try:
-                        os.remove(path)
-                    except FileNotFoundError:
-                        pass
+        _remove_entries(directory, [name for name in os.listdir(directory)
+                                    if name.startswith(mine)
+                                    and name not in (engine_dir, python_file)])
+        if self._rank == 0:
+            # A save by more ranks before: their files are no save's now
+            # (manifests first, so none is left naming removed files).
+            stale = sorted((name for name in os.listdir(directory)
+                            if (m := _RANK_FILE.match(name)) and int(m.group(2)) >= self._world),
+                           key=lambda name: not name.startswith("manifest."))
+            _remove_entries(directory, stale)
 
-    def _read_manifest(self, directory, missing_ok=False, prev=False):
-        path = self._manifest_path(directory, prev)
+    def _read_manifest(self, directory, missing_ok=False, prev=False, rank=None):
+        path = self._manifest_path(directory, prev, rank)
         from mlp_offload.errors import CorruptStateError
         try:
             with open(path, "rb") as f:
@@ -1361,8 +1395,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except FileNotFoundError:
             if missing_ok:
                 return None
-            raise StateMismatchError(f"no checkpoint for rank {self._rank} in {directory} "
-                                     f"({os.path.basename(path)} is missing)") from None
+            raise StateMismatchError(
+                f"no checkpoint for rank {self._rank if rank is None else rank} in "
+                f"{directory} ({os.path.basename(path)} is missing)") from None
         except json.JSONDecodeError as e:
             from mlp_offload.errors import CorruptStateError
             raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
@@ -1416,14 +1451,29 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Loads a checkpoint written by save_checkpoint.
 
         Refuses (StateMismatchError, naming the difference) a checkpoint of
-        another model, optimizer, dtype or rank count. With restore_params,
-        the model's parameters are set from the checkpoint's master copy.
+        another model, optimizer, dtype or subgroup size. A checkpoint saved
+        by another number of ranks is resharded: each rank reads its
+        subgroups' records from the files of the ranks that saved them
+        (which must all be in `directory`, visible to every rank). With
+        restore_params, the model's parameters are set from the
+        checkpoint's master copy.
         """
         directory = os.fspath(directory)
-        manifest = self._manifest_to_load(directory)
+        saved_world, error = None, None
+        try:
+            saved_world = self._saved_world(directory)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+        self._raise_together(error, f"read the checkpoint manifest in {directory}")
+        if saved_world is None or saved_world == self._world:
+            manifests = [self._manifest_to_load(directory)]
+        else:
+            manifests = None
         error = None
         try:
-            self._load_checkpoint_files(directory, manifest)
+            if manifests is None:
+                manifests = self._manifests_of_every_saving_rank(directory, saved_world)
+            self._load_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         # Before the parameter broadcast, which would wait for a failed rank.
@@ -1431,10 +1481,57 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if restore_params:
             self._params_from_masters()
 
-    def _load_checkpoint_files(self, directory, manifest):
-        """This rank's part of load_checkpoint: checks, then the files."""
-        want, got = self._layout_summary(), manifest["layout"]
+    def _saved_world(self, directory):
+        """How many ranks wrote the newest save in `directory` (rank 0's
+        manifest says), or None where rank 0 has none."""
+        for prev in (False, True):
+            m = self._read_manifest(directory, missing_ok=True, prev=prev, rank=0)
+            if m is not None:
+                return (m.get("layout") or {}).get("world_size")
+        return None
+
+    def _manifests_of_every_saving_rank(self, directory, saved_world):
+        """The manifests, one per saving rank, of the newest save that all
+        `saved_world` ranks finished (each rank reads them all)."""
+        saves = []
+        for k in range(saved_world):
+            mine = {}
+            for prev in (True, False):  # the current manifest wins a tie
+                m = self._read_manifest(directory, missing_ok=True, prev=prev, rank=k)
+                if m is not None:
+                    mine[m.get("save_id") or m.get("python_state")] = (m, prev)
+            if not mine:
+                raise StateMismatchError(
+                    f"checkpoint in {directory} was saved by {saved_world} ranks and "
+                    f"{os.path.basename(self._manifest_path(directory, rank=k))} (rank {k}) "
+                    f"is missing: loading it on {self._world} rank(s) reads every saving "
+                    f"rank's files, so they must all be in that directory, visible to "
+                    f"every rank")
+            saves.append(mine)
+        common = set(saves[0]).intersection(*map(set, saves[1:]))
+        if not common:
+            raise StateMismatchError(
+                f"no checkpoint in {directory} is complete on all {saved_world} ranks that "
+                f"saved it (saves by rank: {[sorted(m) for m in saves]})")
+        newest = sorted(common, key=lambda sid: saves[0][sid][1])[0]
+        manifests = [saves[k][newest][0] for k in range(saved_world)]
+        for k, m in enumerate(manifests):
+            if m["layout"].get("world_size") != saved_world or m.get("rank", k) != k:
+                raise StateMismatchError(
+                    f"checkpoint manifest {self._manifest_path(directory, rank=k)} says rank "
+                    f"{m.get('rank')} of {m['layout'].get('world_size')}, expected rank {k} "
+                    f"of {saved_world}")
+        return manifests
+
+    def _load_checkpoint_files(self, directory, manifests):
+        """This rank's part of load_checkpoint: checks, then the files.
+        `manifests`: this rank's manifest, or every saving rank's (another
+        rank count: resharded)."""
+        want, got = self._layout_summary(), manifests[0]["layout"]
+        reshard = len(manifests) != 1 or got.get("world_size") != self._world
         for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays"):
+            if key == "world_size" and reshard:
+                continue
             if want[key] != got.get(key):
                 raise StateMismatchError(
                     f"checkpoint in {directory} was written for {key}={got.get(key)!r}, "
@@ -1452,21 +1549,39 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise StateMismatchError(
                 f"checkpoint in {directory} packs parameters into other subgroups "
                 f"(subgroup_numel differs)")
+        python_states = [self._read_python_state(directory, m) for m in manifests]
+        self.optimizer.load_state_dict({"state": {},
+                                        "param_groups": python_states[0]["param_groups"]})
+        self.optimizer.state.clear()
+        self.param_groups = self.optimizer.param_groups
+        self._refresh_hyperparams()
+        if self._engine is not None and not reshard:
+            self._engine.load_checkpoint(os.path.join(directory, manifests[0]["engine_dir"]))
+        elif self._engine is not None:
+            # Subgroup g was saved by rank g % W, as its (g // W)-th.
+            saved = len(manifests)
+            records = []
+            for g in self._owned:
+                engine_dir = manifests[g % saved]["engine_dir"]
+                if engine_dir is None:
+                    raise StateMismatchError(
+                        f"checkpoint manifest {self._manifest_path(directory, rank=g % saved)} "
+                        f"has no engine state, but subgroup {g} belongs to that rank")
+                records.append((os.path.join(directory, engine_dir), g // saved))
+            self._engine.load_checkpoint_records(records)
+        self._initialized = True
+        self._pending_state = None
+        for python_state in python_states:
+            self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
+            self._has_state.update(
+                {int(k): v for k, v in python_state["has_state"].items()})
+
+    @staticmethod
+    def _read_python_state(directory, manifest):
         python_path = os.path.join(directory, manifest["python_state"])
         want_sha = manifest.get("python_state_sha256")
         if want_sha is not None and _recovery.file_sha256(python_path) != want_sha:
             from mlp_offload.errors import CorruptStateError
             raise CorruptStateError(f"checkpoint file {python_path} is corrupt: checksum "
                                     f"mismatch")
-        python_state = torch.load(python_path, weights_only=True)
-        self.optimizer.load_state_dict({"state": {},
-                                        "param_groups": python_state["param_groups"]})
-        self.optimizer.state.clear()
-        self.param_groups = self.optimizer.param_groups
-        self._refresh_hyperparams()
-        if self._engine is not None:
-            self._engine.load_checkpoint(os.path.join(directory, manifest["engine_dir"]))
-        self._initialized = True
-        self._pending_state = None
-        self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
-        self._has_state.update({int(k): v for k, v in python_state["has_state"].items()})
+        return torch.load(python_path, weights_only=True)

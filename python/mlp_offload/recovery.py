@@ -139,6 +139,22 @@ def read_pystate(run_dir, step):
     return state
 
 
+def committed_world_size(run_dir):
+    """The rank count of the run whose newest readable Python-side state is
+    in `run_dir` (its layout says), or None."""
+    try:
+        steps = sorted((int(m.group(1)) for m in map(_PYSTATE_RE.match, os.listdir(run_dir))
+                        if m), reverse=True)
+    except OSError:
+        return None
+    for step in steps:
+        try:
+            return read_pystate(run_dir, step).get("layout", {}).get("world_size")
+        except Exception:  # noqa: BLE001 - damaged: try an older one
+            continue
+    return None
+
+
 def prune_pystate(run_dir, keep_step):
     """Removes the Python-side state files but those of `keep_step` and of
     the newest step before it: the engine keeps the commit before the last
