@@ -1669,28 +1669,11 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   return RemoveTree(old);
 }
 
-namespace {
-
-// A checkpoint directory, or the `.old` copy a crash between SaveCheckpoint's
-// two renames leaves.
-std::string CheckpointDir(const std::string& dir) {
-  if (!Exists(dir) && Exists(dir + ".old")) return dir + ".old";
-  return dir;
-}
-
-absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir) {
-  const std::string path = dir + "/MANIFEST";
-  MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path));
-  return ParseManifest(text, path);
-}
-
-}  // namespace
-
 absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
   Impl& e = *impl_;
   if (e.in_step)
     return absl::FailedPreconditionError("LoadCheckpoint during a step");
-  const std::string dir = CheckpointDir(dir_in);
+  const std::string dir = ResolveCheckpointDir(dir_in);
   MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dir));
   Manifest expected;
   expected.arrays_per_param = e.arrays();
@@ -1716,7 +1699,7 @@ absl::Status Engine::LoadCheckpointRecords(
   std::vector<std::string> dirs(records.size());
   std::map<std::string, Manifest> manifests;
   for (int i = 0; i < e.n(); ++i) {
-    dirs[i] = CheckpointDir(records[i].dir);
+    dirs[i] = ResolveCheckpointDir(records[i].dir);
     auto it = manifests.find(dirs[i]);
     if (it == manifests.end()) {
       MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dirs[i]));

@@ -584,6 +584,84 @@ TEST(EngineTest, LoadsRecordsOfCheckpointsThatOtherEnginesWrote) {
       << s;
 }
 
+TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
+  // Subgroup 1's payload (3 arrays of 300001 floats) spans several of the
+  // checksum's 1 MiB chunks, whose edges fall inside the arrays.
+  EngineConfig cfg = SmallConfig(1);
+  cfg.subgroup_numel = {1000, 300001};
+  cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(300001, 3));
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 41);
+  // Non-trivial moments: write them in.
+  for (int i = 0; i < 2; ++i) {
+    const size_t n = cfg.subgroup_numel[i];
+    std::vector<float> p(n), m(n), v(n);
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, p.data(), {m.data(), v.data()}, nullptr).ok());
+    for (size_t k = 0; k < n; ++k) {
+      m[k] = 0.5f * p[k] + static_cast<float>(k % 7);
+      v[k] = p[k] * p[k] + static_cast<float>(i);
+    }
+    ASSERT_TRUE(e.WriteSubgroup(i, p.data(), {m.data(), v.data()}, 3 + i).ok());
+  }
+  const std::string dir = TempDir("records") + "/engine";
+  ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
+  for (int i = 0; i < 2; ++i) {
+    const size_t n = cfg.subgroup_numel[i];
+    std::vector<float> p(n), m(n), v(n), gp(n), gm(n), gv(n);
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, p.data(), {m.data(), v.data()}, nullptr).ok());
+    int64_t step = -1;
+    absl::Status s =
+        ReadCheckpointRecord(dir, i, gp.data(), {gm.data(), gv.data()}, &step);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(gp, p);
+    EXPECT_EQ(gm, m);
+    EXPECT_EQ(gv, v);
+    EXPECT_EQ(step, 3 + i);
+    // The master alone, or the first state array alone.
+    std::vector<float> only(n, -1.0f);
+    ASSERT_TRUE(ReadCheckpointRecord(dir, i, only.data(), {}, nullptr).ok());
+    EXPECT_EQ(only, p);
+    ASSERT_TRUE(
+        ReadCheckpointRecord(dir, i, nullptr, {only.data()}, nullptr).ok());
+    EXPECT_EQ(only, m);
+  }
+  std::vector<float> buf(300001);
+  absl::Status s = ReadCheckpointRecord(dir, 2, buf.data(), {}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  s = ReadCheckpointRecord(dir, 0, buf.data(),
+                           {buf.data(), buf.data(), buf.data()}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  // The `.old` copy of a save interrupted between its renames is read too.
+  ASSERT_EQ(rename(dir.c_str(), (dir + ".old").c_str()), 0);
+  EXPECT_TRUE(ReadCheckpointRecord(dir, 1, buf.data(), {}, nullptr).ok());
+  ASSERT_EQ(rename((dir + ".old").c_str(), dir.c_str()), 0);
+
+  // One flipped byte in the last chunk; then a truncated file.
+  const std::string path = dir + "/sg_1.ckpt";
+  int fd = open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  const off_t last =
+      static_cast<off_t>(kRecordHeaderBytes + 300001ull * 12 - 5);
+  char byte = 0;
+  ASSERT_EQ(pread(fd, &byte, 1, last), 1);
+  byte ^= 0x10;
+  ASSERT_EQ(pwrite(fd, &byte, 1, last), 1);
+  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("sg_1.ckpt: payload checksum mismatch"),
+            std::string::npos)
+      << s;
+  ASSERT_EQ(ftruncate(fd, last), 0);
+  close(fd);
+  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_NE(s.message().find("truncated"), std::string::npos) << s;
+}
+
 TEST(EngineTest, ResumesFromTheLastCommittedStep) {
   EngineConfig cfg = SmallConfig(2);
   cfg.commit_every = 1;

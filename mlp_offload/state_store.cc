@@ -2,8 +2,10 @@
 #include "mlp_offload/state_store.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -350,6 +352,124 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   }
   close(fd);
   return out;
+}
+
+namespace {
+
+constexpr size_t kChecksumChunk = 1 << 20;  // PayloadChecksum's chunks
+
+// pread of exactly `n` bytes at `offset`; a file that ends early is DataLoss.
+absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset,
+                      const std::string& path) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = pread(fd, static_cast<char*>(data) + done, n - done,
+                      static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return ErrnoStatus(errno, "pread", path);
+    if (r == 0) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": truncated (ends at byte ", offset + done,
+                       ", expected ", offset + n, ")"));
+    }
+    done += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ResolveCheckpointDir(const std::string& dir) {
+  struct stat st;
+  if (lstat(dir.c_str(), &st) != 0 && lstat((dir + ".old").c_str(), &st) == 0) {
+    return dir + ".old";
+  }
+  return dir;
+}
+
+absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir) {
+  const std::string path = ResolveCheckpointDir(dir) + "/MANIFEST";
+  MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path));
+  return ParseManifest(text, path);
+}
+
+absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
+                                  float* master,
+                                  const std::vector<float*>& state,
+                                  int64_t* step) {
+  const std::string dir = ResolveCheckpointDir(dir_in);
+  MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dir));
+  if (subgroup < 0 ||
+      static_cast<size_t>(subgroup) >= m.subgroup_numel.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat(dir, " holds ", m.subgroup_numel.size(),
+                     " subgroups: there is no subgroup ", subgroup));
+  }
+  if (m.arrays_per_param < 1 || state.size() + 1 > m.arrays_per_param) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, " holds ", m.arrays_per_param, " arrays per parameter (master ",
+        "and state): ", state.size(), " state arrays were asked for"));
+  }
+  const uint64_t numel = m.subgroup_numel[subgroup];
+  const uint64_t payload = numel * 4ull * m.arrays_per_param;
+  const std::string path = absl::StrCat(dir, "/sg_", subgroup, ".ckpt");
+  int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "open", path);
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+
+  std::vector<char> page(kRecordHeaderBytes);
+  MLP_RETURN_IF_ERROR(PreadAll(fd, page.data(), page.size(), 0, path));
+  MLP_ASSIGN_OR_RETURN(RecordHeader h,
+                       DecodeRecordHeader(page.data(), page.size(), path));
+  if (h.subgroup != static_cast<uint32_t>(subgroup) || h.numel != numel ||
+      h.num_arrays != m.arrays_per_param || h.payload_bytes != payload) {
+    return absl::DataLossError(absl::StrCat(
+        path, ": the header says subgroup ", h.subgroup, " of ", h.numel,
+        " parameters and ", h.num_arrays, " arrays, the manifest subgroup ",
+        subgroup, " of ", numel, " and ", m.arrays_per_param));
+  }
+  // Where each byte of the payload goes: array a (0 = master) covers
+  // [a * numel * 4, (a + 1) * numel * 4).
+  std::vector<char*> dest(m.arrays_per_param, nullptr);
+  dest[0] = reinterpret_cast<char*>(master);
+  for (size_t k = 0; k < state.size(); ++k) {
+    dest[k + 1] = reinterpret_cast<char*>(state[k]);
+  }
+  const uint64_t array_bytes = numel * 4ull;
+  std::vector<char> chunk(std::min<uint64_t>(kChecksumChunk, payload));
+  std::vector<uint64_t> parts;
+  parts.reserve((payload + kChecksumChunk - 1) / kChecksumChunk);
+  for (uint64_t begin = 0; begin < payload; begin += kChecksumChunk) {
+    const size_t len = static_cast<size_t>(
+        std::min<uint64_t>(kChecksumChunk, payload - begin));
+    MLP_RETURN_IF_ERROR(
+        PreadAll(fd, chunk.data(), len, kRecordHeaderBytes + begin, path));
+    parts.push_back(
+        HashChunk(reinterpret_cast<const unsigned char*>(chunk.data()), len,
+                  parts.size()));
+    // Scatter [begin, begin + len) over the arrays it spans.
+    for (uint64_t at = begin; at < begin + len;) {
+      const uint64_t a = at / array_bytes;
+      const uint64_t end = std::min(begin + len, (a + 1) * array_bytes);
+      if (dest[a] != nullptr) {
+        std::memcpy(dest[a] + (at - a * array_bytes),
+                    chunk.data() + (at - begin), static_cast<size_t>(end - at));
+      }
+      at = end;
+    }
+  }
+  const uint64_t sum =
+      HashChunk(reinterpret_cast<const unsigned char*>(parts.data()),
+                parts.size() * sizeof(uint64_t), payload);
+  if (sum != h.payload_checksum) {
+    return absl::DataLossError(absl::StrCat(
+        path, ": payload checksum mismatch (subgroup ", subgroup, ")"));
+  }
+  if (step != nullptr) *step = h.step;
+  return absl::OkStatus();
 }
 
 }  // namespace mlp_offload

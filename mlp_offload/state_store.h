@@ -87,6 +87,26 @@ absl::Status WriteFileAtomically(const std::string& path,
                                  absl::string_view contents);
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
 
+// Engine checkpoints (Engine::SaveCheckpoint): a directory holding MANIFEST
+// and sg_<i>.ckpt = [4 KiB header | payload] per subgroup, the payload being
+// the master parameters and then each state array, numel fp32 values each.
+//
+// `dir`, or the `dir.old` copy a crash between SaveCheckpoint's two renames
+// leaves where `dir` is missing.
+std::string ResolveCheckpointDir(const std::string& dir);
+// The MANIFEST of the engine checkpoint in `dir` (resolved as above).
+absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir);
+// Reads subgroup `subgroup`'s record of the engine checkpoint in `dir`
+// without an engine: the master parameters into `master` and state array k
+// into state[k] (null pointers, or fewer arrays than the record has, skip
+// them), streaming 1 MiB at a time, after checking it against the manifest
+// and its header; DataLoss naming the file if the payload checksum does not
+// match (the destinations then hold garbage). `*step`: the record's updates.
+absl::Status ReadCheckpointRecord(const std::string& dir, int subgroup,
+                                  float* master,
+                                  const std::vector<float*>& state,
+                                  int64_t* step);
+
 // Byte offset of `slot` (0 or 1) in a state file whose records are
 // `record_bytes` long (aligned).
 inline uint64_t SlotOffset(int slot, uint64_t aligned_record_bytes) {

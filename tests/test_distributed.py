@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import mlp_offload
 from mlp_offload import MLPOffloadOptimizer, cuda_path
 from mlp_offload.errors import OffloadError, StateMismatchError, TierIOError
 from conftest import free_port, tier_dirs
@@ -481,6 +482,10 @@ def test_a_checkpoint_loads_on_another_rank_count(tmp_path, name):
                               subgroup_numel=200, compute_threads=1)
     opt.load_checkpoint(os.path.join(out, "by2"), restore_params=True)
     assert_loaded(opt, model, want, "one rank")
+    # The master weights, read from the two ranks' parts without an optimizer.
+    masters = mlp_offload.master_weights(os.path.join(out, "by2"))
+    for (key, value), got in zip(want["model"].items(), masters):
+        assert torch.equal(got, value), key
     opt.save_checkpoint(os.path.join(out, "by1"))
     # Saved by one rank where two had saved: rank 1's files go.
     again = os.path.join(out, "by2_then_1")

@@ -17,6 +17,7 @@
 #include "kernels/optimizer_kernels.h"
 #include "mlp_offload/engine.h"
 #include "mlp_offload/planner.h"
+#include "mlp_offload/state_store.h"
 #include "mlp_offload/tier.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"
@@ -357,6 +358,41 @@ void RegisterEngineBindings(py::module_& parent) {
       "Plans placement, caching and order (no I/O). Tiers are dicts with the "
       "TierSpec fields; techniques is 'mlp', 'baseline' or a dict of "
       "switches.");
+
+  m.def(
+      "checkpoint_manifest",
+      [](const std::string& dir) {
+        Manifest manifest = ValueOrThrow(ReadCheckpointManifest(dir));
+        py::dict out;
+        out["arrays_per_param"] = manifest.arrays_per_param;
+        out["subgroup_numel"] = manifest.subgroup_numel;
+        return out;
+      },
+      py::arg("dir"),
+      "The MANIFEST of an engine checkpoint directory: arrays_per_param "
+      "(master + state) and subgroup_numel.");
+  m.def(
+      "read_checkpoint_record",
+      [](const std::string& dir, int subgroup, uintptr_t master,
+         const std::vector<uintptr_t>& state) {
+        std::vector<float*> arrays;
+        arrays.reserve(state.size());
+        for (uintptr_t a : state) arrays.push_back(reinterpret_cast<float*>(a));
+        int64_t step = 0;
+        absl::Status status;
+        {
+          py::gil_scoped_release release;
+          status = ReadCheckpointRecord(
+              dir, subgroup, reinterpret_cast<float*>(master), arrays, &step);
+        }
+        ThrowIfError(status);
+        return step;
+      },
+      py::arg("dir"), py::arg("subgroup"), py::arg("master"), py::arg("state"),
+      "Reads one subgroup's record of an engine checkpoint without an "
+      "engine: the master into `master` and state array k into state[k] "
+      "(fp32 addresses, 0 skips); checked against the manifest, header and "
+      "payload checksum. Returns the record's step.");
 
   m.def("aligned_record_bytes", &AlignedRecordBytes, py::arg("numel"),
         py::arg("arrays_per_param"),

@@ -16,10 +16,12 @@ import logging as _logging
 
 from mlp_offload import errors
 from mlp_offload._C import build_info
+from mlp_offload.checkpoint import export_master_weights, load_master_weights, master_weights
 from mlp_offload.optimizer import MLPOffloadOptimizer
 
 __version__ = build_info()["version"]
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-__all__ = ["MLPOffloadOptimizer", "build_info", "errors", "__version__"]
+__all__ = ["MLPOffloadOptimizer", "build_info", "errors", "export_master_weights",
+           "load_master_weights", "master_weights", "__version__"]

@@ -4,6 +4,7 @@
     mlp-offload plan              what-if: placement and predicted update phase
     mlp-offload bench             update-phase benchmark on this machine
     mlp-offload train             train a small GPT with its state offloaded
+    mlp-offload export CKPT OUT   a checkpoint's fp32 master weights as safetensors
     mlp-offload info              build information (JSON)
 
 Errors print one line and exit with status 1 (bad arguments: status 2).
@@ -417,6 +418,32 @@ def _state_arrays(optimizer):
 
 # --------------------------------------------------------------------- main
 
+# ------------------------------------------------------------------- export
+
+def _cmd_export(args, out):
+    import torch
+
+    from mlp_offload import checkpoint
+    names = None
+    if args.names is not None:
+        with open(args.names, encoding="utf-8") as f:
+            names = [line.strip() for line in f if line.strip()]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    t0 = time.perf_counter()
+    path = checkpoint.export_master_weights(args.checkpoint, args.out, dtype=dtype,
+                                            names=names)
+    result = {"checkpoint": args.checkpoint, "out": path, "dtype": args.dtype,
+              "bytes": os.path.getsize(path), "seconds": round(time.perf_counter() - t0, 3)}
+    if args.json:
+        json.dump(result, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(f"wrote {path}: master weights of {args.checkpoint} in {args.dtype}, "
+                  f"{units.format_bytes(result['bytes'])} in {result['seconds']} s\n")
+    return 0
+
+
 def build_parser():
     from mlp_offload.train import DTYPES, OPTIMIZERS
     from mlp_offload.whatif import ARRAYS_PER_PARAM, CONFIGS, GRAD_BYTES, parse_tier
@@ -544,6 +571,20 @@ def build_parser():
                    help="PNG of the loss and time curves ('' for none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("export", formatter_class=fmt,
+                       help="write a checkpoint's fp32 master weights as safetensors",
+                       description="Writes the master weights (the optimizer's fp32 copy "
+                       "of the model) of a checkpoint written by save_checkpoint, by any "
+                       "number of ranks, to a safetensors file, one subgroup at a time "
+                       "(memory of one subgroup, whatever the model's size).")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="safetensors file to write")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the written tensors")
+    p.add_argument("--names", metavar="FILE", default=None,
+                   help="text file with one tensor name per line, in the optimizer's "
+                   "parameter order (default: param.<index>)")
+    p.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -560,7 +601,7 @@ def main(argv=None):
             out.write("\n")
             return 0
         handler = {"probe": _cmd_probe, "plan": _cmd_plan, "bench": _cmd_bench,
-                   "train": _cmd_train}[args.command]
+                   "train": _cmd_train, "export": _cmd_export}[args.command]
         return handler(args, out)
     except OffloadError as e:
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")

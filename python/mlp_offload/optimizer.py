@@ -21,7 +21,6 @@ updated parameters.
 """
 
 import copy
-import hashlib
 import io as _io
 import itertools
 import json
@@ -34,6 +33,7 @@ import weakref
 
 import torch
 
+from mlp_offload import checkpoint as _ckpt
 from mlp_offload import config as _config
 from mlp_offload import cuda_path as _cuda_path
 from mlp_offload import generic as _generic
@@ -41,15 +41,11 @@ from mlp_offload import hyperparams as _hp
 from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
 from mlp_offload import _C
-from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
-                                StateMismatchError)
+from mlp_offload.errors import (ConfigError, CorruptStateError, NonFiniteGradientError,
+                                OffloadError, StateMismatchError)
 
 _log = logging.getLogger(__name__)
 
-_CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
-# 2: the manifest carries checksums of itself and of the Python state; 1
-# (without them) is still read.
-_CHECKPOINT_VERSION = 2
 _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
@@ -120,12 +116,6 @@ def _atomic_write_bytes(path, data):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _manifest_checksum(manifest):
-    """sha256 of the manifest's content, its own checksum left out."""
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _torch_save_bytes(obj):
@@ -1299,8 +1289,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------- checkpoints
 
     def _manifest_path(self, directory, prev=False, rank=None):
-        rank = self._rank if rank is None else rank
-        return os.path.join(directory, f"manifest.rank{rank}{'.prev' if prev else ''}.json")
+        return _ckpt.manifest_path(directory, self._rank if rank is None else rank, prev)
 
     def _layout_summary(self):
         return {
@@ -1348,8 +1337,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         buf_path = os.path.join(directory, python_file)
         _recovery.write_file_atomically(buf_path, _torch_save_bytes(python_state))
         manifest = {
-            "format": _CHECKPOINT_FORMAT,
-            "version": _CHECKPOINT_VERSION,
+            "format": _ckpt.CHECKPOINT_FORMAT,
+            "version": _ckpt.CHECKPOINT_VERSION,
             "rank": self._rank,
             "save_id": save_id,
             "engine_dir": engine_dir if self._engine is not None else None,
@@ -1357,7 +1346,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "python_state_sha256": _recovery.file_sha256(buf_path),
             "layout": self._layout_summary(),
         }
-        manifest["checksum"] = _manifest_checksum(manifest)
+        manifest["checksum"] = _ckpt.manifest_checksum(manifest)
         if old is not None:
             # Kept until every rank has its new manifest (see load).
             _atomic_write_bytes(self._manifest_path(directory, prev=True),
@@ -1384,37 +1373,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                            key=lambda name: not name.startswith("manifest."))
             _remove_entries(directory, stale)
 
-    def _read_manifest(self, directory, missing_ok=False, prev=False, rank=None):
-        path = self._manifest_path(directory, prev, rank)
-        from mlp_offload.errors import CorruptStateError
-        try:
-            with open(path, "rb") as f:
-                manifest = json.loads(f.read().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
-        except FileNotFoundError:
-            if missing_ok:
-                return None
-            raise StateMismatchError(
-                f"no checkpoint for rank {self._rank if rank is None else rank} in "
-                f"{directory} ({os.path.basename(path)} is missing)") from None
-        except json.JSONDecodeError as e:
-            from mlp_offload.errors import CorruptStateError
-            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
-        if not isinstance(manifest, dict):
-            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: not an object")
-        # Checked first, so a damaged format or version field reads as damage.
-        if "checksum" in manifest and manifest["checksum"] != _manifest_checksum(manifest):
-            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: checksum "
-                                    f"mismatch")
-        if "checksum" not in manifest and manifest.get("version") != 1:
-            raise CorruptStateError(f"checkpoint manifest {path} is corrupt: no checksum")
-        if manifest.get("format") != _CHECKPOINT_FORMAT:
-            raise StateMismatchError(f"{path} is not an MLP-Offload optimizer checkpoint")
-        if manifest.get("version") not in (1, _CHECKPOINT_VERSION):
-            raise StateMismatchError(f"{path} has checkpoint version "
-                                     f"{manifest.get('version')}, expected {_CHECKPOINT_VERSION}")
-        return manifest
+    def _read_manifest(self, directory, missing_ok=False, prev=False):
+        return _ckpt.read_manifest(directory, self._rank, prev=prev, missing_ok=missing_ok)
 
     def _manifest_to_load(self, directory):
         """This rank's manifest of the newest save that every rank finished."""
@@ -1425,7 +1385,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             for prev in (True, False):  # the current manifest wins a tie
                 m = self._read_manifest(directory, missing_ok=True, prev=prev)
                 if m is not None:
-                    saves[m.get("save_id") or m.get("python_state")] = (m, prev)
+                    saves[_ckpt.save_key(m)] = (m, prev)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         self._raise_together(error, f"read its checkpoint manifest in {directory}")
@@ -1461,7 +1421,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         directory = os.fspath(directory)
         saved_world, error = None, None
         try:
-            saved_world = self._saved_world(directory)
+            saved_world = _ckpt.saved_world(directory)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         self._raise_together(error, f"read the checkpoint manifest in {directory}")
@@ -1472,7 +1432,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         error = None
         try:
             if manifests is None:
-                manifests = self._manifests_of_every_saving_rank(directory, saved_world)
+                manifests = _ckpt.newest_complete_save(
+                    directory, saved_world, reader=f"loading it on {self._world} rank(s), ")
             self._load_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
@@ -1480,48 +1441,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._raise_together(error, f"load its checkpoint files in {directory}")
         if restore_params:
             self._params_from_masters()
-
-    def _saved_world(self, directory):
-        """How many ranks wrote the newest save in `directory` (rank 0's
-        manifest says), or None where rank 0 has none."""
-        for prev in (False, True):
-            m = self._read_manifest(directory, missing_ok=True, prev=prev, rank=0)
-            if m is not None:
-                return (m.get("layout") or {}).get("world_size")
-        return None
-
-    def _manifests_of_every_saving_rank(self, directory, saved_world):
-        """The manifests, one per saving rank, of the newest save that all
-        `saved_world` ranks finished (each rank reads them all)."""
-        saves = []
-        for k in range(saved_world):
-            mine = {}
-            for prev in (True, False):  # the current manifest wins a tie
-                m = self._read_manifest(directory, missing_ok=True, prev=prev, rank=k)
-                if m is not None:
-                    mine[m.get("save_id") or m.get("python_state")] = (m, prev)
-            if not mine:
-                raise StateMismatchError(
-                    f"checkpoint in {directory} was saved by {saved_world} ranks and "
-                    f"{os.path.basename(self._manifest_path(directory, rank=k))} (rank {k}) "
-                    f"is missing: loading it on {self._world} rank(s) reads every saving "
-                    f"rank's files, so they must all be in that directory, visible to "
-                    f"every rank")
-            saves.append(mine)
-        common = set(saves[0]).intersection(*map(set, saves[1:]))
-        if not common:
-            raise StateMismatchError(
-                f"no checkpoint in {directory} is complete on all {saved_world} ranks that "
-                f"saved it (saves by rank: {[sorted(m) for m in saves]})")
-        newest = sorted(common, key=lambda sid: saves[0][sid][1])[0]
-        manifests = [saves[k][newest][0] for k in range(saved_world)]
-        for k, m in enumerate(manifests):
-            if m["layout"].get("world_size") != saved_world or m.get("rank", k) != k:
-                raise StateMismatchError(
-                    f"checkpoint manifest {self._manifest_path(directory, rank=k)} says rank "
-                    f"{m.get('rank')} of {m['layout'].get('world_size')}, expected rank {k} "
-                    f"of {saved_world}")
-        return manifests
 
     def _load_checkpoint_files(self, directory, manifests):
         """This rank's part of load_checkpoint: checks, then the files.
@@ -1558,17 +1477,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._engine is not None and not reshard:
             self._engine.load_checkpoint(os.path.join(directory, manifests[0]["engine_dir"]))
         elif self._engine is not None:
-            # Subgroup g was saved by rank g % W, as its (g // W)-th.
-            saved = len(manifests)
-            records = []
-            for g in self._owned:
-                engine_dir = manifests[g % saved]["engine_dir"]
-                if engine_dir is None:
-                    raise StateMismatchError(
-                        f"checkpoint manifest {self._manifest_path(directory, rank=g % saved)} "
-                        f"has no engine state, but subgroup {g} belongs to that rank")
-                records.append((os.path.join(directory, engine_dir), g // saved))
-            self._engine.load_checkpoint_records(records)
+            self._engine.load_checkpoint_records(
+                [_ckpt.record_source(directory, manifests, g) for g in self._owned])
         self._initialized = True
         self._pending_state = None
         for python_state in python_states:
@@ -1581,7 +1491,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         python_path = os.path.join(directory, manifest["python_state"])
         want_sha = manifest.get("python_state_sha256")
         if want_sha is not None and _recovery.file_sha256(python_path) != want_sha:
-            from mlp_offload.errors import CorruptStateError
             raise CorruptStateError(f"checkpoint file {python_path} is corrupt: checksum "
                                     f"mismatch")
         return torch.load(python_path, weights_only=True)

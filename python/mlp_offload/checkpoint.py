@@ -1,0 +1,256 @@
+"""Checkpoints of MLPOffloadOptimizer.save_checkpoint, read without an optimizer.
+
+A checkpoint directory holds, per saving rank k, `manifest.rank<k>.json`
+(JSON with a checksum of itself: the save id, the model's layout, and the
+names of the rank's files), an engine directory `engine-r<k>-<id>/` (the
+MANIFEST and one `sg_<j>.ckpt` record per subgroup the rank owned: the fp32
+master parameters, then the optimizer's state arrays) and the Python-side
+state `python-r<k>-<id>.pt`. Subgroup g of a save by W ranks is the
+(g // W)-th record of rank g % W.
+
+The master weights are the fp32 copy of the model the optimizer keeps (for
+a bf16 or fp16 model, the precise one). This module gets them out one
+subgroup at a time, so a model whose state does not fit in memory exports
+in memory of one subgroup:
+
+    mlp_offload.load_master_weights("ckpt", fp32_model.parameters())
+    mlp_offload.export_master_weights("ckpt", "model.safetensors", names=[...])
+
+(the command line: `mlp-offload export CKPT OUT.safetensors`).
+"""
+
+import hashlib
+import json
+import math
+import os
+import struct
+
+import torch
+
+from mlp_offload import _C
+from mlp_offload.errors import ConfigError, CorruptStateError, StateMismatchError
+
+CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
+# 2: the manifest carries checksums of itself and of the Python state; 1
+# (without them) is still read.
+CHECKPOINT_VERSION = 2
+
+
+def manifest_checksum(manifest):
+    """sha256 of the manifest's content, its own checksum left out."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def manifest_path(directory, rank, prev=False):
+    return os.path.join(directory, f"manifest.rank{rank}{'.prev' if prev else ''}.json")
+
+
+def read_manifest(directory, rank, prev=False, missing_ok=False):
+    """Rank `rank`'s manifest (its previous one with `prev`), checked; None
+    if missing and `missing_ok`, else StateMismatchError."""
+    path = manifest_path(directory, rank, prev)
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {e}") from e
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise StateMismatchError(f"no checkpoint for rank {rank} in {directory} "
+                                 f"({os.path.basename(path)} is missing)") from None
+    if not isinstance(manifest, dict):
+        raise CorruptStateError(f"checkpoint manifest {path} is corrupt: not an object")
+    # Checked first, so a damaged format or version field reads as damage.
+    if "checksum" in manifest and manifest["checksum"] != manifest_checksum(manifest):
+        raise CorruptStateError(f"checkpoint manifest {path} is corrupt: checksum mismatch")
+    if "checksum" not in manifest and manifest.get("version") != 1:
+        raise CorruptStateError(f"checkpoint manifest {path} is corrupt: no checksum")
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise StateMismatchError(f"{path} is not an MLP-Offload optimizer checkpoint")
+    if manifest.get("version") not in (1, CHECKPOINT_VERSION):
+        raise StateMismatchError(f"{path} has checkpoint version {manifest.get('version')}, "
+                                 f"expected {CHECKPOINT_VERSION}")
+    return manifest
+
+
+def save_key(manifest):
+    """What names one save across the ranks' manifests."""
+    return manifest.get("save_id") or manifest.get("python_state")
+
+
+def saved_world(directory):
+    """How many ranks wrote the newest save in `directory` (rank 0's
+    manifest says), or None where rank 0 has none."""
+    for prev in (False, True):
+        m = read_manifest(directory, 0, prev=prev, missing_ok=True)
+        if m is not None:
+            return (m.get("layout") or {}).get("world_size")
+    return None
+
+
+def newest_complete_save(directory, world, reader=""):
+    """The manifests, one per saving rank, of the newest save that all
+    `world` ranks that wrote `directory` finished. `reader` says who reads,
+    for the error where a rank's manifest is missing."""
+    saves = []
+    for k in range(world):
+        mine = {}
+        for prev in (True, False):  # the current manifest wins a tie
+            m = read_manifest(directory, k, prev=prev, missing_ok=True)
+            if m is not None:
+                mine[save_key(m)] = (m, prev)
+        if not mine:
+            raise StateMismatchError(
+                f"checkpoint in {directory} was saved by {world} ranks and "
+                f"{os.path.basename(manifest_path(directory, k))} (rank {k}) is missing: "
+                f"{reader}every saving rank's files are read, so they must all be in that "
+                f"directory, visible to every reader")
+        saves.append(mine)
+    common = set(saves[0]).intersection(*map(set, saves[1:]))
+    if not common:
+        raise StateMismatchError(
+            f"no checkpoint in {directory} is complete on all {world} ranks that saved it "
+            f"(saves by rank: {[sorted(m) for m in saves]})")
+    newest = sorted(common, key=lambda sid: saves[0][sid][1])[0]
+    manifests = [saves[k][newest][0] for k in range(world)]
+    for k, m in enumerate(manifests):
+        if m["layout"].get("world_size") != world or m.get("rank", k) != k:
+            raise StateMismatchError(
+                f"checkpoint manifest {manifest_path(directory, k)} says rank {m.get('rank')} "
+                f"of {m['layout'].get('world_size')}, expected rank {k} of {world}")
+    return manifests
+
+
+def record_source(directory, manifests, g):
+    """(engine checkpoint directory, record index) of subgroup g."""
+    world = len(manifests)
+    engine_dir = manifests[g % world]["engine_dir"]
+    if engine_dir is None:
+        raise StateMismatchError(
+            f"checkpoint manifest {manifest_path(directory, g % world)} has no engine state, "
+            f"but subgroup {g} belongs to that rank")
+    return os.path.join(directory, engine_dir), g // world
+
+
+# ----------------------------------------------------------- master weights
+
+def _open_save(directory):
+    directory = os.fspath(directory)
+    world = saved_world(directory)
+    if world is None:
+        read_manifest(directory, 0)  # raises, naming the missing manifest
+    manifests = newest_complete_save(directory, world)
+    return directory, manifests, manifests[0]["layout"]
+
+
+def _subgroups(directory, manifests, layout):
+    """Per subgroup: (param ids, shapes, engine dir, record index)."""
+    shapes = layout["param_shapes"]
+    for g, pids in enumerate(layout["subgroups"]):
+        src, j = record_source(directory, manifests, g)
+        yield pids, [tuple(shapes[pid]) for pid in pids], src, j
+
+
+def _read_masters(src, j, shapes):
+    """The fp32 master values of one subgroup, as one flat tensor."""
+    numel = sum(math.prod(s) for s in shapes)
+    flat = torch.empty(numel, dtype=torch.float32)
+    _C.engine.read_checkpoint_record(src, j, flat.data_ptr(), [])
+    return flat
+
+
+def _pieces(flat, shapes):
+    off = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        yield flat[off:off + n].view(shape)
+        off += n
+
+
+def master_weights(directory):
+    """The fp32 master weights of the newest complete save in `directory`
+    (any rank count), as a list of tensors in the optimizer's parameter
+    order. Needs memory for the weights (4 bytes per parameter)."""
+    directory, manifests, layout = _open_save(directory)
+    out = [None] * len(layout["param_shapes"])
+    for pids, shapes, src, j in _subgroups(directory, manifests, layout):
+        for pid, piece in zip(pids, _pieces(_read_masters(src, j, shapes), shapes)):
+            out[pid] = piece
+    return out
+
+
+def load_master_weights(directory, params):
+    """Copies the fp32 master weights of the checkpoint in `directory` into
+    `params` (the parameters the optimizer was given, in that order, e.g. a
+    model's `parameters()`; any dtype and device), one subgroup at a time.
+    StateMismatchError if their number or shapes differ."""
+    params = list(params)
+    directory, manifests, layout = _open_save(directory)
+    shapes = [tuple(s) for s in layout["param_shapes"]]
+    if len(params) != len(shapes):
+        raise StateMismatchError(f"checkpoint in {directory} has {len(shapes)} parameters, "
+                                 f"{len(params)} were given")
+    for i, (p, shape) in enumerate(zip(params, shapes)):
+        if tuple(p.shape) != shape:
+            raise StateMismatchError(f"parameter {i} has shape {tuple(p.shape)}, the "
+                                     f"checkpoint's {shape}")
+    with torch.no_grad():
+        for pids, sg_shapes, src, j in _subgroups(directory, manifests, layout):
+            for pid, piece in zip(pids, _pieces(_read_masters(src, j, sg_shapes), sg_shapes)):
+                params[pid].copy_(piece)
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def export_master_weights(directory, out, dtype=torch.float32, names=None):
+    """Writes the master weights of the checkpoint in `directory` to the
+    safetensors file `out`, in `dtype` (float32, bfloat16 or float16),
+    streaming one subgroup at a time (memory of one subgroup, whatever the
+    model's size). `names`: one tensor name per parameter, in the
+    optimizer's order (e.g. `[n for n, _ in model.named_parameters()]`);
+    default "param.<index>". Written to a temporary name, then renamed."""
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(map(str, _SAFETENSORS_DTYPES))}, "
+                          f"got {dtype}")
+    directory, manifests, layout = _open_save(directory)
+    shapes = [tuple(s) for s in layout["param_shapes"]]
+    names = [f"param.{i}" for i in range(len(shapes))] if names is None else list(names)
+    if len(names) != len(shapes):
+        raise ConfigError(f"{len(names)} names for the checkpoint's {len(shapes)} parameters")
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise ConfigError("parameter names must be distinct and not '__metadata__'")
+    # The header fixes every tensor's place, so the data can follow in
+    # subgroup order (safetensors allows any order of the byte ranges).
+    size = dtype.itemsize
+    header, offset = {}, 0
+    for pids, sg_shapes, _, _ in _subgroups(directory, manifests, layout):
+        for pid, shape in zip(pids, sg_shapes):
+            n = math.prod(shape) * size
+            header[names[pid]] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                                  "data_offsets": [offset, offset + n]}
+            offset += n
+    header["__metadata__"] = {"format": "pt", "source": "mlp_offload master weights"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    out = os.fspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for _, sg_shapes, src, j in _subgroups(directory, manifests, layout):
+                flat = _read_masters(src, j, sg_shapes).to(dtype)
+                f.write(memoryview(flat.view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return out

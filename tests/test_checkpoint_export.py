@@ -1,0 +1,157 @@
+"""The master weights of a checkpoint, read without an optimizer
+(python/mlp_offload/checkpoint.py, the C++ ReadCheckpointRecord): as
+tensors, into a model's parameters, and streamed to a safetensors file that
+the safetensors library reads back; `mlp-offload export`."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import tier_dirs
+
+import mlp_offload
+from mlp_offload import MLPOffloadOptimizer, cli
+from mlp_offload.errors import ConfigError, CorruptStateError, StateMismatchError
+
+torch.set_num_threads(1)  # CI shares 2 cores between test processes
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(),
+                               torch.nn.Linear(48, 40), torch.nn.GELU(),
+                               torch.nn.Linear(40, 8)).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A bf16 model trained 3 steps; its checkpoint and fp32 master weights
+    (read from the engine) and those of a torch AdamW on fp32 masters."""
+    tmp = tmp_path_factory.mktemp("saved")
+    model = _model(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                              tiers=tier_dirs(tmp), subgroup_numel=1000, compute_threads=1)
+    assert len(opt.subgroups) >= 4
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(16, 24, generator=gen).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        ref.step()
+        opt.zero_grad(set_to_none=True)
+    ckpt = str(tmp / "ckpt")
+    opt.save_checkpoint(ckpt)
+    engine = [None] * len(master)
+    for sg in opt.subgroups:
+        flat, _, _ = opt._read_subgroup(sg.index)
+        for p, pid, off, n in sg.slices():
+            engine[pid] = flat[off:off + n].view(p.shape).clone()
+    names = [n for n, _ in model.named_parameters()]
+    opt.close()
+    return {"ckpt": ckpt, "engine": engine, "torch": [m.detach() for m in master],
+            "names": names, "tmp": tmp}
+
+
+def test_master_weights_are_the_engines_fp32_copy(saved):
+    got = mlp_offload.master_weights(saved["ckpt"])
+    assert len(got) == len(saved["engine"])
+    for g, want, ref in zip(got, saved["engine"], saved["torch"]):
+        assert g.dtype == torch.float32 and torch.equal(g, want)
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)  # and torch's AdamW
+
+
+def test_load_master_weights_into_a_model_of_any_dtype(saved):
+    fp32 = _model(torch.float32)
+    mlp_offload.load_master_weights(saved["ckpt"], fp32.parameters())
+    for p, want in zip(fp32.parameters(), saved["engine"]):
+        assert torch.equal(p.detach(), want)
+    bf16 = _model(torch.bfloat16)
+    mlp_offload.load_master_weights(saved["ckpt"], bf16.parameters())
+    for p, want in zip(bf16.parameters(), saved["engine"]):
+        assert torch.equal(p.detach(), want.to(torch.bfloat16))
+    with pytest.raises(StateMismatchError, match="has 6 parameters, 5 were given"):
+        mlp_offload.load_master_weights(saved["ckpt"], list(fp32.parameters())[:5])
+    other = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(),
+                                torch.nn.Linear(48, 41), torch.nn.GELU(),
+                                torch.nn.Linear(41, 8))
+    with pytest.raises(StateMismatchError, match=r"parameter 2 has shape \(41, 48\)"):
+        mlp_offload.load_master_weights(saved["ckpt"], other.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_export_is_a_safetensors_file(saved, dtype):
+    out = str(saved["tmp"] / f"weights-{str(dtype)[6:]}.safetensors")
+    assert mlp_offload.export_master_weights(saved["ckpt"], out, dtype=dtype,
+                                             names=saved["names"]) == out
+    got = safetensors.torch.load_file(out)
+    assert sorted(got) == sorted(saved["names"])
+    for name, want in zip(saved["names"], saved["engine"]):
+        assert got[name].dtype == dtype and torch.equal(got[name], want.to(dtype)), name
+    # Into a model as it names its parameters.
+    model = _model(dtype)
+    model.load_state_dict(got)
+    assert not any(n.endswith(".tmp") or ".tmp-" in n for n in os.listdir(saved["tmp"]))
+
+
+def test_export_default_names_and_bad_arguments(saved):
+    out = str(saved["tmp"] / "default.safetensors")
+    mlp_offload.export_master_weights(saved["ckpt"], out)
+    got = safetensors.torch.load_file(out)
+    assert sorted(got) == sorted(f"param.{i}" for i in range(len(saved["engine"])))
+    assert torch.equal(got["param.3"], saved["engine"][3])
+    with pytest.raises(ConfigError, match="2 names for the checkpoint's 6 parameters"):
+        mlp_offload.export_master_weights(saved["ckpt"], out, names=["a", "b"])
+    with pytest.raises(ConfigError, match="distinct"):
+        mlp_offload.export_master_weights(saved["ckpt"], out, names=["a"] * 6)
+    with pytest.raises(ConfigError, match="dtype"):
+        mlp_offload.export_master_weights(saved["ckpt"], out, dtype=torch.int8)
+    with pytest.raises(StateMismatchError, match="manifest.rank0.json is missing"):
+        mlp_offload.master_weights(str(saved["tmp"] / "nothing"))
+
+
+def test_a_damaged_record_is_refused_and_nothing_is_written(saved, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved["ckpt"], ckpt)
+    engine_dir = [d for d in os.listdir(ckpt) if d.startswith("engine-")][0]
+    record = os.path.join(ckpt, engine_dir, "sg_1.ckpt")
+    with open(record, "r+b") as f:
+        f.seek(4096 + 17)
+        byte = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(CorruptStateError, match="sg_1.ckpt: payload checksum mismatch"):
+        mlp_offload.master_weights(ckpt)
+    out = str(tmp_path / "w.safetensors")
+    with pytest.raises(CorruptStateError):
+        mlp_offload.export_master_weights(ckpt, out)
+    assert os.listdir(tmp_path) == ["ckpt"]  # no partial file, no temporary one
+
+
+def test_cli_export(saved, tmp_path):
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(saved["names"]) + "\n")
+    out = str(tmp_path / "w.safetensors")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(["export", saved["ckpt"], out, "--dtype", "bfloat16", "--names",
+                       str(names), "--json"])
+    assert rc == 0
+    result = json.loads(buf.getvalue())
+    assert result["out"] == out and result["dtype"] == "bfloat16"
+    assert result["bytes"] == os.path.getsize(out)
+    got = safetensors.torch.load_file(out)
+    assert torch.equal(got[saved["names"][0]], saved["engine"][0].to(torch.bfloat16))
+    # A checkpoint that is not there: one line, status 1.
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(["export", str(tmp_path / "missing"), out])
+    assert rc == 1 and err.getvalue().startswith("mlp-offload export: error: ")
