@@ -28,6 +28,7 @@ import struct
 import torch
 
 from mlp_offload import _C
+from mlp_offload import recovery as _recovery
 from mlp_offload.errors import ConfigError, CorruptStateError, StateMismatchError
 
 CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
@@ -211,7 +212,8 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None):
     streaming one subgroup at a time (memory of one subgroup, whatever the
     model's size). `names`: one tensor name per parameter, in the
     optimizer's order (e.g. `[n for n, _ in model.named_parameters()]`);
-    default "param.<index>". Written to a temporary name, then renamed."""
+    default "param.<index>". Written to a temporary name, then renamed
+    (mode 0644: weights to share, unlike the 0600 state)."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(map(str, _SAFETENSORS_DTYPES))}, "
                           f"got {dtype}")
@@ -236,21 +238,13 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None):
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     out = os.fspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for _, sg_shapes, src, j in _subgroups(directory, manifests, layout):
-                flat = _read_masters(src, j, sg_shapes).to(dtype)
-                f.write(memoryview(flat.view(torch.uint8).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+
+    def write(f):
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for _, sg_shapes, src, j in _subgroups(directory, manifests, layout):
+            flat = _read_masters(src, j, sg_shapes).to(dtype)
+            f.write(memoryview(flat.view(torch.uint8).numpy()))
+
+    _recovery.write_file_atomically(out, write, mode=0o644)
     return out

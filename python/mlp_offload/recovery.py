@@ -179,7 +179,8 @@ def prune_pystate(run_dir, keep_step):
 
 
 def write_file_atomically(path, data, mode=0o600):
-    """Writes `data` to a fresh temporary name, fsyncs, renames it over `path`.
+    """Writes `data` (bytes, or a function writing to the file it is given)
+    to a fresh temporary name, fsyncs, renames it over `path`.
 
     The file is created `mode` (0600) and symlinks are never followed.
     """
@@ -192,7 +193,10 @@ def write_file_atomically(path, data, mode=0o600):
                  mode)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
