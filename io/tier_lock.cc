@@ -25,12 +25,27 @@
 // OFD locks rather than classic POSIX locks because those are per process:
 // two TierLock objects in one process would not exclude each other, and
 // closing any descriptor of the file would drop all of them. Every process
-// sharing a tier must use the same K. The file is never deleted: unlinking it
-// while another process has it open would split the queue in two.
+// sharing a tier must use the same K.
+//
+// The last user removes the file (so lock directories do not fill up with
+// one file per tier ever used), without ever splitting the queue in two:
+//  - every open TierLock holds a read lock on the presence byte 1, taken
+//    right after open(); it then checks that the path still names the file
+//    it opened (dev, inode), and opens again if not (the file was removed
+//    between its open() and its lock);
+//  - on destruction it tries to turn that read lock into a write lock
+//    without waiting, which succeeds only if no other TierLock has the file
+//    open, and then unlinks the file before closing it. A process that
+//    opened the file meanwhile waits for that write lock, sees the file gone
+//    and opens the new one; a process still holding or waiting for a ticket
+//    holds its presence lock, so the file stays.
+// A child forked without exec shares its parent's open file descriptions:
+// only the process that opened the lock removes the file.
 #include "io/tier_lock.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -46,8 +61,10 @@
 namespace mlp_offload {
 namespace {
 
-// Byte 0 guards the ticket counter; ticket t is byte kTicketBase + t. Lock
-// ranges may lie far beyond EOF, so the file stays 8 bytes long.
+// Byte 0 guards the ticket counter; byte 1 is the presence lock; ticket t is
+// byte kTicketBase + t. Lock ranges may lie far beyond EOF, so the file stays
+// 8 bytes long.
+constexpr off_t kPresenceByte = 1;
 constexpr off_t kTicketBase = 4096;
 
 // Applies an OFD lock of `type` (F_RDLCK, F_WRLCK, F_UNLCK) to byte `offset`;
@@ -74,10 +91,18 @@ struct TierLock::Impl {
   int max_holders = 1;
   bool held = false;
   int64_t ticket = -1;
+  pid_t opener = 0;
 
   ~Impl() {
-    // Closing the last descriptor of the OFD drops its locks.
-    if (fd >= 0) close(fd);
+    if (fd < 0) return;
+    // The last user (the write lock is granted only if no other TierLock
+    // holds the presence byte) removes the file; closing the descriptor
+    // drops the OFD's locks.
+    if (getpid() == opener &&
+        OfdLock(fd, F_WRLCK, kPresenceByte, /*wait=*/false) == 0) {
+      unlink(path.c_str());
+    }
+    close(fd);
   }
 
   std::string Where(int64_t t) const {
@@ -140,11 +165,34 @@ absl::StatusOr<std::unique_ptr<TierLock>> TierLock::Open(
   auto impl = std::make_unique<Impl>();
   impl->path = lock_path + ".tickets";
   impl->max_holders = max_holders;
-  do {
-    impl->fd = open(impl->path.c_str(),
-                    O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
-  } while (impl->fd < 0 && errno == EINTR);
-  if (impl->fd < 0) return ErrnoStatus(errno, "open", impl->path);
+  impl->opener = getpid();
+  for (;;) {
+    int fd;
+    do {
+      fd = open(impl->path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW,
+                0600);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return ErrnoStatus(errno, "open", impl->path);
+    if (int err = OfdLock(fd, F_RDLCK, kPresenceByte, /*wait=*/true);
+        err != 0) {
+      close(fd);
+      return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) of the presence lock of",
+                         impl->path);
+    }
+    struct stat opened, named;
+    if (fstat(fd, &opened) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoStatus(err, "fstat", impl->path);
+    }
+    if (lstat(impl->path.c_str(), &named) == 0 &&
+        named.st_dev == opened.st_dev && named.st_ino == opened.st_ino) {
+      impl->fd = fd;
+      break;
+    }
+    // Removed by its last user between our open() and our lock: again.
+    close(fd);
+  }
   return std::unique_ptr<TierLock>(new TierLock(std::move(impl)));
 }
 

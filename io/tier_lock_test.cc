@@ -4,12 +4,14 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -174,6 +176,85 @@ TEST(TierLockTest, WaitersEnterInArrivalOrder) {
   EXPECT_EQ(ReadByte(fds[0], 30000), '2');
   EXPECT_EQ(ReadByte(fds[0], 30000), '3');
   for (pid_t pid : children) EXPECT_TRUE(WaitOk(pid));
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0;
+}
+
+TEST(TierLockTest, TheLastUserRemovesTheFile) {
+  const std::string path = ScratchPath("tier_last");
+  const std::string file = path + ".tickets";
+  auto a = *TierLock::Open(path, 1);
+  auto b = *TierLock::Open(path, 1);
+  ASSERT_TRUE(a->Acquire().ok());
+  a->Release();
+  ASSERT_TRUE(Exists(file));
+  a.reset();
+  EXPECT_TRUE(Exists(file)) << "removed while another TierLock had it open";
+  ASSERT_TRUE(b->Acquire().ok());
+  b.reset();  // held: released, then removed
+  EXPECT_FALSE(Exists(file));
+  // A new user starts a new file, and a new queue.
+  auto c = *TierLock::Open(path, 1);
+  EXPECT_TRUE(Exists(file));
+  EXPECT_TRUE(c->Acquire().ok());
+}
+
+TEST(TierLockTest, OpeningWhileTheFileIsRemovedOpensTheNewOne) {
+  const std::string path = ScratchPath("tier_race");
+  const std::string file = path + ".tickets";
+  // Play a last user in the middle of its removal: the file exists and its
+  // presence byte is write-locked.
+  const int remover = open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(remover, 0);
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = 1;
+  fl.l_len = 1;
+  ASSERT_EQ(fcntl(remover, F_OFD_SETLK, &fl), 0);
+  std::atomic<bool> opened{false};
+  absl::StatusOr<std::unique_ptr<TierLock>> lock;
+  std::thread opener([&] {
+    lock = TierLock::Open(path, 1);
+    opened = true;
+  });
+  usleep(200 * 1000);
+  EXPECT_FALSE(opened) << "opened past a removal in progress";
+  ASSERT_EQ(unlink(file.c_str()), 0);
+  close(remover);
+  opener.join();
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  // A new file (its inode number may be the freed old one's), and it is the
+  // file the lock uses: another user's ticket waits for this one.
+  EXPECT_TRUE(Exists(file));
+  ASSERT_TRUE((*lock)->Acquire().ok());
+  auto other = *TierLock::Open(path, 1);
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t waiter = Spawn([&] {
+    if (!other->Acquire().ok()) return false;
+    return write(fds[1], "w", 1) == 1;
+  });
+  EXPECT_EQ(ReadByte(fds[0], 300), -1) << "two holders: the queue split";
+  (*lock)->Release();
+  EXPECT_EQ(ReadByte(fds[0], 30000), 'w');
+  EXPECT_TRUE(WaitOk(waiter));
+}
+
+TEST(TierLockTest, AForkedChildDoesNotRemoveItsParentsFile) {
+  const std::string path = ScratchPath("tier_fork");
+  auto lock = *TierLock::Open(path, 1);
+  const std::string file = path + ".tickets";
+  const pid_t child = Spawn([&] {
+    lock.reset();  // the child's copy of the parent's open file description
+    return Exists(file);
+  });
+  EXPECT_TRUE(WaitOk(child));
+  EXPECT_TRUE(Exists(file));
+  EXPECT_TRUE(lock->Acquire().ok());
 }
 
 TEST(TierLockTest, RejectsZeroHolders) {

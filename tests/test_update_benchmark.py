@@ -43,11 +43,10 @@ def test_ranks_share_the_tiers(bench, tmp_path):
     # The lock changes who moves bytes when, not how many.
     assert with_lock["bytes_read"] == without["bytes_read"]
     assert with_lock["bytes_written"] == without["bytes_written"]
-    # The ranks took turns through the tier locks' files (one per tier, in
-    # the lock directory, none on the tiers), and the benchmark removed their
-    # run directories (gigabytes at real sizes) when done.
-    locks = os.listdir(tmp_path / "locks")
-    assert len(locks) == 2 and all(n.endswith(".tickets") for n in locks), locks
+    # The tier locks' files were in the lock directory (none on the tiers)
+    # and went with their last user; the benchmark removed its run
+    # directories (gigabytes at real sizes) when done.
+    assert os.listdir(tmp_path / "locks") == []
     for tier in ("fast", "slow"):
         names = os.listdir(tmp_path / tier)
         assert not [n for n in names if "tier_lock" in n or n.startswith("bench_")], names

@@ -21,6 +21,7 @@ import time
 import torch
 
 from mlp_offload import _C
+from mlp_offload import config as _config
 from mlp_offload.errors import ConfigError
 from mlp_offload.whatif import CONFIGS, techniques_of
 
@@ -94,7 +95,7 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                 tiers=tier_specs, host_budget_bytes=budget, subgroup_numel=sizes,
                 num_state_arrays=2, grad_dtype="bfloat16",
                 techniques=techniques_of(config), compute_threads=threads,
-                run_name=run_name)
+                run_name=run_name, tier_lock_dir=_config.tier_lock_dir())
             try:
                 for i in range(n):
                     engine.initialize_subgroup(i, model[i].data_ptr(), "bfloat16")

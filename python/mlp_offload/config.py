@@ -138,3 +138,12 @@ def host_budget_bytes(host_cache_bytes, buffer_bytes, techniques, num_tiers):
     """
     cached = (host_cache_bytes // buffer_bytes) * buffer_bytes
     return cached + streaming_buffers(techniques, num_tiers) * buffer_bytes
+
+
+def tier_lock_dir(option=None):
+    """The node-local directory for the tier locks' files: `option`, else
+    $MLP_OFFLOAD_TIER_LOCK_DIR, else "" (the engine's default: /dev/shm, or
+    /tmp where there is none)."""
+    if option is not None:
+        return os.fspath(option)
+    return os.environ.get("MLP_OFFLOAD_TIER_LOCK_DIR", "")

@@ -262,8 +262,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "verify_checksums": bool(verify_checksums),
             "tier_lock_slots": tier_lock_slots,
             "tier_lock_mode": tier_lock_mode,
-            "tier_lock_dir": str(tier_lock_dir if tier_lock_dir is not None
-                                 else os.environ.get("MLP_OFFLOAD_TIER_LOCK_DIR", "")),
+            "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
         }
         self._run_prefix = run_name or "mlp_offload"
         if resume not in _recovery.RESUME_MODES:
