@@ -450,8 +450,16 @@ def reshard_worker(rank, phase, tiers, out, name):
                        os.path.join(out, "want.pt"))
         opt.close()
         return
-    # Three ranks load the saves of two ranks and of one.
     want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
+    if phase == "load_interrupted":
+        model = make_model()
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1)
+        opt.load_checkpoint(os.path.join(out, "interrupted"), restore_params=True)
+        assert_loaded(opt, model, want, (rank, "interrupted"))
+        opt.close()
+        return
+    # Three ranks load the saves of two ranks and of one.
     for ckpt in ("by2", "by1"):
         torch.manual_seed(99)  # other weights: restore_params sets them
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
@@ -468,6 +476,8 @@ def reshard_worker(rank, phase, tiers, out, name):
         ref_opt.load_state_dict(copy.deepcopy(want["optimizer"]))  # it shares 'step' tensors
         train_same_batches(range(3, 5), ((ref_opt, ref), (opt, model)))
         assert_params_match(model, ref, rank)
+        if ckpt == "by2":
+            opt.save_checkpoint(os.path.join(out, "by3"))
         opt.close()
 
 
@@ -505,3 +515,26 @@ def test_a_checkpoint_loads_on_another_rank_count(tmp_path, name):
         opt.load_checkpoint(broken)
     opt.close()
     spawn(reshard_worker, "load", tiers, out, name, world=3)
+    # A save by three ranks that rank 2 did not finish, over the two ranks'
+    # save: ranks 0 and 1 have the new save and the old one as their
+    # previous; the newest save all its ranks finished is the old one.
+    interrupted = os.path.join(out, "interrupted")
+    shutil.copytree(os.path.join(out, "by2"), interrupted)
+    by3 = os.path.join(out, "by3")
+    for k in (0, 1):
+        os.replace(os.path.join(interrupted, f"manifest.rank{k}.json"),
+                   os.path.join(interrupted, f"manifest.rank{k}.prev.json"))
+        for entry in os.listdir(by3):
+            if entry.startswith((f"engine-r{k}-", f"python-r{k}-", f"manifest.rank{k}.")):
+                copy = shutil.copytree if os.path.isdir(os.path.join(by3, entry)) \
+                    else shutil.copy2
+                copy(os.path.join(by3, entry), os.path.join(interrupted, entry))
+    opt = MLPOffloadOptimizer(OPTIMIZERS[name](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    opt.load_checkpoint(interrupted, restore_params=True)
+    assert_loaded(opt, model, want, "one rank, interrupted save by three")
+    masters = mlp_offload.master_weights(interrupted)
+    for (key, value), got in zip(want["model"].items(), masters):
+        assert torch.equal(got, value), key
+    opt.close()
+    spawn(reshard_worker, "load_interrupted", tiers, out, name, world=3)

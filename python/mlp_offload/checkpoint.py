@@ -91,37 +91,44 @@ def saved_world(directory):
     return None
 
 
-def newest_complete_save(directory, world, reader=""):
-    """The manifests, one per saving rank, of the newest save that all
-    `world` ranks that wrote `directory` finished. `reader` says who reads,
-    for the error where a rank's manifest is missing."""
-    saves = []
-    for k in range(world):
-        mine = {}
-        for prev in (True, False):  # the current manifest wins a tie
-            m = read_manifest(directory, k, prev=prev, missing_ok=True)
-            if m is not None:
-                mine[save_key(m)] = (m, prev)
-        if not mine:
-            raise StateMismatchError(
-                f"checkpoint in {directory} was saved by {world} ranks and "
-                f"{os.path.basename(manifest_path(directory, k))} (rank {k}) is missing: "
-                f"{reader}every saving rank's files are read, so they must all be in that "
-                f"directory, visible to every reader")
-        saves.append(mine)
-    common = set(saves[0]).intersection(*map(set, saves[1:]))
-    if not common:
-        raise StateMismatchError(
-            f"no checkpoint in {directory} is complete on all {world} ranks that saved it "
-            f"(saves by rank: {[sorted(m) for m in saves]})")
-    newest = sorted(common, key=lambda sid: saves[0][sid][1])[0]
-    manifests = [saves[k][newest][0] for k in range(world)]
-    for k, m in enumerate(manifests):
-        if m["layout"].get("world_size") != world or m.get("rank", k) != k:
-            raise StateMismatchError(
-                f"checkpoint manifest {manifest_path(directory, k)} says rank {m.get('rank')} "
-                f"of {m['layout'].get('world_size')}, expected rank {k} of {world}")
-    return manifests
+def newest_complete_save(directory, reader=""):
+    """The manifests, one per saving rank, of the newest save in `directory`
+    that all the ranks that wrote it finished: rank 0's current save, else
+    its previous one (every save has a rank 0; a later save may be by
+    another rank count). `reader` says who reads, for the errors."""
+    candidates = [m for m in (read_manifest(directory, 0, prev=prev, missing_ok=True)
+                              for prev in (False, True)) if m is not None]
+    if not candidates:
+        read_manifest(directory, 0)  # raises, naming the missing manifest
+    problems = []
+    for first in candidates:
+        world, key = first["layout"].get("world_size"), save_key(first)
+        manifests = [first]
+        for k in range(1, world):
+            found = [m for m in (read_manifest(directory, k, prev=prev, missing_ok=True)
+                                 for prev in (False, True)) if m is not None]
+            if not found:
+                problems.append(
+                    f"saved by {world} ranks and "
+                    f"{os.path.basename(manifest_path(directory, k))} (rank {k}) is missing")
+                break
+            same = [m for m in found if save_key(m) == key]
+            if not same:
+                problems.append(f"save {key} by {world} ranks: rank {k} did not finish it")
+                break
+            manifests.append(same[0])
+        else:
+            for k, m in enumerate(manifests):
+                if m["layout"].get("world_size") != world or m.get("rank", k) != k:
+                    raise StateMismatchError(
+                        f"checkpoint manifest {manifest_path(directory, k)} says rank "
+                        f"{m.get('rank')} of {m['layout'].get('world_size')}, expected rank "
+                        f"{k} of {world}")
+            return manifests
+    raise StateMismatchError(
+        f"no checkpoint in {directory} is complete on all the ranks that saved it "
+        f"({'; '.join(problems)}): {reader}every saving rank's files are read, so they "
+        f"must all be in that directory, visible to every reader")
 
 
 def record_source(directory, manifests, g):
@@ -139,10 +146,7 @@ def record_source(directory, manifests, g):
 
 def _open_save(directory):
     directory = os.fspath(directory)
-    world = saved_world(directory)
-    if world is None:
-        read_manifest(directory, 0)  # raises, naming the missing manifest
-    manifests = newest_complete_save(directory, world)
+    manifests = newest_complete_save(directory)
     return directory, manifests, manifests[0]["layout"]
 
 

@@ -516,10 +516,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if error is not None:
                 raise error
             return
-        errors = [None] * self._world
-        torch.distributed.all_gather_object(
-            errors, None if error is None else f"{type(error).__name__}: {error}",
-            group=self._group)
+        errors = self._gather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
@@ -1115,11 +1112,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     out[pid] = st
         if not sharded and self._family is None and self._group is not None:
             # Python-side state lives on the owner rank only.
-            objs = [None] * self._world
-            torch.distributed.all_gather_object(
-                objs, {pid: st for pid, st in out.items()
-                       if self._owner(self._subgroup_of(pid)) == self._rank},
-                group=self._group)
+            objs = self._gather({pid: st for pid, st in out.items()
+                                 if self._owner(self._subgroup_of(pid)) == self._rank})
             out = {}
             for part in objs:
                 out.update(part)
@@ -1376,9 +1370,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return _ckpt.read_manifest(directory, self._rank, prev=prev, missing_ok=missing_ok)
 
     def _manifest_to_load(self, directory):
-        """This rank's manifest of the newest save that every rank finished."""
+        """Collective: this rank's manifest of the newest save that every
+        rank finished, or None and the saves each rank has where there is
+        none."""
         if self._group is None:
-            return self._read_manifest(directory)
+            return self._read_manifest(directory), None
         saves, error = {}, None
         try:
             for prev in (True, False):  # the current manifest wins a tie
@@ -1388,23 +1384,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         self._raise_together(error, f"read its checkpoint manifest in {directory}")
-        gathered = [None] * self._world
-        torch.distributed.all_gather_object(gathered, sorted(saves), group=self._group)
+        gathered = self._gather(sorted(saves))
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
         if not common:
-            raise StateMismatchError(
-                f"no checkpoint in {directory} is complete on every rank (saves by rank: "
-                f"{dict(enumerate(gathered))}): a save was interrupted before every rank "
-                f"had written its part, and no earlier save is left on every rank")
+            return None, gathered
         current = [sid for sid, (_, prev) in saves.items() if not prev and sid in common]
         if current:
-            return saves[current[0]][0]
+            return saves[current[0]][0], None
         # This rank finished a save that another did not: back to the one
         # before, for good (the next save must not keep the unfinished one).
         manifest = saves[common.pop()][0]
         _atomic_write_bytes(self._manifest_path(directory),
                             json.dumps(manifest, indent=1).encode())
-        return manifest
+        return manifest, None
+
+    def _gather(self, obj):
+        """Collective: every rank's `obj`, by rank ([obj] without a group)."""
+        if self._group is None:
+            return [obj]
+        out = [None] * self._world
+        torch.distributed.all_gather_object(out, obj, group=self._group)
+        return out
 
     def load_checkpoint(self, directory, restore_params=False):
         """Loads a checkpoint written by save_checkpoint.
@@ -1418,21 +1418,39 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         checkpoint's master copy.
         """
         directory = os.fspath(directory)
-        saved_world, error = None, None
+        view, error = None, None
         try:
-            saved_world = _ckpt.saved_world(directory)
+            view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         self._raise_together(error, f"read the checkpoint manifest in {directory}")
-        if saved_world is None or saved_world == self._world:
-            manifests = [self._manifest_to_load(directory)]
-        else:
-            manifests = None
+        # The same decisions on every rank, from what every rank sees.
+        views = self._gather(view)
+        shared = all(v is not None for v in views)
+        other = sorted({v for v in views if v not in (None, self._world)})
+        if other and not shared:
+            raise StateMismatchError(
+                f"checkpoint in {directory} was saved by {other[0]} ranks: loading it on "
+                f"{self._world} reads every saving rank's files, but ranks "
+                f"{[r for r, v in enumerate(views) if v is None]} do not see "
+                f"manifest.rank0.json there (a node-local directory?)")
+        manifests = None
+        if not other:
+            mine, gathered = self._manifest_to_load(directory)
+            if mine is not None:
+                manifests = [mine]
+            elif not shared:
+                raise StateMismatchError(
+                    f"no checkpoint in {directory} is complete on every rank (saves by rank: "
+                    f"{dict(enumerate(gathered))}): a save was interrupted before every "
+                    f"rank had written its part, and no earlier save is left on every rank")
+            # else: the newest save every saving rank finished may be one by
+            # another rank count (an interrupted save by this one): below.
         error = None
         try:
             if manifests is None:
                 manifests = _ckpt.newest_complete_save(
-                    directory, saved_world, reader=f"loading it on {self._world} rank(s), ")
+                    directory, reader=f"loading it on {self._world} rank(s), ")
             self._load_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
