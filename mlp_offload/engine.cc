@@ -579,6 +579,10 @@ struct Engine::Impl {
   // Writes buffer b (subgroup i) synchronously to its tier.
   absl::Status WriteNow(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     IssueWrite(i, b, PayloadChecksum(Payload(b), payload_bytes[i], &pool));
+    return FinishWrite(b);
+  }
+  // Waits for the write IssueWrite started from buffer b (kept claimed).
+  absl::Status FinishWrite(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     absl::Status s = WaitIo(b);  // the completion marks the new slot
     buffers[b].write_slot = -1;
     buffers[b].io_status = absl::OkStatus();
@@ -1610,48 +1614,99 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   {
     MutexLock l(&e.mu);
     // Tier by tier, so each tier streams its own subgroups in turn.
+    std::vector<int> order;
     for (size_t t = 0; t < e.tiers.size(); ++t) {
       for (int i = 0; i < e.n(); ++i) {
-        if (e.plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
-        bool claimed = false;
-        MLP_ASSIGN_OR_RETURN(int b, e.Resident(i, &claimed));
-        RecordHeader h;
-        h.run_id = e.run_id;
-        h.subgroup = static_cast<uint32_t>(i);
-        h.num_arrays = static_cast<uint32_t>(e.arrays());
-        h.numel = e.numel[i];
-        h.step = e.sg_step[i];
-        h.payload_bytes = e.payload_bytes[i];
-        h.payload_checksum =
-            PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
-        std::vector<char> page(kRecordHeaderBytes);
-        EncodeRecordHeader(h, page.data());
-        std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
-        int fd =
-            open(path.c_str(),
-                 O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-        absl::Status s =
-            fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
-        if (s.ok()) s = WriteAll(fd, page.data(), page.size(), path);
-        if (s.ok()) {
-          // Header page first, then the payload right after it.
-          const char* payload = reinterpret_cast<const char*>(e.Payload(b));
-          size_t done = 0;
-          while (s.ok() && done < e.payload_bytes[i]) {
-            ssize_t w = pwrite(fd, payload + done, e.payload_bytes[i] - done,
-                               static_cast<off_t>(kRecordHeaderBytes + done));
-            if (w < 0 && errno == EINTR) continue;
-            if (w <= 0) {
-              s = ErrnoStatus(w < 0 ? errno : EIO, "pwrite", path);
-              break;
-            }
-            done += static_cast<size_t>(w);
-          }
+        if (e.plan.tier_of_subgroup[i] == static_cast<int>(t))
+          order.push_back(i);
+      }
+    }
+    // One read ahead: the next record of that order that is not in memory
+    // comes from its tier into a free buffer while this one is written to
+    // the checkpoint (the tier's reads and the checkpoint's writes overlap).
+    int ahead = -1, ahead_buffer = -1;
+    auto read_ahead = [&](size_t from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+      for (size_t k = from; k < order.size(); ++k) {
+        const int j = order[k];
+        if (e.buffer_of[j] >= 0) continue;
+        if (!e.initialized[j]) return;  // Resident says so, in its turn
+        const int b = e.FindFreeBuffer();
+        if (b < 0) return;
+        e.Claim(b, j, BufState::kReading);
+        e.IssueRead(j, b);
+        ahead = j;
+        ahead_buffer = b;
+        return;
+      }
+    };
+    auto drop_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+      if (ahead < 0) return;
+      e.WaitIo(ahead_buffer).IgnoreError();
+      e.Free(ahead_buffer);
+      ahead = -1;
+    };
+    for (size_t k = 0; k < order.size(); ++k) {
+      const int i = order[k];
+      bool claimed = false;
+      int b = -1;
+      if (i == ahead) {
+        b = ahead_buffer;
+        ahead = -1;
+        claimed = true;
+        absl::Status s = e.WaitIo(b);
+        if (s.ok()) s = e.VerifyRecord(i, b);
+        if (!s.ok()) {
+          e.Free(b);
+          return s;
         }
-        if (s.ok() && fsync(fd) != 0) s = ErrnoStatus(errno, "fsync", path);
-        if (fd >= 0) close(fd);
-        if (claimed) e.Free(b);
-        MLP_RETURN_IF_ERROR(s);
+      } else {
+        absl::StatusOr<int> r = e.Resident(i, &claimed);
+        if (!r.ok()) {
+          drop_ahead();
+          return r.status();
+        }
+        b = *r;
+      }
+      if (ahead < 0) read_ahead(k + 1);
+      RecordHeader h;
+      h.run_id = e.run_id;
+      h.subgroup = static_cast<uint32_t>(i);
+      h.num_arrays = static_cast<uint32_t>(e.arrays());
+      h.numel = e.numel[i];
+      h.step = e.sg_step[i];
+      h.payload_bytes = e.payload_bytes[i];
+      h.payload_checksum =
+          PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
+      std::vector<char> page(kRecordHeaderBytes);
+      EncodeRecordHeader(h, page.data());
+      std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
+      int fd =
+          open(path.c_str(),
+               O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+      absl::Status s =
+          fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
+      if (s.ok()) s = WriteAll(fd, page.data(), page.size(), path);
+      if (s.ok()) {
+        // Header page first, then the payload right after it.
+        const char* payload = reinterpret_cast<const char*>(e.Payload(b));
+        size_t done = 0;
+        while (s.ok() && done < e.payload_bytes[i]) {
+          ssize_t w = pwrite(fd, payload + done, e.payload_bytes[i] - done,
+                             static_cast<off_t>(kRecordHeaderBytes + done));
+          if (w < 0 && errno == EINTR) continue;
+          if (w <= 0) {
+            s = ErrnoStatus(w < 0 ? errno : EIO, "pwrite", path);
+            break;
+          }
+          done += static_cast<size_t>(w);
+        }
+      }
+      if (s.ok() && fsync(fd) != 0) s = ErrnoStatus(errno, "fsync", path);
+      if (fd >= 0) close(fd);
+      if (claimed) e.Free(b);
+      if (!s.ok()) {
+        drop_ahead();
+        return s;
       }
     }
   }
@@ -1721,23 +1776,47 @@ absl::Status Engine::LoadCheckpointRecords(
     }
   }
   MutexLock l(&e.mu);
+  // The record read last goes to its tier while the next one is read from
+  // the checkpoint (one write in flight).
+  int writing = -1;
+  auto finish_writing = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+    if (writing < 0) return absl::OkStatus();
+    absl::Status s = e.FinishWrite(writing);
+    e.Free(writing);
+    writing = -1;
+    return s;
+  };
   for (int i = 0; i < e.n(); ++i) {
     const int j = records[i].subgroup;
     std::string path = absl::StrCat(dirs[i], "/sg_", j, ".ckpt");
     int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, "open", path);
+    if (fd < 0) {
+      absl::Status s = ErrnoStatus(errno, "open", path);
+      finish_writing().IgnoreError();
+      return s;
+    }
     int b = e.buffer_of[i];
     bool cached = b >= 0;
     if (cached) {
       absl::Status s = e.WaitIo(b);
       if (!s.ok()) {
         close(fd);
+        finish_writing().IgnoreError();
         return s;
       }
     } else {
+      if (writing >= 0 && e.FindFreeBuffer() < 0) {
+        // No second buffer: the write in flight has to land first.
+        absl::Status s = finish_writing();
+        if (!s.ok()) {
+          close(fd);
+          return s;
+        }
+      }
       auto claimed = e.WaitAndClaimFree(i, BufState::kInUse);
       if (!claimed.ok()) {
         close(fd);
+        finish_writing().IgnoreError();
         return claimed.status();
       }
       b = *claimed;
@@ -1772,17 +1851,24 @@ absl::Status Engine::LoadCheckpointRecords(
         e.Free(b);
         e.initialized[i] = e.current_slot[i] >= 0;
       }
+      finish_writing().IgnoreError();
       return s;
     }
     e.sg_step[i] = h.step;
     e.initialized[i] = true;
     e.buffers[b].from_disk = false;
     if (!cached) {
-      s = e.WriteNow(i, b);
-      e.Free(b);
-      MLP_RETURN_IF_ERROR(s);
+      // The header's checksum was just verified against this payload.
+      e.IssueWrite(i, b, h.payload_checksum);
+      absl::Status previous = finish_writing();
+      writing = b;
+      if (!previous.ok()) {
+        finish_writing().IgnoreError();
+        return previous;
+      }
     }
   }
+  MLP_RETURN_IF_ERROR(finish_writing());
   int64_t max_step = 0;
   for (int64_t s : e.sg_step) max_step = std::max(max_step, s);
   e.steps_done = max_step;

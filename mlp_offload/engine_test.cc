@@ -852,6 +852,72 @@ TEST(EngineTest, CorruptRecordIsAnErrorNamingFileAndSubgroup) {
   EXPECT_NE(s.message().find("subgroup 2"), std::string::npos) << s;
 }
 
+// Every subgroup's master and state as the engine has them now.
+std::vector<std::vector<float>> Snapshot(Engine& e, const EngineConfig& cfg) {
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < cfg.subgroup_numel.size(); ++i) {
+    const size_t n = cfg.subgroup_numel[i];
+    std::vector<float> all(3 * n);
+    EXPECT_TRUE(e.ReadSubgroup(static_cast<int>(i), all.data(),
+                               {all.data() + n, all.data() + 2 * n}, nullptr)
+                    .ok());
+    out.push_back(std::move(all));
+  }
+  return out;
+}
+
+TEST(EngineTest, CheckpointsStreamThroughTwoBuffersAndSurviveFaults) {
+  // Two streaming buffers, no cache: a save reads each record from the tier
+  // while writing the one before; a load writes each record to the tier
+  // while reading the next. A fault anywhere fails the call, and the next
+  // call (the fault cleared) works: no buffer is left claimed.
+  EngineConfig cfg = SmallConfig(1);
+  cfg.fault_injection = true;
+  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 51);
+  const auto want = Snapshot(e, cfg);
+  const std::string dir = TempDir("stream") + "/c";
+  for (int nth : {0, 1, 3}) {  // the first read, the one read ahead, the last
+    FaultSpec fault;
+    fault.op = IoOp::kRead;
+    fault.nth = nth;
+    e.fault_injector(0)->AddFault(fault);
+    absl::Status s = e.SaveCheckpoint(dir);
+    EXPECT_NE(s.message().find(absl::StrCat("sg_", nth, ".state")),
+              std::string::npos)
+        << nth << ": " << s;
+    EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s;
+    e.fault_injector(0)->ClearFaults();
+  }
+  ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> got(3 * cfg.subgroup_numel[i]);
+    const size_t n = cfg.subgroup_numel[i];
+    ASSERT_TRUE(ReadCheckpointRecord(dir, i, got.data(),
+                                     {got.data() + n, got.data() + 2 * n},
+                                     nullptr)
+                    .ok());
+    EXPECT_EQ(got, want[i]) << "subgroup " << i;
+  }
+
+  Initialized(*engine, cfg, 52);  // other values, then the checkpoint's
+  for (int nth : {0, 1, 3}) {
+    FaultSpec fault;
+    fault.op = IoOp::kWrite;
+    fault.nth = nth;
+    e.fault_injector(0)->AddFault(fault);
+    absl::Status s = e.LoadCheckpoint(dir);
+    EXPECT_NE(s.message().find(absl::StrCat("sg_", nth, ".state")),
+              std::string::npos)
+        << nth << ": " << s;
+    e.fault_injector(0)->ClearFaults();
+  }
+  ASSERT_TRUE(e.LoadCheckpoint(dir).ok());
+  EXPECT_EQ(Snapshot(e, cfg), want);
+}
+
 TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
   EngineConfig cfg = SmallConfig(2);
   cfg.fault_injection = true;
