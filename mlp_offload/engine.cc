@@ -1613,53 +1613,68 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   m.tier_of_subgroup = e.plan.tier_of_subgroup;
   {
     MutexLock l(&e.mu);
-    // Tier by tier, so each tier streams its own subgroups in turn.
+    // The tiers take turns, each streaming its own subgroups in order, and
+    // records are read ahead (one per tier in flight, as free buffers allow)
+    // while the current one is written to the checkpoint: every tier reads
+    // while the checkpoint is written.
+    std::vector<std::vector<int>> per_tier(e.tiers.size());
+    for (int i = 0; i < e.n(); ++i)
+      per_tier[e.plan.tier_of_subgroup[i]].push_back(i);
     std::vector<int> order;
-    for (size_t t = 0; t < e.tiers.size(); ++t) {
-      for (int i = 0; i < e.n(); ++i) {
-        if (e.plan.tier_of_subgroup[i] == static_cast<int>(t))
-          order.push_back(i);
+    for (size_t k = 0; order.size() < static_cast<size_t>(e.n()); ++k) {
+      for (const std::vector<int>& mine : per_tier) {
+        if (k < mine.size()) order.push_back(mine[k]);
       }
     }
-    // One read ahead: the next record of that order that is not in memory
-    // comes from its tier into a free buffer while this one is written to
-    // the checkpoint (the tier's reads and the checkpoint's writes overlap).
-    int ahead = -1, ahead_buffer = -1;
-    auto read_ahead = [&](size_t from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
-      for (size_t k = from; k < order.size(); ++k) {
-        const int j = order[k];
-        if (e.buffer_of[j] >= 0) continue;
+    struct Ahead {
+      int subgroup;
+      int buffer;
+    };
+    std::deque<Ahead> ahead;
+    size_t next =
+        0;  // the first record of `order` not considered for reading ahead
+    auto read_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+      while (ahead.size() < e.tiers.size() && next < order.size()) {
+        const int j = order[next];
+        if (e.buffer_of[j] >= 0) {  // in memory already
+          ++next;
+          continue;
+        }
         if (!e.initialized[j]) return;  // Resident says so, in its turn
         const int b = e.FindFreeBuffer();
         if (b < 0) return;
         e.Claim(b, j, BufState::kReading);
         e.IssueRead(j, b);
-        ahead = j;
-        ahead_buffer = b;
-        return;
+        ahead.push_back({j, b});
+        ++next;
       }
     };
     auto drop_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
-      if (ahead < 0) return;
-      e.WaitIo(ahead_buffer).IgnoreError();
-      e.Free(ahead_buffer);
-      ahead = -1;
+      for (const Ahead& a : ahead) {
+        e.WaitIo(a.buffer).IgnoreError();
+        e.Free(a.buffer);
+      }
+      ahead.clear();
     };
     for (size_t k = 0; k < order.size(); ++k) {
       const int i = order[k];
+      next = std::max(next, k + 1);
       bool claimed = false;
       int b = -1;
-      if (i == ahead) {
-        b = ahead_buffer;
-        ahead = -1;
+      if (!ahead.empty() && ahead.front().subgroup == i) {
+        b = ahead.front().buffer;
+        ahead.pop_front();
         claimed = true;
         absl::Status s = e.WaitIo(b);
         if (s.ok()) s = e.VerifyRecord(i, b);
         if (!s.ok()) {
           e.Free(b);
+          drop_ahead();
           return s;
         }
       } else {
+        // Not read ahead: in memory, or there was no free buffer then (this
+        // iteration's Free left one).
         absl::StatusOr<int> r = e.Resident(i, &claimed);
         if (!r.ok()) {
           drop_ahead();
@@ -1667,7 +1682,7 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
         }
         b = *r;
       }
-      if (ahead < 0) read_ahead(k + 1);
+      read_ahead();
       RecordHeader h;
       h.run_id = e.run_id;
       h.subgroup = static_cast<uint32_t>(i);
