@@ -13,6 +13,8 @@ def pytest_addoption(parser):
                      help="path of tools/io_vs_fio.py")
     parser.addoption("--update_benchmark", default=None,
                      help="path of the built //mlp_offload:update_benchmark")
+    parser.addoption("--checkpoint_benchmark", default=None,
+                     help="path of the built //mlp_offload:checkpoint_benchmark")
     parser.addoption("--sources", default=None,
                      help="bazel query output: the extension's source files")
     parser.addoption("--build-ext", default=None,
