@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <random>
 #include <string>
@@ -888,18 +889,23 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
     if (e.plan().tier_of_subgroup[i] == t) on_t.push_back(i);
   }
   ASSERT_GE(on_t.size(), 2u);
-  for (int nth : {0, 1}) {  // the tier's first record, then its second
-    FaultSpec fault;
-    fault.op = IoOp::kRead;
-    fault.nth = nth;
-    e.fault_injector(t)->AddFault(fault);
-    absl::Status s = e.SaveCheckpoint(dir);
-    EXPECT_NE(s.message().find(absl::StrCat("sg_", on_t[nth], ".state")),
-              std::string::npos)
-        << nth << ": " << s;
-    EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s;
-    e.fault_injector(t)->ClearFaults();
-  }
+  // An EIO on the tier's first record, then on its second: `call` fails
+  // naming that record's file.
+  auto fails_on_each = [&](IoOp op, const std::function<absl::Status()>& call) {
+    for (int nth : {0, 1}) {
+      FaultSpec fault;
+      fault.op = op;
+      fault.nth = nth;
+      e.fault_injector(t)->AddFault(fault);
+      absl::Status s = call();
+      EXPECT_NE(s.message().find(absl::StrCat("sg_", on_t[nth], ".state")),
+                std::string::npos)
+          << nth << ": " << s;
+      EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s;
+      e.fault_injector(t)->ClearFaults();
+    }
+  };
+  fails_on_each(IoOp::kRead, [&] { return e.SaveCheckpoint(dir); });
   ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
   for (int i = 0; i < 4; ++i) {
     const size_t n = cfg.subgroup_numel[i];
@@ -912,17 +918,7 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
   }
 
   Initialized(*engine, cfg, 52);  // other values, then the checkpoint's
-  for (int nth : {0, 1}) {
-    FaultSpec fault;
-    fault.op = IoOp::kWrite;
-    fault.nth = nth;
-    e.fault_injector(t)->AddFault(fault);
-    absl::Status s = e.LoadCheckpoint(dir);
-    EXPECT_NE(s.message().find(absl::StrCat("sg_", on_t[nth], ".state")),
-              std::string::npos)
-        << nth << ": " << s;
-    e.fault_injector(t)->ClearFaults();
-  }
+  fails_on_each(IoOp::kWrite, [&] { return e.LoadCheckpoint(dir); });
   ASSERT_TRUE(e.LoadCheckpoint(dir).ok());
   EXPECT_EQ(Snapshot(e, cfg), want);
 }
