@@ -576,6 +576,19 @@ struct Engine::Impl {
     return b;
   }
 
+  // Subgroup i's state was replaced from outside (a checkpoint, a state
+  // dict): it is no longer part of a step that failed part-way, and once no
+  // subgroup is, that step is abandoned (the next Step updates every
+  // subgroup again instead of resuming it).
+  void SupersedeIncompleteStep(int i) {
+    if (!step_failed) return;
+    done_in_step[i] = false;
+    if (std::none_of(done_in_step.begin(), done_in_step.end(),
+                     [](bool done) { return done; })) {
+      step_failed = false;
+    }
+  }
+
   // Writes buffer b (subgroup i) synchronously to its tier.
   absl::Status WriteNow(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     IssueWrite(i, b, PayloadChecksum(Payload(b), payload_bytes[i], &pool));
@@ -1060,6 +1073,7 @@ absl::Status Engine::InitializeSubgroup(
   e.sg_step[i] = 0;
   e.initialized[i] = true;
   e.buffers[b].from_disk = false;
+  e.SupersedeIncompleteStep(i);
   absl::Status s = e.WriteNow(i, b);
   if (s.ok() && e.config.commit_every > 0 &&
       std::all_of(e.initialized.begin(), e.initialized.end(),
@@ -1518,6 +1532,7 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
   e.sg_step[i] = step;
   e.initialized[i] = true;
   e.buffers[b].from_disk = false;
+  e.SupersedeIncompleteStep(i);
   if (cached) return absl::OkStatus();  // written back when evicted
   absl::Status s = e.WriteNow(i, b);
   e.Free(b);
@@ -1872,6 +1887,7 @@ absl::Status Engine::LoadCheckpointRecords(
     e.sg_step[i] = h.step;
     e.initialized[i] = true;
     e.buffers[b].from_disk = false;
+    e.SupersedeIncompleteStep(i);
     if (!cached) {
       // The header's checksum was just verified against this payload.
       e.IssueWrite(i, b, h.payload_checksum);

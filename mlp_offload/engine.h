@@ -205,7 +205,9 @@ class Engine {
   // atomically: a crash mid-save leaves the previous checkpoint intact.
   absl::Status SaveCheckpoint(const std::string& dir);
   // Loads a checkpoint; FailedPrecondition naming the mismatch when it was
-  // written for other subgroup sizes or state layout.
+  // written for other subgroup sizes or state layout. A step that failed
+  // part-way is abandoned: the loaded state replaces it (as do
+  // InitializeSubgroup and WriteSubgroup, subgroup by subgroup).
   absl::Status LoadCheckpoint(const std::string& dir);
 
   // One subgroup's record in a checkpoint that another engine wrote (the

@@ -929,6 +929,45 @@ TEST(EngineTest, CheckpointsStreamThroughFewBuffersAndSurviveFaults) {
   StreamCheckpointsThroughFaults(/*tiers=*/2, /*buffers=*/3);
 }
 
+TEST(EngineTest, ACheckpointLoadedAfterAFailedStepReplacesIt) {
+  // The step fails when its writes drain (every subgroup already updated);
+  // loading the checkpoint taken before it abandons it, so the next step
+  // updates every subgroup, as on an engine that only loaded the checkpoint.
+  EngineConfig cfg = SmallConfig(2);
+  cfg.fault_injection = true;
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  Model model(cfg.subgroup_numel, 5);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  const std::string dir = TempDir("superseded") + "/c";
+  ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
+  model.NewGrads(1);
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  FaultSpec fault;
+  fault.op = IoOp::kWrite;
+  fault.nth = -1;
+  e.fault_injector(1)->AddFault(fault);
+  ASSERT_FALSE(e.Step(in, StepOptions()).ok());
+  e.fault_injector(1)->ClearFaults();
+  ASSERT_TRUE(e.step_incomplete());
+  ASSERT_TRUE(e.LoadCheckpoint(dir).ok());
+  EXPECT_FALSE(e.step_incomplete());
+  ASSERT_TRUE(e.Step(in, StepOptions()).ok());
+
+  EngineConfig cfg2 = SmallConfig(2);
+  auto fresh = Engine::Create(cfg2);
+  ASSERT_TRUE(fresh.ok());
+  Initialized(*fresh, cfg2, 77);
+  ASSERT_TRUE((*fresh)->LoadCheckpoint(dir).ok());
+  ASSERT_TRUE((*fresh)->Step(in, StepOptions()).ok());
+  EXPECT_EQ(Snapshot(e, cfg), Snapshot(**fresh, cfg2));
+  EXPECT_EQ(e.step(), 1);
+}
+
 TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
   EngineConfig cfg = SmallConfig(2);
   cfg.fault_injection = true;

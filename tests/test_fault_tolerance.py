@@ -137,6 +137,66 @@ def test_fault_fails_the_step_whole_and_training_continues(tmp_path, monkeypatch
     opt.close()
 
 
+@pytest.mark.parametrize("op", ["read", "write"])
+@pytest.mark.parametrize("how", ["load_checkpoint", "load_state_dict"])
+def test_state_loaded_after_a_failed_step_replaces_it(tmp_path, op, how):
+    # After step 3 fails, the user goes back to the state saved after step 1
+    # and trains on: the failed attempt is forgotten (a later failure puts
+    # back the loaded parameters, and steps run whole), as on an optimizer
+    # that only loaded that state.
+    model = make_model()
+    tiers = tier_dirs(tmp_path)
+    opt = wrap(model, tiers, fault_injection=True)
+    ckpt = str(tmp_path / "ckpt")
+    for k in range(2):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+        if k == 0:
+            opt.save_checkpoint(ckpt)
+            sd = opt.state_dict()
+            saved_params = params_of(model)
+    backward(model, 2)
+    opt.engine.add_fault(1, nth=-1, kind="error", op=op, error=errno.EIO)
+    with pytest.raises(errors.TierIOError):
+        opt.step()
+    opt.engine.clear_faults(1)
+    assert opt.engine.step_incomplete
+    with pytest.raises(errors.OffloadError, match="failed part-way and is pending"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    if how == "load_checkpoint":
+        opt.load_checkpoint(ckpt, restore_params=True)
+    else:
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), saved_params):
+                p.copy_(v)
+        opt.load_state_dict(sd)
+    assert not opt.engine.step_incomplete
+    assert_equal(params_of(model), saved_params, "after loading")
+    opt.zero_grad()
+    backward(model, 1)
+    opt.engine.add_fault(1, nth=-1, kind="error", op=op, error=errno.EIO)
+    with pytest.raises(errors.TierIOError):
+        opt.step()
+    assert_equal(params_of(model), saved_params, "after a failure following the load")
+    opt.engine.clear_faults(1)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 2)
+    opt.step()
+    opt.close()
+
+    ref_model = make_model()
+    ref = wrap(ref_model, tier_dirs(tmp_path, prefix="ref"))
+    ref.load_checkpoint(ckpt, restore_params=True)
+    for k in (1, 2):
+        backward(ref_model, k)
+        ref.step()
+        ref.zero_grad()
+    assert_equal(params_of(model), params_of(ref_model), "after training on")
+    ref.close()
+
+
 def test_tier_directory_removed_mid_run(tmp_path):
     want_params, _ = reference(tmp_path, 3)
     model = make_model()

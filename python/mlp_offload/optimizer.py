@@ -605,6 +605,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if getattr(self, "_in_super_init", False):
             return super().add_param_group(param_group)
+        if self._failed_step is not None:
+            raise OffloadError(
+                "a step failed part-way and is pending: call step() again to complete it "
+                "(or load a checkpoint or state dict) before add_param_group")
         # Keep the state of the existing subgroups across the re-packing.
         saved = self._read_all_states() if self._initialized else None
         self.optimizer.add_param_group(param_group)
@@ -1276,6 +1280,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if not self._initialized:
             self._ensure_initialized()
         self._write_states(states)
+        self._failed_step = None  # the loaded state replaces a step that failed
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -1502,6 +1507,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
             self._has_state.update(
                 {int(k): v for k, v in python_state["has_state"].items()})
+        self._failed_step = None  # the loaded state replaces a step that failed
 
     @staticmethod
     def _read_python_state(directory, manifest):
