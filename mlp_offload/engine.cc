@@ -1573,39 +1573,6 @@ bool Exists(const std::string& p) {
   return lstat(p.c_str(), &st) == 0;
 }
 
-absl::Status WriteAll(int fd, const void* data, size_t n,
-                      const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t w = pwrite(fd, p + done, n - done, static_cast<off_t>(done));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("pwrite at offset ", done), path);
-    }
-    if (w == 0)
-      return absl::DataLossError(
-          absl::StrCat("pwrite wrote nothing to ", path));
-    done += static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ReadAll(int fd, void* data, size_t n, const std::string& path) {
-  char* p = static_cast<char*>(data);
-  size_t done = 0;
-  while (done < n) {
-    ssize_t r = pread(fd, p + done, n - done, static_cast<off_t>(done));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("pread at offset ", done), path);
-    }
-    if (r == 0) return absl::DataLossError(absl::StrCat(path, " is truncated"));
-    done += static_cast<size_t>(r);
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 absl::Status Engine::SaveCheckpoint(const std::string& dir) {
@@ -1715,21 +1682,11 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
                O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
       absl::Status s =
           fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
-      if (s.ok()) s = WriteAll(fd, page.data(), page.size(), path);
+      // Header page first, then the payload right after it.
+      if (s.ok()) s = WriteFileAt(fd, page.data(), page.size(), 0, path);
       if (s.ok()) {
-        // Header page first, then the payload right after it.
-        const char* payload = reinterpret_cast<const char*>(e.Payload(b));
-        size_t done = 0;
-        while (s.ok() && done < e.payload_bytes[i]) {
-          ssize_t w = pwrite(fd, payload + done, e.payload_bytes[i] - done,
-                             static_cast<off_t>(kRecordHeaderBytes + done));
-          if (w < 0 && errno == EINTR) continue;
-          if (w <= 0) {
-            s = ErrnoStatus(w < 0 ? errno : EIO, "pwrite", path);
-            break;
-          }
-          done += static_cast<size_t>(w);
-        }
+        s = WriteFileAt(fd, e.Payload(b), e.payload_bytes[i],
+                        kRecordHeaderBytes, path);
       }
       if (s.ok() && fsync(fd) != 0) s = ErrnoStatus(errno, "fsync", path);
       if (fd >= 0) close(fd);
@@ -1851,8 +1808,9 @@ absl::Status Engine::LoadCheckpointRecords(
       }
       b = *claimed;
     }
-    absl::Status s = ReadAll(fd, e.buffers[b].mem.data(),
-                             kRecordHeaderBytes + e.payload_bytes[i], path);
+    absl::Status s =
+        ReadFileAt(fd, e.buffers[b].mem.data(),
+                   kRecordHeaderBytes + e.payload_bytes[i], 0, path);
     close(fd);
     RecordHeader h;
     if (s.ok()) {

@@ -76,24 +76,35 @@ struct HeaderLayout {
   uint64_t header_checksum;  // of the bytes above
 };
 
+// PayloadChecksum hashes fixed chunks (chunk c seeded with c), then the
+// chunks' hashes in order, seeded with the payload's size.
+constexpr size_t kChecksumChunk = 1 << 20;
+
+uint64_t ChunkHash(const void* data, size_t len, size_t c) {
+  return HashChunk(static_cast<const unsigned char*>(data), len, c);
+}
+
+uint64_t CombineChunkHashes(const std::vector<uint64_t>& parts, uint64_t n) {
+  return HashChunk(reinterpret_cast<const unsigned char*>(parts.data()),
+                   parts.size() * sizeof(uint64_t), n);
+}
+
 }  // namespace
 
 uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool) {
-  constexpr size_t kChunk = 1 << 20;
-  const size_t chunks = (n + kChunk - 1) / kChunk;
+  const size_t chunks = (n + kChecksumChunk - 1) / kChecksumChunk;
   std::vector<uint64_t> parts(chunks);
   auto body = [&](size_t c) {
-    size_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-    parts[c] =
-        HashChunk(static_cast<const unsigned char*>(data) + begin, len, c);
+    size_t begin = c * kChecksumChunk,
+           len = std::min(kChecksumChunk, n - begin);
+    parts[c] = ChunkHash(static_cast<const char*>(data) + begin, len, c);
   };
   if (pool != nullptr) {
     pool->ParallelFor(chunks, body);
   } else {
     for (size_t c = 0; c < chunks; ++c) body(c);
   }
-  return HashChunk(reinterpret_cast<const unsigned char*>(parts.data()),
-                   parts.size() * sizeof(uint64_t), n);
+  return CombineChunkHashes(parts, n);
 }
 
 void EncodeRecordHeader(const RecordHeader& h, void* page) {
@@ -354,19 +365,17 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   return out;
 }
 
-namespace {
-
-constexpr size_t kChecksumChunk = 1 << 20;  // PayloadChecksum's chunks
-
-// pread of exactly `n` bytes at `offset`; a file that ends early is DataLoss.
-absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset,
-                      const std::string& path) {
+absl::Status ReadFileAt(int fd, void* data, size_t n, uint64_t offset,
+                        const std::string& path) {
   size_t done = 0;
   while (done < n) {
     ssize_t r = pread(fd, static_cast<char*>(data) + done, n - done,
                       static_cast<off_t>(offset + done));
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return ErrnoStatus(errno, "pread", path);
+    if (r < 0) {
+      return ErrnoStatus(errno, absl::StrCat("pread at offset ", offset + done),
+                         path);
+    }
     if (r == 0) {
       return absl::DataLossError(
           absl::StrCat(path, ": truncated (ends at byte ", offset + done,
@@ -377,7 +386,25 @@ absl::Status PreadAll(int fd, void* data, size_t n, uint64_t offset,
   return absl::OkStatus();
 }
 
-}  // namespace
+absl::Status WriteFileAt(int fd, const void* data, size_t n, uint64_t offset,
+                         const std::string& path) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t w = pwrite(fd, static_cast<const char*>(data) + done, n - done,
+                       static_cast<off_t>(offset + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) {
+      return ErrnoStatus(
+          errno, absl::StrCat("pwrite at offset ", offset + done), path);
+    }
+    if (w == 0) {
+      return absl::DataLossError(
+          absl::StrCat("pwrite wrote nothing to ", path));
+    }
+    done += static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
 
 std::string ResolveCheckpointDir(const std::string& dir) {
   struct stat st;
@@ -421,7 +448,7 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
   } closer{fd};
 
   std::vector<char> page(kRecordHeaderBytes);
-  MLP_RETURN_IF_ERROR(PreadAll(fd, page.data(), page.size(), 0, path));
+  MLP_RETURN_IF_ERROR(ReadFileAt(fd, page.data(), page.size(), 0, path));
   MLP_ASSIGN_OR_RETURN(RecordHeader h,
                        DecodeRecordHeader(page.data(), page.size(), path));
   if (h.subgroup != static_cast<uint32_t>(subgroup) || h.numel != numel ||
@@ -446,10 +473,8 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
     const size_t len = static_cast<size_t>(
         std::min<uint64_t>(kChecksumChunk, payload - begin));
     MLP_RETURN_IF_ERROR(
-        PreadAll(fd, chunk.data(), len, kRecordHeaderBytes + begin, path));
-    parts.push_back(
-        HashChunk(reinterpret_cast<const unsigned char*>(chunk.data()), len,
-                  parts.size()));
+        ReadFileAt(fd, chunk.data(), len, kRecordHeaderBytes + begin, path));
+    parts.push_back(ChunkHash(chunk.data(), len, parts.size()));
     // Scatter [begin, begin + len) over the arrays it spans.
     for (uint64_t at = begin; at < begin + len;) {
       const uint64_t a = at / array_bytes;
@@ -461,10 +486,7 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
       at = end;
     }
   }
-  const uint64_t sum =
-      HashChunk(reinterpret_cast<const unsigned char*>(parts.data()),
-                parts.size() * sizeof(uint64_t), payload);
-  if (sum != h.payload_checksum) {
+  if (CombineChunkHashes(parts, payload) != h.payload_checksum) {
     return absl::DataLossError(absl::StrCat(
         path, ": payload checksum mismatch (subgroup ", subgroup, ")"));
   }

@@ -86,6 +86,12 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
 absl::Status WriteFileAtomically(const std::string& path,
                                  absl::string_view contents);
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
+// Exactly `n` bytes at `offset` of `fd`, the file `path` (for the errors);
+// a file that ends early is DataLoss naming it.
+absl::Status ReadFileAt(int fd, void* data, size_t n, uint64_t offset,
+                        const std::string& path);
+absl::Status WriteFileAt(int fd, const void* data, size_t n, uint64_t offset,
+                         const std::string& path);
 
 // Engine checkpoints (Engine::SaveCheckpoint): a directory holding MANIFEST
 // and sg_<i>.ckpt = [4 KiB header | payload] per subgroup, the payload being
