@@ -74,6 +74,14 @@ struct Model {
   }
 };
 
+// Every subgroup of `e` initialised from the model's fp32 parameters.
+void InitializeFrom(Engine& e, const Model& model) {
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    ASSERT_TRUE(
+        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  }
+}
+
 OptimizerHyperparams AdamW() {
   OptimizerHyperparams hp;
   hp.kind = OptimizerKind::kAdamW;
@@ -161,10 +169,7 @@ TEST_P(EngineParityTest, MatchesInMemoryKernelBitForBit) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
-  for (int i = 0; i < e.num_subgroups(); ++i) {
-    ASSERT_TRUE(
-        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
   Reference ref(model);
   const int steps = 5;
   for (int step = 1; step <= steps; ++step) {
@@ -673,9 +678,7 @@ TEST(EngineTest, ResumesFromTheLastCommittedStep) {
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     Engine& e = **engine;
-    for (int i = 0; i < 4; ++i)
-      ASSERT_TRUE(
-          e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
     for (int step = 1; step <= 3; ++step) {
       model.NewGrads(step);
       std::vector<SubgroupStepInput> in = AdamWInputs(model);
@@ -940,9 +943,7 @@ TEST(EngineTest, ACheckpointLoadedAfterAFailedStepReplacesIt) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i)
-    ASSERT_TRUE(
-        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
   const std::string dir = TempDir("superseded") + "/c";
   ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
   model.NewGrads(1);
@@ -976,9 +977,7 @@ TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i)
-    ASSERT_TRUE(
-        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
   Reference ref(model);
   model.NewGrads(1);
   ref.Step(model, 1, 1.0f);
@@ -1014,9 +1013,7 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i)
-    ASSERT_TRUE(
-        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
   model.NewGrads(3);
   model.grads[3][17] = 0x7FC0;  // bf16 NaN in the last subgroup
   std::vector<SubgroupStepInput> in = AdamWInputs(model);
@@ -1041,9 +1038,7 @@ TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
-  for (int i = 0; i < 4; ++i)
-    ASSERT_TRUE(
-        e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
   for (int step = 1; step <= 2; ++step) {
     model.NewGrads(step);
     std::vector<SubgroupStepInput> in = AdamWInputs(model);
