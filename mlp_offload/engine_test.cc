@@ -620,30 +620,42 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
         e.ReadSubgroup(i, p.data(), {m.data(), v.data()}, nullptr).ok());
     int64_t step = -1;
     absl::Status s =
-        ReadCheckpointRecord(dir, i, gp.data(), {gm.data(), gv.data()}, &step);
+        ReadCheckpointRecord(dir, i, gp.data(), {gm.data(), gv.data()},
+                             /*verify=*/true, &step);
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(gp, p);
     EXPECT_EQ(gm, m);
     EXPECT_EQ(gv, v);
     EXPECT_EQ(step, 3 + i);
-    // The master alone, or the first state array alone.
-    std::vector<float> only(n, -1.0f);
-    ASSERT_TRUE(ReadCheckpointRecord(dir, i, only.data(), {}, nullptr).ok());
-    EXPECT_EQ(only, p);
-    ASSERT_TRUE(
-        ReadCheckpointRecord(dir, i, nullptr, {only.data()}, nullptr).ok());
-    EXPECT_EQ(only, m);
+    // The master alone, or the first state array alone, with and without
+    // the checksum pass (which reads the whole payload).
+    for (bool verify : {true, false}) {
+      std::vector<float> only(n, -1.0f);
+      ASSERT_TRUE(
+          ReadCheckpointRecord(dir, i, only.data(), {}, verify, nullptr).ok());
+      EXPECT_EQ(only, p) << verify;
+      ASSERT_TRUE(ReadCheckpointRecord(dir, i, nullptr, {only.data()}, verify,
+                                       nullptr)
+                      .ok());
+      EXPECT_EQ(only, m) << verify;
+      std::fill(only.begin(), only.end(), -1.0f);
+      ASSERT_TRUE(ReadCheckpointRecord(dir, i, nullptr, {nullptr, only.data()},
+                                       verify, &step)
+                      .ok());
+      EXPECT_EQ(only, v) << verify;
+      EXPECT_EQ(step, 3 + i);
+    }
   }
   std::vector<float> buf(300001);
-  absl::Status s = ReadCheckpointRecord(dir, 2, buf.data(), {}, nullptr);
+  absl::Status s = ReadCheckpointRecord(dir, 2, buf.data(), {}, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
   s = ReadCheckpointRecord(dir, 0, buf.data(),
-                           {buf.data(), buf.data(), buf.data()}, nullptr);
+                           {buf.data(), buf.data(), buf.data()}, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 
   // The `.old` copy of a save interrupted between its renames is read too.
   ASSERT_EQ(rename(dir.c_str(), (dir + ".old").c_str()), 0);
-  EXPECT_TRUE(ReadCheckpointRecord(dir, 1, buf.data(), {}, nullptr).ok());
+  EXPECT_TRUE(ReadCheckpointRecord(dir, 1, buf.data(), {}, true, nullptr).ok());
   ASSERT_EQ(rename((dir + ".old").c_str(), dir.c_str()), 0);
 
   // One flipped byte in the last chunk; then a truncated file.
@@ -656,16 +668,27 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
   ASSERT_EQ(pread(fd, &byte, 1, last), 1);
   byte ^= 0x10;
   ASSERT_EQ(pwrite(fd, &byte, 1, last), 1);
-  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, nullptr);
+  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_NE(s.message().find("sg_1.ckpt: payload checksum mismatch"),
             std::string::npos)
       << s;
+  // Unverified, the master (which the flip missed) reads as it was.
+  std::vector<float> p1(300001), m1(300001);
+  ASSERT_TRUE(e.ReadSubgroup(1, p1.data(), {m1.data(), nullptr}, nullptr).ok());
+  buf.assign(buf.size(), 0.0f);
+  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, false, nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(buf, p1);
   ASSERT_EQ(ftruncate(fd, last), 0);
   close(fd);
-  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, nullptr);
-  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-  EXPECT_NE(s.message().find("truncated"), std::string::npos) << s;
+  for (bool verify : {true, false}) {
+    // Unverified, the truncated array must be one that is read.
+    s = ReadCheckpointRecord(dir, 1, nullptr, {nullptr, buf.data()}, verify,
+                             nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("truncated"), std::string::npos) << s;
+  }
 }
 
 TEST(EngineTest, ResumesFromTheLastCommittedStep) {
@@ -915,7 +938,7 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
     std::vector<float> got(3 * n);
     ASSERT_TRUE(ReadCheckpointRecord(dir, i, got.data(),
                                      {got.data() + n, got.data() + 2 * n},
-                                     nullptr)
+                                     /*verify=*/true, nullptr)
                     .ok());
     EXPECT_EQ(got, want[i]) << "subgroup " << i;
   }

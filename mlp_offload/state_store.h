@@ -106,12 +106,15 @@ absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir);
 // without an engine: the master parameters into `master` and state array k
 // into state[k] (null pointers, or fewer arrays than the record has, skip
 // them), streaming 1 MiB at a time, after checking it against the manifest
-// and its header; DataLoss naming the file if the payload checksum does not
-// match (the destinations then hold garbage). `*step`: the record's updates.
+// and its header; with `verify`, DataLoss naming the file if the payload
+// checksum does not match (the destinations then hold garbage). Without it
+// only the arrays asked for are read (the checksum covers the whole payload):
+// a third of the bytes for Adam's master weights alone. `*step`: the record's
+// updates.
 absl::Status ReadCheckpointRecord(const std::string& dir, int subgroup,
                                   float* master,
                                   const std::vector<float*>& state,
-                                  int64_t* step);
+                                  bool verify, int64_t* step);
 
 // Byte offset of `slot` (0 or 1) in a state file whose records are
 // `record_bytes` long (aligned).

@@ -136,6 +136,36 @@ def test_a_damaged_record_is_refused_and_nothing_is_written(saved, tmp_path):
     assert os.listdir(tmp_path) == ["ckpt"]  # no partial file, no temporary one
 
 
+def test_unverified_reads_take_the_weights_alone(saved, tmp_path):
+    # A flipped byte in the last moment array: the checksum (over the whole
+    # record) refuses it; unverified reads never read those bytes.
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved["ckpt"], ckpt)
+    engine_dir = [d for d in os.listdir(ckpt) if d.startswith("engine-")][0]
+    record = os.path.join(ckpt, engine_dir, "sg_0.ckpt")
+    with open(record, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(CorruptStateError, match="sg_0.ckpt: payload checksum mismatch"):
+        mlp_offload.master_weights(ckpt)
+    got = mlp_offload.master_weights(ckpt, verify_checksums=False)
+    assert all(torch.equal(g, w) for g, w in zip(got, saved["engine"]))
+    model = _model(torch.float32)
+    mlp_offload.load_master_weights(ckpt, model.parameters(), verify_checksums=False)
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), saved["engine"]))
+    out = str(tmp_path / "w.safetensors")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["export", ckpt, out, "--no-verify"]) == 0
+    got = safetensors.torch.load_file(out)
+    assert all(torch.equal(got[f"param.{i}"], w) for i, w in enumerate(saved["engine"]))
+    os.remove(out)
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(["export", ckpt, out]) == 1
+    assert not os.path.exists(out)
+
+
 def test_cli_export(saved, tmp_path):
     names = tmp_path / "names.txt"
     names.write_text("\n".join(saved["names"]) + "\n")

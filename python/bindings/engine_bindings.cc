@@ -374,7 +374,7 @@ void RegisterEngineBindings(py::module_& parent) {
   m.def(
       "read_checkpoint_record",
       [](const std::string& dir, int subgroup, uintptr_t master,
-         const std::vector<uintptr_t>& state) {
+         const std::vector<uintptr_t>& state, bool verify) {
         std::vector<float*> arrays;
         arrays.reserve(state.size());
         for (uintptr_t a : state) arrays.push_back(reinterpret_cast<float*>(a));
@@ -383,16 +383,19 @@ void RegisterEngineBindings(py::module_& parent) {
         {
           py::gil_scoped_release release;
           status = ReadCheckpointRecord(
-              dir, subgroup, reinterpret_cast<float*>(master), arrays, &step);
+              dir, subgroup, reinterpret_cast<float*>(master), arrays, verify,
+              &step);
         }
         ThrowIfError(status);
         return step;
       },
       py::arg("dir"), py::arg("subgroup"), py::arg("master"), py::arg("state"),
+      py::arg("verify") = true,
       "Reads one subgroup's record of an engine checkpoint without an "
       "engine: the master into `master` and state array k into state[k] "
       "(fp32 addresses, 0 skips); checked against the manifest, header and "
-      "payload checksum. Returns the record's step.");
+      "(with `verify`, which reads the whole payload) the payload checksum. "
+      "Returns the record's step.");
 
   m.def("aligned_record_bytes", &AlignedRecordBytes, py::arg("numel"),
         py::arg("arrays_per_param"),

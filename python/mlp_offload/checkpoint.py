@@ -158,11 +158,11 @@ def _subgroups(directory, manifests, layout):
         yield pids, [tuple(shapes[pid]) for pid in pids], src, j
 
 
-def _read_masters(src, j, shapes):
+def _read_masters(src, j, shapes, verify):
     """The fp32 master values of one subgroup, as one flat tensor."""
     numel = sum(math.prod(s) for s in shapes)
     flat = torch.empty(numel, dtype=torch.float32)
-    _C.engine.read_checkpoint_record(src, j, flat.data_ptr(), [])
+    _C.engine.read_checkpoint_record(src, j, flat.data_ptr(), [], verify)
     return flat
 
 
@@ -174,19 +174,24 @@ def _pieces(flat, shapes):
         off += n
 
 
-def master_weights(directory):
+# Verifying a record's checksum reads all of it (for Adam, the two moments
+# too: three times the bytes of the weights); verify_checksums=False reads
+# the weights alone and trusts the storage.
+
+def master_weights(directory, verify_checksums=True):
     """The fp32 master weights of the newest complete save in `directory`
     (any rank count), as a list of tensors in the optimizer's parameter
     order. Needs memory for the weights (4 bytes per parameter)."""
     directory, manifests, layout = _open_save(directory)
     out = [None] * len(layout["param_shapes"])
     for pids, shapes, src, j in _subgroups(directory, manifests, layout):
-        for pid, piece in zip(pids, _pieces(_read_masters(src, j, shapes), shapes)):
+        flat = _read_masters(src, j, shapes, verify_checksums)
+        for pid, piece in zip(pids, _pieces(flat, shapes)):
             out[pid] = piece
     return out
 
 
-def load_master_weights(directory, params):
+def load_master_weights(directory, params, verify_checksums=True):
     """Copies the fp32 master weights of the checkpoint in `directory` into
     `params` (the parameters the optimizer was given, in that order, e.g. a
     model's `parameters()`; any dtype and device), one subgroup at a time.
@@ -203,14 +208,16 @@ def load_master_weights(directory, params):
                                      f"checkpoint's {shape}")
     with torch.no_grad():
         for pids, sg_shapes, src, j in _subgroups(directory, manifests, layout):
-            for pid, piece in zip(pids, _pieces(_read_masters(src, j, sg_shapes), sg_shapes)):
+            flat = _read_masters(src, j, sg_shapes, verify_checksums)
+            for pid, piece in zip(pids, _pieces(flat, sg_shapes)):
                 params[pid].copy_(piece)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def export_master_weights(directory, out, dtype=torch.float32, names=None):
+def export_master_weights(directory, out, dtype=torch.float32, names=None,
+                          verify_checksums=True):
     """Writes the master weights of the checkpoint in `directory` to the
     safetensors file `out`, in `dtype` (float32, bfloat16 or float16),
     streaming one subgroup at a time (memory of one subgroup, whatever the
@@ -247,7 +254,7 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for _, sg_shapes, src, j in _subgroups(directory, manifests, layout):
-            flat = _read_masters(src, j, sg_shapes).to(dtype)
+            flat = _read_masters(src, j, sg_shapes, verify_checksums).to(dtype)
             f.write(memoryview(flat.view(torch.uint8).numpy()))
 
     _recovery.write_file_atomically(out, write, mode=0o644)
