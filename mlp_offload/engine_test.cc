@@ -634,9 +634,9 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
       ASSERT_TRUE(
           ReadCheckpointRecord(dir, i, only.data(), {}, verify, nullptr).ok());
       EXPECT_EQ(only, p) << verify;
-      ASSERT_TRUE(ReadCheckpointRecord(dir, i, nullptr, {only.data()}, verify,
-                                       nullptr)
-                      .ok());
+      ASSERT_TRUE(
+          ReadCheckpointRecord(dir, i, nullptr, {only.data()}, verify, nullptr)
+              .ok());
       EXPECT_EQ(only, m) << verify;
       std::fill(only.begin(), only.end(), -1.0f);
       ASSERT_TRUE(ReadCheckpointRecord(dir, i, nullptr, {nullptr, only.data()},

@@ -422,8 +422,8 @@ absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir) {
 
 absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
                                   float* master,
-                                  const std::vector<float*>& state,
-                                  bool verify, int64_t* step) {
+                                  const std::vector<float*>& state, bool verify,
+                                  int64_t* step) {
   const std::string dir = ResolveCheckpointDir(dir_in);
   MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dir));
   if (subgroup < 0 ||

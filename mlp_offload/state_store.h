@@ -113,8 +113,8 @@ absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir);
 // updates.
 absl::Status ReadCheckpointRecord(const std::string& dir, int subgroup,
                                   float* master,
-                                  const std::vector<float*>& state,
-                                  bool verify, int64_t* step);
+                                  const std::vector<float*>& state, bool verify,
+                                  int64_t* step);
 
 // Byte offset of `slot` (0 or 1) in a state file whose records are
 // `record_bytes` long (aligned).

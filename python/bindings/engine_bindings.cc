@@ -382,9 +382,9 @@ void RegisterEngineBindings(py::module_& parent) {
         absl::Status status;
         {
           py::gil_scoped_release release;
-          status = ReadCheckpointRecord(
-              dir, subgroup, reinterpret_cast<float*>(master), arrays, verify,
-              &step);
+          status = ReadCheckpointRecord(dir, subgroup,
+                                        reinterpret_cast<float*>(master),
+                                        arrays, verify, &step);
         }
         ThrowIfError(status);
         return step;
