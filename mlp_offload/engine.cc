@@ -1820,12 +1820,10 @@ absl::Status Engine::LoadCheckpointRecords(
         s = hs.status();
       } else {
         h = *hs;
-        if (h.subgroup != static_cast<uint32_t>(j) || h.numel != e.numel[i] ||
-            h.num_arrays != static_cast<uint32_t>(e.arrays())) {
-          s = absl::FailedPreconditionError(
-              absl::StrCat(path, ": record of another subgroup"));
-        } else if (PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool) !=
-                   h.payload_checksum) {
+        s = CheckCheckpointRecordHeader(
+            h, j, e.numel[i], static_cast<uint32_t>(e.arrays()), path);
+        if (s.ok() && PayloadChecksum(e.Payload(b), e.payload_bytes[i],
+                                      &e.pool) != h.payload_checksum) {
           s = absl::DataLossError(absl::StrCat(
               path, ": payload checksum mismatch (subgroup ", i, ")"));
         }

@@ -575,6 +575,41 @@ TEST(EngineTest, LoadsRecordsOfCheckpointsThatOtherEnginesWrote) {
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   EXPECT_NE(s.message().find(dirs[1] + "x/MANIFEST"), std::string::npos) << s;
   {
+    // A header (valid in itself) that disagrees with the manifest; the same
+    // check as the engine-less reader's.
+    const std::string path = dirs[1] + "/sg_0.ckpt";
+    int fd = open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    std::vector<char> page(kRecordHeaderBytes);
+    ASSERT_EQ(pread(fd, page.data(), page.size(), 0),
+              static_cast<ssize_t>(page.size()));
+    auto h = DecodeRecordHeader(page.data(), page.size(), path);
+    ASSERT_TRUE(h.ok()) << h.status();
+    const RecordHeader good = *h;
+    RecordHeader bad = good;
+    bad.subgroup = 5;
+    EncodeRecordHeader(bad, page.data());
+    ASSERT_EQ(pwrite(fd, page.data(), page.size(), 0),
+              static_cast<ssize_t>(page.size()));
+    for (bool engine : {true, false}) {
+      std::vector<float> master(all[1]);
+      s = engine ? e.LoadCheckpointRecords(
+                       {{dirs[0], 0}, {dirs[1], 0}, {dirs[0], 1}, {dirs[1], 1}})
+                 : ReadCheckpointRecord(dirs[1], 0, master.data(), {},
+                                        /*verify=*/false, nullptr);
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+      EXPECT_NE(s.message().find("sg_0.ckpt: the header says subgroup 5 of "
+                                 "2000 parameters and 3 arrays, the manifest "
+                                 "subgroup 0 of 2000 and 3"),
+                std::string::npos)
+          << s;
+    }
+    EncodeRecordHeader(good, page.data());
+    ASSERT_EQ(pwrite(fd, page.data(), page.size(), 0),
+              static_cast<ssize_t>(page.size()));
+    close(fd);
+  }
+  {
     const std::string path = dirs[1] + "/sg_1.ckpt";
     int fd = open(path.c_str(), O_WRONLY);
     ASSERT_GE(fd, 0);

@@ -420,6 +420,19 @@ absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir) {
   return ParseManifest(text, path);
 }
 
+absl::Status CheckCheckpointRecordHeader(const RecordHeader& h, int subgroup,
+                                         uint64_t numel, uint32_t arrays,
+                                         const std::string& path) {
+  if (h.subgroup == static_cast<uint32_t>(subgroup) && h.numel == numel &&
+      h.num_arrays == arrays && h.payload_bytes == numel * 4ull * arrays) {
+    return absl::OkStatus();
+  }
+  return absl::DataLossError(absl::StrCat(
+      path, ": the header says subgroup ", h.subgroup, " of ", h.numel,
+      " parameters and ", h.num_arrays, " arrays, the manifest subgroup ",
+      subgroup, " of ", numel, " and ", arrays));
+}
+
 absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
                                   float* master,
                                   const std::vector<float*>& state, bool verify,
@@ -451,13 +464,8 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
   MLP_RETURN_IF_ERROR(ReadFileAt(fd, page.data(), page.size(), 0, path));
   MLP_ASSIGN_OR_RETURN(RecordHeader h,
                        DecodeRecordHeader(page.data(), page.size(), path));
-  if (h.subgroup != static_cast<uint32_t>(subgroup) || h.numel != numel ||
-      h.num_arrays != m.arrays_per_param || h.payload_bytes != payload) {
-    return absl::DataLossError(absl::StrCat(
-        path, ": the header says subgroup ", h.subgroup, " of ", h.numel,
-        " parameters and ", h.num_arrays, " arrays, the manifest subgroup ",
-        subgroup, " of ", numel, " and ", m.arrays_per_param));
-  }
+  MLP_RETURN_IF_ERROR(CheckCheckpointRecordHeader(h, subgroup, numel,
+                                                  m.arrays_per_param, path));
   // Where each byte of the payload goes: array a (0 = master) covers
   // [a * numel * 4, (a + 1) * numel * 4).
   std::vector<char*> dest(m.arrays_per_param, nullptr);

@@ -100,6 +100,13 @@ absl::Status WriteFileAt(int fd, const void* data, size_t n, uint64_t offset,
 // `dir`, or the `dir.old` copy a crash between SaveCheckpoint's two renames
 // leaves where `dir` is missing.
 std::string ResolveCheckpointDir(const std::string& dir);
+// OK if the header of `path`, record `subgroup` of a checkpoint whose
+// manifest says `numel` parameters and `arrays` arrays per parameter, says
+// the same; else DataLoss naming the file and both sides.
+absl::Status CheckCheckpointRecordHeader(const RecordHeader& header,
+                                         int subgroup, uint64_t numel,
+                                         uint32_t arrays,
+                                         const std::string& path);
 // The MANIFEST of the engine checkpoint in `dir` (resolved as above).
 absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir);
 // Reads subgroup `subgroup`'s record of the engine checkpoint in `dir`
