@@ -1091,25 +1091,62 @@ absl::Status Engine::InitializeSubgroup(
   return s;
 }
 
+namespace {
+
+// OK if `segments` cover the `numel` elements of subgroup `i` once each with
+// gradients; `what` names the caller in the error.
+absl::Status CheckGradientSegments(const char* what, int i, uint64_t numel,
+                                   const std::vector<Segment>& segments) {
+  uint64_t covered = 0;
+  for (const Segment& s : segments) {
+    if (s.grad == nullptr || s.offset + s.numel > numel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": bad segment for subgroup ", i, " (offset ", s.offset,
+          ", numel ", s.numel, ", subgroup size ", numel, ")"));
+    }
+    covered += s.numel;
+  }
+  if (covered != numel) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": segments cover ",
+                                                   covered, " of subgroup ", i,
+                                                   "'s ", numel, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> Engine::GradientFingerprint(
+    int i, const std::vector<Segment>& segments) {
+  Impl& e = *impl_;
+  if (i < 0 || i >= e.n())
+    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  MLP_RETURN_IF_ERROR(
+      CheckGradientSegments("GradientFingerprint", i, e.numel[i], segments));
+  std::vector<const Segment*> order;
+  order.reserve(segments.size());
+  for (const Segment& s : segments) order.push_back(&s);
+  std::sort(order.begin(), order.end(), [](const Segment* a, const Segment* b) {
+    return a->offset < b->offset;
+  });
+  const size_t bytes = DTypeSize(e.config.grad_dtype);
+  std::vector<uint64_t> parts;
+  parts.reserve(2 * order.size());
+  for (const Segment* s : order) {
+    parts.push_back(s->offset);
+    parts.push_back(PayloadChecksum(s->grad, s->numel * bytes, &e.pool));
+  }
+  return PayloadChecksum(parts.data(), parts.size() * sizeof(uint64_t),
+                         nullptr);
+}
+
 absl::Status Engine::OffloadGradients(int i,
                                       const std::vector<Segment>& segments) {
   Impl& e = *impl_;
   if (i < 0 || i >= e.n())
     return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
-  uint64_t covered = 0;
-  for (const Segment& s : segments) {
-    if (s.grad == nullptr || s.offset + s.numel > e.numel[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "OffloadGradients: bad segment for subgroup ", i, " (offset ",
-          s.offset, ", numel ", s.numel, ", subgroup size ", e.numel[i], ")"));
-    }
-    covered += s.numel;
-  }
-  if (covered != e.numel[i]) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("OffloadGradients: segments cover ", covered,
-                     " of subgroup ", i, "'s ", e.numel[i], " elements"));
-  }
+  MLP_RETURN_IF_ERROR(
+      CheckGradientSegments("OffloadGradients", i, e.numel[i], segments));
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
   absl::Time start = absl::Now();
   // The baseline converts to fp32 at once and swaps the result out, as

@@ -167,6 +167,15 @@ class Engine {
   // its arguments (the gradient stays where it is until Step).
   absl::Status OffloadGradients(int i, const std::vector<Segment>& segments);
 
+  // A 64-bit hash of subgroup `i`'s gradients as `segments` point to them
+  // (their bytes in the training dtype, in subgroup order). The baseline
+  // keeps the one taken when OffloadGradients ran and compares it at step
+  // time: gradients changed after that (GradScaler.unscale_, an in-place
+  // change through .data, a new tensor) are offloaded again, whatever the
+  // tensors' version counters say.
+  absl::StatusOr<uint64_t> GradientFingerprint(
+      int i, const std::vector<Segment>& segments);
+
   // The native path: one update of every subgroup with its kernel.
   // inputs[i] belongs to subgroup i.
   absl::StatusOr<StepStats> Step(const std::vector<SubgroupStepInput>& inputs,

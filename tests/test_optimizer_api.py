@@ -170,6 +170,34 @@ def test_add_param_group_keeps_state(tmp_path, kind):
     opt.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_param_group_keeps_the_fp32_master_of_low_precision_params(tmp_path, dtype):
+    # Updates too small for the parameters' dtype live in the master copy
+    # only: adding a group must not reset it from the rounded parameters.
+    model = make_model(dtype)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master[:2], lr=1e-4)
+    opt = wrap(torch.optim.AdamW(list(model.parameters())[:2], lr=1e-4), tmp_path)
+    for step in range(6):
+        if step == 3:
+            ref_opt.add_param_group({"params": master[2:], "lr": 2e-4})
+            opt.add_param_group({"params": list(model.parameters())[2:], "lr": 2e-4})
+        n = 2 if step < 3 else 4
+        model.zero_grad(set_to_none=True)
+        loss_of(model, step, dtype).backward()
+        for m, p in zip(master[:n], model.parameters()):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        opt.step()
+    got = [opt._read_subgroup(sg.index)[0] for sg in opt.subgroups]
+    for sg, flat in zip(opt.subgroups, got):
+        for p, pid, off, n in sg.slices():
+            torch.testing.assert_close(flat[off:off + n].view(p.shape), master[pid].detach(),
+                                       rtol=1e-5, atol=1e-6)
+            assert torch.equal(p.detach(), master[pid].detach().to(dtype))
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["adam", "rmsprop"])
 def test_grad_scaler_unscales_inside_and_skips_nonfinite(tmp_path, kind):
     make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
@@ -224,6 +252,38 @@ def test_unscale_and_clip_grad_norm_before_step(tmp_path):
             s.step(o)
             s.update()
     assert_close(model, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("change", ["unscale_", "data.mul_", "new tensor"])
+def test_gradients_changed_after_backward_are_the_ones_applied(tmp_path, mode, change):
+    # The baseline offloads gradients in backward's hooks; changes after that
+    # bump no version counter here (GradScaler.unscale_, .data) or start a
+    # new one (a new tensor), yet the step must apply the changed values.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path, mode=mode)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
+    for step in range(3):
+        for s, o, m in zip(scalers, (ref_opt, opt), (ref, model)):
+            o.zero_grad()
+            loss = loss_of(m, step)
+            if change == "unscale_":
+                s.scale(loss).backward()
+                s.unscale_(o)
+                s.step(o)
+                s.update()
+                continue
+            loss.backward()
+            for p in m.parameters():
+                if change == "data.mul_":
+                    p.grad.data.mul_(0.25)
+                else:
+                    p.grad = p.grad * 0.25
+            o.step()
+        assert_close(model, ref)
     opt.close()
 
 

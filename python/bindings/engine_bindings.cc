@@ -602,6 +602,23 @@ void RegisterEngineBindings(py::module_& parent) {
           "Baseline: converts subgroup i's gradients to fp32 and writes them "
           "out now.")
       .def(
+          "gradient_fingerprint",
+          [](PyEngine& e, int i, const py::list& segments) {
+            std::vector<Segment> segs = SegmentsFromList(segments);
+            Engine& engine = e.get();
+            absl::StatusOr<uint64_t> fingerprint;
+            {
+              py::gil_scoped_release release;
+              fingerprint = engine.GradientFingerprint(i, segs);
+            }
+            ThrowIfError(fingerprint.status());
+            return *fingerprint;
+          },
+          py::arg("i"), py::arg("segments"),
+          "A 64-bit hash of subgroup i's gradients (training dtype): the "
+          "baseline offloads them again at step time if it changed since "
+          "offload_gradients.")
+      .def(
           "step",
           [](PyEngine& e, const py::list& hyperparams, const py::list& inputs,
              const std::string& param_out_dtype, float grad_scale,

@@ -380,7 +380,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._py_state = {}
         self._has_state = {pid: False for pid in range(len(params))}
         self._initialized = False
-        self._grad_version = {}
+        self._grad_fingerprint = {}
         self._create_engine()
         if self._staging is not None:
             self._staging.close()
@@ -554,9 +554,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._grad_hooks = self._grad_readiness.handles
 
     def _offload_grads(self, g):
-        sg = self._subgroups[g]
-        self._engine.offload_gradients(self._local[g], self._segments(sg))
-        self._grad_version[g] = [p.grad._version for p in sg.params]
+        segs = self._segments(self._subgroups[g])
+        self._engine.offload_gradients(self._local[g], segs)
+        # What was offloaded, by content: version counters miss in-place
+        # changes through .data and GradScaler.unscale_ (it bumps none).
+        self._grad_fingerprint[g] = self._engine.gradient_fingerprint(self._local[g], segs)
 
     def close(self):
         """Flushes and releases the engine (and its tier directories)."""
@@ -609,14 +611,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise OffloadError(
                 "a step failed part-way and is pending: call step() again to complete it "
                 "(or load a checkpoint or state dict) before add_param_group")
-        # Keep the state of the existing subgroups across the re-packing.
-        saved = self._read_all_states() if self._initialized else None
+        # Keep the state of the existing subgroups across the re-packing, and
+        # their fp32 master copy (for bf16/fp16 parameters, more precise than
+        # the parameters themselves).
+        saved = masters = None
+        if self._initialized:
+            masters = {}
+            saved = self._read_all_states(masters=masters)
         self.optimizer.add_param_group(param_group)
         self.param_groups = self.optimizer.param_groups
         self._build()
         if saved is not None:
             self._ensure_initialized()
-            self._write_states(saved)
+            self._write_states(saved, masters)
 
     # ----------------------------------------------------------------- step
 
@@ -957,15 +964,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _offload_stale_grads(self):
         """Baseline: offloads gradients changed since backward offloaded them
-        (unscale_, clipping, accumulation) or never offloaded."""
+        (unscale_, clipping, accumulation, a new tensor) or never offloaded."""
         for g in self._owned:
-            sg = self._subgroups[g]
             if self._skip.get(g):
                 continue
-            versions = [p.grad._version for p in sg.params]
-            if self._grad_version.get(g) != versions:
+            offloaded = self._grad_fingerprint.get(g)
+            if offloaded is None or offloaded != self._engine.gradient_fingerprint(
+                    self._local[g], self._segments(self._subgroups[g])):
                 self._offload_grads(g)
-        self._grad_version = {}
+        self._grad_fingerprint = {}
         if self._grad_readiness is not None:
             self._grad_readiness.reset()
 
@@ -1096,10 +1103,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _owned_param_ids(self):
         return sorted(pid for g in self._owned for pid in self._subgroups[g].param_ids)
 
-    def _read_all_states(self, sharded=False):
+    def _read_all_states(self, sharded=False, masters=None):
         """{param index: torch-format state} for every parameter (all ranks),
         or with `sharded` for the parameters of this rank's subgroups only
-        (no communication)."""
+        (no communication). A dict `masters` receives {param index: fp32
+        master values, flat} of the same parameters."""
         self._refresh_hyperparams()
         self._ensure_initialized()
         out = {}
@@ -1107,10 +1115,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if sharded:
                 if self._owner(sg.index) != self._rank:
                     continue
-                _, arrays, step = self._read_subgroup(sg.index)
+                master, arrays, step = self._read_subgroup(sg.index)
             else:
-                _, arrays, step = self._subgroup_record(sg.index)
+                master, arrays, step = self._subgroup_record(sg.index)
             for p, pid, off, n in sg.slices():
+                if masters is not None:
+                    masters[pid] = master[off:off + n].clone()
                 st = self._param_state(sg, pid, p, off, n, arrays, step)
                 if st is not None:
                     out[pid] = st
@@ -1131,19 +1141,24 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                for pid in sg.param_ids}
         return self._pid_to_sg[pid]
 
-    def _write_states(self, states):
+    def _write_states(self, states, masters=None):
         """Writes {param index: torch-format state} into the engine.
 
         Parameters of one subgroup must agree on their step count; a subgroup
         none of whose parameters has state is reset to the initial state.
-        The master copy is taken from the current parameter values.
+        The master copy is taken from `masters` ({param index: fp32 values})
+        where it has the parameter, else from the current parameter values.
         """
         self._refresh_hyperparams()
         for g in self._owned:
             sg = self._subgroups[g]
             present = [pid in states for pid in sg.param_ids]
+            master = _layout.flat_fp32(sg.params)
+            if masters:
+                for _, pid, off, n in sg.slices():
+                    if pid in masters:
+                        master[off:off + n].copy_(masters[pid])
             if not any(present):
-                master = _layout.flat_fp32(sg.params)
                 init = None if self._family is None else dict(self._group_hps[sg.group])
                 self._engine.initialize_subgroup(self._local[g], master.data_ptr(),
                                                  "float32", init)
@@ -1156,7 +1171,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise StateMismatchError(
                     f"parameters {missing} have no state while others of their subgroup "
                     f"{g} do; their state is stored together")
-            master = _layout.flat_fp32(sg.params)
             arrays = [torch.zeros(sg.numel, dtype=torch.float32)
                       for _ in range(self._num_arrays)]
             steps = set()
