@@ -821,6 +821,16 @@ absl::Status Engine::Impl::LoadCommitted() {
     if (t == 0) {
       run_id = m.run_id;
       plan.tier_of_subgroup = m.tier_of_subgroup;
+      for (size_t i = 0; i < m.tier_of_subgroup.size(); ++i) {
+        const int k = m.tier_of_subgroup[i];
+        if (k < 0 || k >= static_cast<int>(tiers.size())) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(mpath, " places subgroup ", i, " on tier ", k,
+                           ", but ", tiers.size(),
+                           " tiers are configured: give the tiers the run "
+                           "used, in its order"));
+        }
+      }
     } else if (m.run_id != run_id ||
                m.tier_of_subgroup != plan.tier_of_subgroup) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -834,6 +844,20 @@ absl::Status Engine::Impl::LoadCommitted() {
                        bytes.status().message(), ")"));
     }
     MLP_ASSIGN_OR_RETURN(Committed latest, parse(std::move(*bytes), cpath));
+    // Every tier's MANIFEST is the same; its COMMIT names the subgroups that
+    // live on it, which tells a tier given in another position.
+    for (int i = 0; i < n(); ++i) {
+      const bool here = plan.tier_of_subgroup[i] == static_cast<int>(t);
+      if ((latest.record.subgroup_step[i] >= 0) != here) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            cpath,
+            " is the commit record of another tier of the run than "
+            "tier ",
+            t, " (subgroup ", i, " is on tier ", plan.tier_of_subgroup[i],
+            "): give the tiers the run used, in "
+            "its order"));
+      }
+    }
     // The one before, if the run has committed twice (a damaged COMMIT.prev
     // only matters if that step is asked for).
     TierCommits tc{std::move(latest), std::nullopt, absl::OkStatus()};
@@ -890,12 +914,6 @@ absl::Status Engine::Impl::LoadCommitted() {
     if (commits[t].latest.record.step != step) {
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tiers[t].dir + "/COMMIT", commit_bytes[t]));
-    }
-  }
-  for (int t : plan.tier_of_subgroup) {
-    if (t < 0 || t >= static_cast<int>(tiers.size())) {
-      return absl::DataLossError(
-          "manifest names a tier that is not configured");
     }
   }
   steps_done = committed = step;

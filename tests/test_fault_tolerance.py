@@ -474,3 +474,39 @@ def test_tier_in_use_by_another_live_run_is_refused(tmp_path):
     opt = wrap(make_model(), tiers, run_name="busy", commit_every=1, resume="require")
     assert opt.resumed_from == "committed_step" and opt.resumed_step == 1
     opt.close()
+
+
+def test_resume_with_other_tiers_is_refused_and_the_commit_kept(tmp_path):
+    # A tier replaced (e.g. not mounted yet), added, dropped or moved: the
+    # resume names the problem and destroys nothing; the right tiers then
+    # resume the committed step.
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    for d in (a, b, c):
+        os.mkdir(d)
+    model = make_model()
+    kwargs = dict(run_name="r", commit_every=1)
+    opt = wrap(model, [a, b], **kwargs)
+    for k in range(3):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    want = params_of(model)
+    opt.close()
+
+    def files():
+        return sorted(os.path.join(r, f) for d in (a, b, c) for r, _, fs in os.walk(d)
+                      for f in fs)
+    before = files()
+    for tiers, match in [
+            ([a, c], "committed state is on .*/a/r.r0, but .*/c/r.r0 holds none of it"),
+            ([a, b, c], "but .*/c/r.r0 holds none of it"),
+            ([b, a], "COMMIT is the commit record of another tier of the run than tier 0"),
+            ([a], "places subgroup 1 on tier 1, but 1 tiers are configured")]:
+        for resume in ("auto", "require"):
+            with pytest.raises(errors.StateMismatchError, match=match):
+                wrap(make_model(), tiers, resume=resume, **kwargs)
+            assert files() == before, (tiers, resume)
+    opt = wrap(model := make_model(), [a, b], resume="require", **kwargs)
+    assert opt.resumed_from == "committed_step" and opt.resumed_step == 3
+    assert_equal(params_of(model), want, "resumed")
+    opt.close()

@@ -416,13 +416,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._persistent:
             self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
             mine, failure = -1, None
-            if self._want_resume and _recovery.has_committed_state(
-                    _recovery.run_dirs(self._tiers, self._run_name)):
-                try:
+            if not self._want_resume and any(
+                    os.path.isfile(os.path.join(d, "COMMIT"))
+                    for d in _recovery.run_dirs(self._tiers, self._run_name)):
+                _log.warning("run %r has committed state on these tiers: resume='never' "
+                             "starts afresh and discards it", self._run_prefix)
+            try:
+                if self._want_resume and _recovery.has_committed_state(
+                        _recovery.run_dirs(self._tiers, self._run_name)):
                     engine = self._new_engine(budget, numel, resume=True)
                     mine = engine.committed_step
-                except Exception as e:  # noqa: BLE001 - raised on every rank below
-                    failure = self._explain_other_world(e)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                failure = self._explain_other_world(e)
             if agree:
                 # Before the agreement, which would wait for a failed rank.
                 try:

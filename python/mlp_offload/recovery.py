@@ -33,7 +33,7 @@ import torch
 
 from mlp_offload.errors import (ConfigError, CorruptStateError, OffloadError, TierError,
                                 TierFullError, TierIOError, TierNotFoundError,
-                                TierPermissionError)
+                                StateMismatchError, TierPermissionError)
 
 _PYSTATE_RE = re.compile(r"^pystate-(\d{12})\.pt$")
 _PYSTATE_FORMAT = "mlp_offload.pystate"
@@ -57,20 +57,34 @@ def has_committed_state(dirs):
     """Whether every tier's run directory holds a manifest and a commit record.
 
     A tier without them means the run never committed (or a fresh start was
-    under way when it died): nothing there to resume.
+    under way when it died): nothing there to resume. But a commit record on
+    some tiers while another tier has no manifest at all is a tier list that
+    is not the run's (a tier added, replaced, or not mounted yet): that is
+    refused (StateMismatchError naming them), as a fresh start would destroy
+    the commit.
     """
-    for d in dirs:
-        for name in ("MANIFEST", "COMMIT"):
-            try:
-                st = os.lstat(os.path.join(d, name))
-            except FileNotFoundError:
-                return False
-            except OSError as e:
-                raise os_error_to_tier_error(e, f"looking for committed state ({name})",
-                                             d) from e
-            if not _is_regular(st):
-                return False
-    return True
+    has = {name: [_regular_file(os.path.join(d, name), name, d) for d in dirs]
+           for name in ("MANIFEST", "COMMIT")}
+    if all(has["MANIFEST"]) and all(has["COMMIT"]):
+        return True
+    if any(has["COMMIT"]) and not all(has["MANIFEST"]):
+        committed = [d for d, c in zip(dirs, has["COMMIT"]) if c]
+        foreign = [d for d, m in zip(dirs, has["MANIFEST"]) if not m]
+        raise StateMismatchError(
+            f"the run's committed state is on {', '.join(committed)}, but "
+            f"{', '.join(foreign)} holds none of it: give the tiers the run used, in its "
+            f"order (or resume='never' to start afresh, which discards the commit)")
+    return False
+
+
+def _regular_file(path, name, d):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise os_error_to_tier_error(e, f"looking for committed state ({name})", d) from e
+    return _is_regular(st)
 
 
 def _is_regular(st):
