@@ -676,6 +676,7 @@ absl::Status Engine::Impl::WriteCommit() {
       c.subgroup_slot[i] = static_cast<uint8_t>(current_slot[i]);
     }
     std::string encoded = EncodeCommitRecord(c);
+    if (encoded == commit_bytes[t]) continue;  // written by a failed attempt
     if (!commit_bytes[t].empty()) {
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tiers[t].dir + "/COMMIT.prev", commit_bytes[t]));
@@ -1051,6 +1052,18 @@ const Plan& Engine::plan() const { return impl_->plan; }
 const EngineConfig& Engine::config() const { return impl_->config; }
 int Engine::num_subgroups() const { return impl_->n(); }
 int64_t Engine::step() const { return impl_->steps_done; }
+
+absl::Status Engine::RetryCommit() {
+  Impl& e = *impl_;
+  if (e.in_step) return absl::FailedPreconditionError("RetryCommit in a step");
+  if (e.config.commit_every <= 0 || e.steps_done % e.config.commit_every != 0 ||
+      e.committed == e.steps_done) {
+    return absl::OkStatus();
+  }
+  MutexLock l(&e.mu);
+  return Annotate(e.WriteCommit(),
+                  absl::StrCat("commit of step ", e.steps_done));
+}
 bool Engine::step_incomplete() const { return impl_->step_failed; }
 bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed; }

@@ -238,6 +238,12 @@ class Engine {
   FaultInjectingEngine* fault_injector(int tier) const;
   // The step that the state on the tiers can be resumed from (-1: none).
   int64_t committed_step() const;
+  // Writes the commit record of the last step if that step was due one
+  // (commit_every) and its commit failed after the step itself completed
+  // (a full tier, say); OK with nothing to do. Tiers whose record was
+  // written before the failure are not written again, so their previous
+  // record (the last common step, if a crash comes now) stays.
+  absl::Status RetryCommit();
 
  private:
   struct Impl;

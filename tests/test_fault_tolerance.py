@@ -12,6 +12,7 @@ and planted symlinks are not followed.
 import errno
 import json
 import os
+import shutil
 import stat
 
 import pytest
@@ -509,4 +510,48 @@ def test_resume_with_other_tiers_is_refused_and_the_commit_kept(tmp_path):
     opt = wrap(model := make_model(), [a, b], resume="require", **kwargs)
     assert opt.resumed_from == "committed_step" and opt.resumed_step == 3
     assert_equal(params_of(model), want, "resumed")
+    opt.close()
+
+
+def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
+    # The step completes, then its commit record cannot be written on tier b
+    # (the temporary file's name is taken by a directory): step() raises,
+    # again on a retry while that lasts, and writes the commit once it can.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    want, _ = reference(tmp_path, 3)
+    model = make_model()
+    opt = wrap(model, [a, b], run_name="r", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 1)
+    blocker = os.path.join(b, "r.r0", f"COMMIT.prev.tmp.{os.getpid()}")
+    os.mkdir(blocker)
+    for _ in range(2):
+        with pytest.raises(errors.OffloadError, match="COMMIT.prev.tmp"):
+            opt.step()
+        assert opt.engine.steps == 2 and opt.engine.committed_step == 1
+        # A crash now resumes step 1, the step both tiers still hold: the
+        # failed attempts did not move tier a's previous record on.
+        copies = [str(tmp_path / f"copy_{n}") for n in "ab"]
+        for src, dst in zip((a, b), copies):
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("COMMIT.prev.tmp.*"))
+        probe = wrap(make_model(), copies, run_name="r", commit_every=1, resume="require")
+        assert probe.resumed_step == 1
+        probe.close()
+        for d in copies:
+            shutil.rmtree(d)
+    os.rmdir(blocker)
+    opt.step()  # the same gradients: the commit only
+    assert opt.last_step_stats.get("completed_earlier") and opt.engine.committed_step == 2
+    opt.zero_grad()
+    backward(model, 2)
+    opt.step()
+    assert_equal(params_of(model), want, "after the retried commit")
+    opt.close()
+    resumed = make_model()
+    opt = wrap(resumed, [a, b], run_name="r", commit_every=1, resume="require")
+    assert opt.resumed_step == 3
+    assert_equal(params_of(resumed), want, "resumed")
     opt.close()

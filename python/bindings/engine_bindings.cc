@@ -497,6 +497,19 @@ void RegisterEngineBindings(py::module_& parent) {
           "committed_step",
           [](PyEngine& e) { return e.get().committed_step(); },
           "The step the state on the tiers resumes from (-1: none).")
+      .def(
+          "retry_commit",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.RetryCommit();
+            }
+            ThrowIfError(status);
+          },
+          "Writes the last step's commit record if it was due and failed "
+          "after the step completed; nothing otherwise.")
       .def_property_readonly(
           "step_incomplete",
           [](PyEngine& e) { return e.get().step_incomplete(); },

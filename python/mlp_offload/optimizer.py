@@ -769,7 +769,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         mlp_offload/engine.h): calling step() again with the same gradients
         first restores the parameters of the subgroups already updated, then
         updates the rest, which gives exactly the uninterrupted result. A
-        step that completed but whose commit failed is not run twice.
+        step that completed but whose commit failed is not run twice: its
+        commit is written again (or raises again).
         """
         engine = self._engine
         failed, self._failed_step = self._failed_step, None
@@ -780,8 +781,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         else:
             before = self._values_before() if self._atomic_step else None
         start = engine.steps
+        redo = failed is not None and failed["completed"]
         try:
-            if failed is not None and failed["completed"]:
+            if redo:
+                # Its commit may be what failed: written now, or raised again.
+                engine.retry_commit()
                 stats = {"step": start, "skipped": False, "completed_earlier": True}
             else:
                 if self._family is not None and self._commits_next():
@@ -789,7 +793,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 stats = self._engine_step(grad_scale, skip_nonfinite, amp, scale)
         except BaseException as exc:
             try:
-                completed = engine.steps > start
+                completed = redo or engine.steps > start
                 incomplete = engine.step_incomplete
             except OffloadError:  # the engine was closed under us
                 completed = incomplete = False
