@@ -365,6 +365,12 @@ struct Engine::Impl {
                 absl::StatusOr<size_t> r) {
     MutexLock l(&mu);
     Buffer& buf = buffers[b];
+    if (!r.ok() && is_read && absl::IsOutOfRange(r.status())) {
+      // The io layer's end of file: a state file shorter than its records.
+      r = absl::DataLossError(absl::StrCat(r.status().message(),
+                                           " (truncated state of subgroup ",
+                                           buf.subgroup, ")"));
+    }
     if (!r.ok() && buf.io_status.ok()) buf.io_status = r.status();
     if (r.ok()) {
       if (is_read) {
@@ -1656,6 +1662,12 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   const std::string old = dir + ".old";
   MLP_RETURN_IF_ERROR(RemoveTree(tmp));
   MLP_RETURN_IF_ERROR(MakeDir(tmp));
+  // A failed save leaves nothing behind (a full disk must not stay full):
+  // on success `tmp` has been renamed to `dir`, and this removes nothing.
+  struct RemoveOnExit {
+    const std::string& path;
+    ~RemoveOnExit() { RemoveTree(path).IgnoreError(); }
+  } remove_tmp{tmp};
   Manifest m;
   m.run_id = e.run_id;
   m.arrays_per_param = e.arrays();

@@ -555,3 +555,96 @@ def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
     assert opt.resumed_step == 3
     assert_equal(params_of(resumed), want, "resumed")
     opt.close()
+
+
+def test_a_failed_save_leaves_nothing_behind(tmp_path):
+    # A save that fails part-way (a tier read fails while the engine streams
+    # the records) removes its own files, and every save first removes what
+    # earlier failed or killed saves left: a full disk must not stay full.
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), fault_injection=True)
+    backward(model, 0)
+    opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    opt.save_checkpoint(ckpt)
+    saved = sorted(os.listdir(ckpt))
+    want = params_of(model)
+    # What a save killed after writing part of its state leaves.
+    os.mkdir(os.path.join(ckpt, "engine-r0-0123456789ab.tmp.4242"))
+    with open(os.path.join(ckpt, "engine-r0-0123456789ab.tmp.4242", "sg_0.ckpt"), "wb") as f:
+        f.write(b"x" * 4096)
+    for name in ("python-r0-0123456789ab.pt", "manifest.rank0.json.tmp-1234",
+                 "manifest.rank0.prev.json.tmp-99"):
+        with open(os.path.join(ckpt, name), "wb") as f:
+            f.write(b"partial")
+    opt.zero_grad()
+    backward(model, 1)
+    opt.step()
+    opt.engine.add_fault(1, nth=1, kind="error", op="read", error=errno.EIO)
+    with pytest.raises(errors.TierIOError, match="Input/output error"):
+        opt.save_checkpoint(ckpt)
+    opt.engine.clear_faults(1)
+    assert sorted(os.listdir(ckpt)) == saved
+    opt.close()
+    other = make_model()
+    opt = wrap(other, tier_dirs(tmp_path, prefix="other"))
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert_equal(params_of(other), want, "the previous checkpoint")
+    opt.close()
+
+
+def test_checkpoint_paths_and_manifests_that_are_wrong_are_named(tmp_path):
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path))
+    backward(model, 0)
+    opt.step()
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(b"")
+    with pytest.raises(errors.ConfigError, match="a_file is not a directory"):
+        opt.load_checkpoint(a_file)
+    with pytest.raises(errors.OffloadError, match="a_file"):
+        opt.save_checkpoint(a_file)
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    with pytest.raises(errors.TierNotFoundError, match="no_dir/w.safetensors"):
+        mlp_offload_export(ckpt, tmp_path / "no_dir" / "w.safetensors")
+    with pytest.raises(errors.ConfigError, match="non-empty strings"):
+        mlp_offload_export(ckpt, tmp_path / "w.safetensors", names=list(range(8)))
+    path = ckpt / "manifest.rank0.json"
+    good = json.loads(path.read_text())
+    from mlp_offload import checkpoint
+    for change, match in [(lambda m: m.pop("layout"), "no 'layout'"),
+                          (lambda m: m.pop("python_state"), "'python_state' must name"),
+                          (lambda m: m.update(engine_dir="../elsewhere"), "'engine_dir' must"),
+                          (lambda m: m["layout"].update(subgroups=[[99]]),
+                           "'layout.subgroups' must")]:
+        m = json.loads(json.dumps(good))
+        change(m)
+        m["checksum"] = checkpoint.manifest_checksum(m)  # hand-edited, consistently
+        path.write_text(json.dumps(m))
+        with pytest.raises(errors.CorruptStateError, match=match):
+            opt.load_checkpoint(ckpt)
+    opt.close()
+
+
+def mlp_offload_export(ckpt, out, **kwargs):
+    from mlp_offload import checkpoint
+    return checkpoint.export_master_weights(ckpt, out, **kwargs)
+
+
+def test_truncated_state_and_a_tier_under_a_file_are_named(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(b"")
+    with pytest.raises(errors.TierNotFoundError, match="Not a directory"):
+        wrap(make_model(), [str(a_file / "tier")])
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = wrap(model, tiers, run_name="r", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    opt.close()
+    state = os.path.join(tiers[0], "r.r0", "sg_0.state")
+    os.truncate(state, 100)
+    with pytest.raises(errors.CorruptStateError, match=r"sg_0.state.*truncated state of subgroup 0"):
+        opt = wrap(make_model(), tiers, run_name="r", commit_every=1, resume="require")
+        opt.state_dict()

@@ -1,13 +1,20 @@
 // Errno and context helpers for absl::Status.
 #include "mlp_offload/base/status_macros.h"
 
+#include <cerrno>
+#include <cstring>
+
 #include "absl/status/status.h"
 
 namespace mlp_offload {
 
 absl::Status ErrnoStatus(int errno_value, absl::string_view operation,
                          absl::string_view object) {
-  absl::StatusCode code = absl::ErrnoToStatusCode(errno_value);
+  // A path through something that is not a directory does not exist as a
+  // path (absl calls ENOTDIR a failed precondition).
+  absl::StatusCode code = errno_value == ENOTDIR
+                              ? absl::StatusCode::kNotFound
+                              : absl::ErrnoToStatusCode(errno_value);
   return absl::Status(code, absl::StrCat(operation, " ", object, ": ",
                                          std::strerror(errno_value)));
 }

@@ -61,6 +61,10 @@ def read_manifest(directory, rank, prev=False, missing_ok=False):
             return None
         raise StateMismatchError(f"no checkpoint for rank {rank} in {directory} "
                                  f"({os.path.basename(path)} is missing)") from None
+    except NotADirectoryError:
+        raise ConfigError(f"checkpoint directory {directory} is not a directory") from None
+    except OSError as e:
+        raise _recovery.os_error_to_tier_error(e, "read a checkpoint manifest", path) from e
     if not isinstance(manifest, dict):
         raise CorruptStateError(f"checkpoint manifest {path} is corrupt: not an object")
     # Checked first, so a damaged format or version field reads as damage.
@@ -73,7 +77,41 @@ def read_manifest(directory, rank, prev=False, missing_ok=False):
     if manifest.get("version") not in (1, CHECKPOINT_VERSION):
         raise StateMismatchError(f"{path} has checkpoint version {manifest.get('version')}, "
                                  f"expected {CHECKPOINT_VERSION}")
+    problem = _schema_problem(manifest)
+    if problem:
+        raise CorruptStateError(f"checkpoint manifest {path} is corrupt: {problem}")
     return manifest
+
+
+def _file_name(value):
+    """Whether `value` names an entry of the checkpoint directory itself."""
+    return isinstance(value, str) and value not in ("", ".", "..") \
+        and os.path.basename(value) == value
+
+
+def _schema_problem(m):
+    """What is missing or malformed in a manifest whose checksum holds (a
+    hand-edited or foreign file), or None."""
+    if not _file_name(m.get("python_state")):
+        return "'python_state' must name a file of the checkpoint directory"
+    if m.get("engine_dir") is not None and not _file_name(m["engine_dir"]):
+        return "'engine_dir' must name a directory of the checkpoint directory"
+    layout = m.get("layout")
+    if not isinstance(layout, dict):
+        return "no 'layout'"
+    shapes, subgroups = layout.get("param_shapes"), layout.get("subgroups")
+    if not isinstance(shapes, list) or not all(
+            isinstance(sh, list) and all(isinstance(d, int) and d >= 0 for d in sh)
+            for sh in shapes):
+        return "'layout.param_shapes' must be a list of shapes"
+    if not isinstance(subgroups, list) or not all(
+            isinstance(sg, list) and all(isinstance(p, int) and 0 <= p < len(shapes)
+                                         for p in sg) for sg in subgroups):
+        return "'layout.subgroups' must be lists of parameter indices"
+    world = layout.get("world_size", 1)
+    if not isinstance(world, int) or world < 1:
+        return "'layout.world_size' must be a positive integer"
+    return None
 
 
 def save_key(manifest):
@@ -233,6 +271,8 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
     names = [f"param.{i}" for i in range(len(shapes))] if names is None else list(names)
     if len(names) != len(shapes):
         raise ConfigError(f"{len(names)} names for the checkpoint's {len(shapes)} parameters")
+    if not all(isinstance(n, str) and n for n in names):
+        raise ConfigError("parameter names must be non-empty strings")
     if len(set(names)) != len(names) or "__metadata__" in names:
         raise ConfigError("parameter names must be distinct and not '__metadata__'")
     # The header fixes every tensor's place, so the data can follow in
@@ -257,5 +297,8 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
             flat = _read_masters(src, j, sg_shapes, verify_checksums).to(dtype)
             f.write(memoryview(flat.view(torch.uint8).numpy()))
 
-    _recovery.write_file_atomically(out, write, mode=0o644)
+    try:
+        _recovery.write_file_atomically(out, write, mode=0o644)
+    except OSError as e:
+        raise _recovery.os_error_to_tier_error(e, "write the exported weights", out) from e
     return out

@@ -107,29 +107,10 @@ def _copy_state(state):
             for k, v in state.items()}
 
 
-def _atomic_write_bytes(path, data):
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _torch_save_bytes(obj):
     buf = _io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class MLPOffloadOptimizer(torch.optim.Optimizer):
@@ -1334,7 +1315,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         loads the previous save.
         """
         directory = os.fspath(directory)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise _recovery.os_error_to_tier_error(
+                e, "create the checkpoint directory", directory) from e
+        if not os.path.isdir(directory):
+            raise ConfigError(f"checkpoint directory {directory} is not a directory")
         self._refresh_hyperparams()
         self._ensure_initialized()
         save_id = uuid.uuid4().hex
@@ -1344,9 +1331,44 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                                     group=self._group)
             save_id = ids[0]
         old = self._read_manifest(directory, missing_ok=True)
+        self._remove_failed_saves(directory, old)
         tag = f"r{self._rank}-{uuid.uuid4().hex[:12]}"
         engine_dir = f"engine-{tag}"
         python_file = f"python-{tag}.pt"
+        try:
+            self._write_save(directory, save_id, old, engine_dir, python_file)
+        except BaseException as exc:
+            # Until its manifest names them, this attempt's files are no
+            # save's: removed, so that a full disk does not stay full.
+            if self._read_manifest_save_id(directory) != save_id:
+                _remove_entries(directory, [n for n in os.listdir(directory)
+                                            if n.startswith((engine_dir, python_file))])
+            if isinstance(exc, OSError):
+                raise _recovery.os_error_to_tier_error(
+                    exc, "save a checkpoint", directory) from exc
+            raise
+        if self._group is not None:
+            torch.distributed.barrier(group=self._group)
+        # Every rank has the new save: this rank's earlier ones are garbage.
+        try:
+            os.remove(self._manifest_path(directory, prev=True))
+        except FileNotFoundError:
+            pass
+        mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
+        _remove_entries(directory, [name for name in os.listdir(directory)
+                                    if name.startswith(mine)
+                                    and name not in (engine_dir, python_file)])
+        if self._rank == 0:
+            # A save by more ranks before: their files are no save's now
+            # (manifests first, so none is left naming removed files).
+            stale = sorted((name for name in os.listdir(directory)
+                            if (m := _RANK_FILE.match(name)) and int(m.group(2)) >= self._world),
+                           key=lambda name: not name.startswith("manifest."))
+            _remove_entries(directory, stale)
+
+    def _write_save(self, directory, save_id, old, engine_dir, python_file):
+        """This rank's part of a save: its engine's records, its Python
+        state, then its manifest (the previous one kept as .prev)."""
         if self._engine is not None:
             self._engine.save_checkpoint(os.path.join(directory, engine_dir))
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
@@ -1370,29 +1392,38 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         manifest["checksum"] = _ckpt.manifest_checksum(manifest)
         if old is not None:
             # Kept until every rank has its new manifest (see load).
-            _atomic_write_bytes(self._manifest_path(directory, prev=True),
-                                json.dumps(old, indent=1).encode())
-        _atomic_write_bytes(self._manifest_path(directory),
-                            json.dumps(manifest, indent=1).encode())
-        _fsync_dir(directory)
-        if self._group is not None:
-            torch.distributed.barrier(group=self._group)
-        # Every rank has the new save: this rank's earlier ones are garbage.
+            _recovery.write_file_atomically(self._manifest_path(directory, prev=True),
+                                            json.dumps(old, indent=1).encode())
+        _recovery.write_file_atomically(self._manifest_path(directory),
+                                        json.dumps(manifest, indent=1).encode())
+
+    def _read_manifest_save_id(self, directory):
         try:
-            os.remove(self._manifest_path(directory, prev=True))
-        except FileNotFoundError:
-            pass
+            m = self._read_manifest(directory, missing_ok=True)
+        except OffloadError:
+            return None
+        return None if m is None else m.get("save_id")
+
+    def _remove_failed_saves(self, directory, current):
+        """Removes what earlier saves of this rank that failed or were killed
+        left in `directory`: its files that neither its manifest nor its
+        previous one names, and the manifests' temporary files."""
+        keep = set()
+        try:
+            previous = self._read_manifest(directory, missing_ok=True, prev=True)
+        except OffloadError:
+            previous = None  # a damaged .prev names nothing worth keeping
+        for m in (current, previous):
+            if m is not None:
+                for name in (m.get("engine_dir"), m.get("python_state")):
+                    if name:
+                        keep.update((name, name + ".old"))
         mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
-        _remove_entries(directory, [name for name in os.listdir(directory)
-                                    if name.startswith(mine)
-                                    and name not in (engine_dir, python_file)])
-        if self._rank == 0:
-            # A save by more ranks before: their files are no save's now
-            # (manifests first, so none is left naming removed files).
-            stale = sorted((name for name in os.listdir(directory)
-                            if (m := _RANK_FILE.match(name)) and int(m.group(2)) >= self._world),
-                           key=lambda name: not name.startswith("manifest."))
-            _remove_entries(directory, stale)
+        manifests = tuple(os.path.basename(self._manifest_path(directory, prev=p)) + ".tmp-"
+                          for p in (False, True))
+        _remove_entries(directory, [n for n in os.listdir(directory)
+                                    if (n.startswith(mine) and n not in keep)
+                                    or n.startswith(manifests)])
 
     def _read_manifest(self, directory, missing_ok=False, prev=False):
         return _ckpt.read_manifest(directory, self._rank, prev=prev, missing_ok=missing_ok)
@@ -1422,8 +1453,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # This rank finished a save that another did not: back to the one
         # before, for good (the next save must not keep the unfinished one).
         manifest = saves[common.pop()][0]
-        _atomic_write_bytes(self._manifest_path(directory),
-                            json.dumps(manifest, indent=1).encode())
+        _recovery.write_file_atomically(self._manifest_path(directory),
+                                        json.dumps(manifest, indent=1).encode())
         return manifest, None
 
     def _gather(self, obj):
