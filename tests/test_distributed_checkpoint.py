@@ -94,19 +94,19 @@ def checkpoint_worker(rank, tiers, ckpt, phase):
     if phase == 1:
         if rank == 1:
             import mlp_offload.optimizer as impl
-            write = impl._atomic_write_bytes
+            write = impl._recovery.write_file_atomically
             mine = os.path.join(ckpt, "manifest.rank1.json")
             theirs = os.path.join(ckpt, "manifest.rank0.json")
             first = open(theirs, "rb").read()
 
-            def die_before_manifest(path, data):
+            def die_before_manifest(path, data, **kwargs):
                 if path == mine:
                     # Rank 0's new manifest is in: die before ours.
                     while open(theirs, "rb").read() == first:
                         time.sleep(0.01)
                     os._exit(17)
-                write(path, data)
-            impl._atomic_write_bytes = die_before_manifest
+                write(path, data, **kwargs)
+            impl._recovery.write_file_atomically = die_before_manifest
         opt.save_checkpoint(ckpt)  # rank 0 waits in its barrier until killed
         raise AssertionError("the save should not finish")
     assert_params_match(model, ref, rank)
