@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+import torch.optim.optimizer as _optim_module
 
 from mlp_offload import MLPOffloadOptimizer, errors
 
@@ -417,6 +418,67 @@ def test_close_removes_the_run_directories(tmp_path):
     assert all(len(runs(t)) == 1 for t in tiers)
     opt.close()
     assert all(len(runs(t)) == 0 for t in tiers)
+    # Its state is gone: using it says so (step() used to do nothing).
+    for use in (opt.step, opt.state_dict, lambda: opt.add_param_group({"params": []}),
+                lambda: opt.save_checkpoint(tmp_path / "ckpt"),
+                lambda: opt.load_state_dict({}), lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(errors.OffloadError, match="was closed"):
+            use()
+    opt.close()  # closing twice is fine
+
+
+def test_a_refused_state_dict_changes_nothing(tmp_path):
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tmp_path, subgroup_numel=600)
+    loss_of(model, 0).backward()
+    opt.step()
+    before = opt.state_dict()
+    # Parameters 2 and 3 share a subgroup: different step counts are refused
+    # once the other parameters' state has been seen.
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0]["lr"] = 0.5
+    bad["state"][0]["exp_avg"].fill_(123.0)
+    bad["state"][3]["step"] = torch.tensor(7.0)
+    with pytest.raises(errors.StateMismatchError, match="different step counts"):
+        opt.load_state_dict(bad)
+    # An amsgrad state into a wrapper created without it (one more array).
+    ams = copy.deepcopy(before)
+    ams["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(errors.ConfigError, match="state arrays"):
+        opt.load_state_dict(ams)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert opt.param_groups[0]["lr"] == 1e-2 and not opt.param_groups[0]["amsgrad"]
+    for pid, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][pid][k], v), (pid, k)
+    opt.close()
+
+
+def test_generic_path_fires_the_step_hooks_once_per_step(tmp_path):
+    model = make_model()
+    inner = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    opt = wrap(inner, tmp_path, subgroup_numel=100)
+    assert len(opt.subgroups) > 2
+    calls = []
+    handles = [_optim_module.register_optimizer_step_post_hook(
+                   lambda o, a, k: calls.append(("global", type(o).__name__))),
+               opt.register_step_post_hook(lambda o, a, k: calls.append(("wrapper",))),
+               inner.register_step_post_hook(lambda o, a, k: calls.append(("inner",)))]
+    try:
+        loss_of(model, 0).backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(calls) == [("global", "MLPOffloadOptimizer"), ("wrapper",)]
+    opt.close()
+
+
+def test_an_optimizer_that_needs_the_closure_is_refused(tmp_path):
+    model = make_model()
+    with pytest.raises(errors.ConfigError, match=r"LBFGS.step\(\) failed on a probe.*closure"):
+        wrap(torch.optim.LBFGS(model.parameters()), tmp_path)
 
 
 @pytest.mark.parametrize("slots,mode,suffixes", [

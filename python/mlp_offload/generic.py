@@ -60,13 +60,30 @@ def discover_state_keys(optimizer, group_index):
     keys = []
     for _ in range(_PROBE_STEPS):
         probe.grad = torch.randn(_PROBE_SHAPE, generator=gen)
-        throwaway.step()
+        try:
+            step_without_hooks(throwaway)
+        except Exception as e:  # noqa: BLE001 - user code: say what it means
+            raise ConfigError(
+                f"{cls.__name__}.step() failed on a probe parameter ({type(e).__name__}: "
+                f"{e}): the generic path runs the optimizer's step() without a closure, "
+                f"one subgroup at a time, so an optimizer that needs the closure or "
+                f"all parameters at once (LBFGS) cannot be offloaded") from e
         for key, value in throwaway.state.get(probe, {}).items():
             if (isinstance(value, torch.Tensor) and tuple(value.shape) == _PROBE_SHAPE
                     and value.is_floating_point() and key not in keys):
                 keys.append(key)
     _log.debug("%s (group %d): offloaded state keys %s", cls.__name__, group_index, keys)
     return keys
+
+
+def step_without_hooks(optimizer):
+    """optimizer.step() without torch's step hooks (global and per instance):
+    the wrapper steps it once per subgroup, and the wrapper's own step is the
+    one the hooks are for."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return step.__wrapped__(optimizer)  # torch's profile_hook_step wrapper
+    return optimizer.step()
 
 
 @contextlib.contextmanager
@@ -115,7 +132,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
         temps.append(t)
     try:
         with only_params(optimizer, subgroup.group, temps), torch.no_grad():
-            optimizer.step()
+            step_without_hooks(optimizer)
         for t, (p, pid, off, n) in zip(temps, subgroup.slices()):
             st = optimizer.state.get(t, {})
             target = master[off:off + n].view(p.shape)

@@ -286,6 +286,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         self._engine = None
         self._finalizer = None
+        self._closed = False
         self.last_step_stats = None
         self._grad_hooks = []
         self._grad_readiness = None  # layout.GradReadiness of the hooks
@@ -546,8 +547,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # changes through .data and GradScaler.unscale_ (it bumps none).
         self._grad_fingerprint[g] = self._engine.gradient_fingerprint(self._local[g], segs)
 
+    def _check_open(self):
+        if self._closed:
+            raise OffloadError("this MLPOffloadOptimizer was closed: its state is gone "
+                               "from memory (save_checkpoint before close to keep it)")
+
     def close(self):
-        """Flushes and releases the engine (and its tier directories)."""
+        """Flushes and releases the engine (and its tier directories); any
+        later use of the optimizer raises OffloadError."""
+        self._closed = True
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
@@ -566,6 +574,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         before the gradients were copied, and the clip is applied inside the
         next step's update; the gradients themselves are left unchanged.
         """
+        self._check_open()
         if self._staging is None:
             return torch.nn.utils.clip_grad_norm_(
                 [p for g in self.param_groups for p in g["params"]], max_norm)
@@ -593,6 +602,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if getattr(self, "_in_super_init", False):
             return super().add_param_group(param_group)
+        self._check_open()
         if self._failed_step is not None:
             raise OffloadError(
                 "a step failed part-way and is pending: call step() again to complete it "
@@ -681,6 +691,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1131,19 +1142,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                for pid in sg.param_ids}
         return self._pid_to_sg[pid]
 
-    def _write_states(self, states, masters=None):
+    def _write_states(self, states, masters=None, check_only=False):
         """Writes {param index: torch-format state} into the engine.
 
         Parameters of one subgroup must agree on their step count; a subgroup
         none of whose parameters has state is reset to the initial state.
         The master copy is taken from `masters` ({param index: fp32 values})
         where it has the parameter, else from the current parameter values.
+        With `check_only`, raises what writing would raise and writes nothing.
         """
         self._refresh_hyperparams()
         for g in self._owned:
             sg = self._subgroups[g]
             present = [pid in states for pid in sg.param_ids]
-            master = _layout.flat_fp32(sg.params)
+            if check_only and not all(present):
+                if any(present):
+                    missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
+                    raise StateMismatchError(
+                        f"parameters {missing} have no state while others of their "
+                        f"subgroup {g} do; their state is stored together")
+                continue
+            master = None if check_only else _layout.flat_fp32(sg.params)
             if masters:
                 for _, pid, off, n in sg.slices():
                     if pid in masters:
@@ -1161,8 +1180,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise StateMismatchError(
                     f"parameters {missing} have no state while others of their subgroup "
                     f"{g} do; their state is stored together")
-            arrays = [torch.zeros(sg.numel, dtype=torch.float32)
-                      for _ in range(self._num_arrays)]
+            arrays = [] if check_only else [torch.zeros(sg.numel, dtype=torch.float32)
+                                             for _ in range(self._num_arrays)]
             steps = set()
             for p, pid, off, n in sg.slices():
                 st = states[pid]
@@ -1178,10 +1197,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     keys = names
                 else:
                     keys = self._keys[sg.group]
-                    self._py_state[pid] = _copy_state(
-                        {k: v for k, v in st.items() if k not in keys})
-                    self._has_state[pid] = True
-                for k, arr in zip(keys, arrays):
+                    if not check_only:
+                        self._py_state[pid] = _copy_state(
+                            {k: v for k, v in st.items() if k not in keys})
+                        self._has_state[pid] = True
+                for ki, k in enumerate(keys[:self._num_arrays]):
                     value = st.get(k)
                     if value is None:
                         if self._family is not None and _hp.has_step_key(
@@ -1194,7 +1214,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                             f"state '{k}' of parameter {pid} has "
                             f"{getattr(value, 'numel', lambda: '?')()} elements, the "
                             f"parameter {n}")
-                    arr[off:off + n].copy_(value.detach().reshape(-1))
+                    if not check_only:
+                        arrays[ki][off:off + n].copy_(value.detach().reshape(-1))
             if self._family is not None:
                 if len(steps) != 1:
                     raise StateMismatchError(
@@ -1203,6 +1224,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 step = steps.pop()
             else:
                 step = 1
+            if check_only:
+                continue
             self._engine.write_subgroup(self._local[g], master.data_ptr(),
                                         [a.data_ptr() for a in arrays], step)
 
@@ -1213,6 +1236,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         rank gets the whole state, or with state_dict_type="sharded" its own
         parameters' state and a "mlp_offload_shard" entry naming the rank.
         """
+        self._check_open()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if len(self.optimizer.state) > 0:
@@ -1236,6 +1260,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         The state stays on the host and moves into the engine; the master
         copy is taken from the parameters' current values.
         """
+        self._check_open()
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -1274,13 +1299,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"parameter {shapes[pid]}")
             states[pid] = st
         # Hyperparameters through the wrapped optimizer (torch's own rules);
-        # its param_groups list is replaced, so re-share it.
+        # its param_groups list is replaced, so re-share it. All-or-nothing:
+        # a state dict refused here leaves the optimizer as it was.
+        previous = self.optimizer.param_groups
         self.optimizer.load_state_dict({"state": {}, "param_groups": saved_groups})
         self.optimizer.state.clear()
         self.param_groups = self.optimizer.param_groups
-        if self._family is not None:
-            _hp.check_options(self.optimizer, self._family)
-        self._refresh_hyperparams()
+        try:
+            if self._family is not None:
+                _hp.check_options(self.optimizer, self._family)
+            self._refresh_hyperparams()
+            self._write_states(states, check_only=True)
+        except BaseException:
+            self.optimizer.param_groups = self.param_groups = previous
+            self._refresh_hyperparams()
+            raise
         if not self._initialized:
             self._ensure_initialized()
         self._write_states(states)
@@ -1314,6 +1347,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the save is interrupted on some rank, load_checkpoint on every rank
         loads the previous save.
         """
+        self._check_open()
         directory = os.fspath(directory)
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -1476,6 +1510,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         restore_params, the model's parameters are set from the
         checkpoint's master copy.
         """
+        self._check_open()
         directory = os.fspath(directory)
         view, error = None, None
         try:
