@@ -640,16 +640,16 @@ absl::Status InvalidField(absl::string_view field, absl::string_view why) {
 }
 
 // NaN fails every comparison, so `!(x >= 0)` also rejects NaN.
-absl::Status CheckNonNegative(absl::string_view field, float x) {
-  if (!(x >= 0.0f) || std::isinf(x)) {
+absl::Status CheckNonNegative(absl::string_view field, double x) {
+  if (!(x >= 0.0) || std::isinf(x)) {
     return InvalidField(field,
                         absl::StrCat("must be finite and >= 0, got ", x));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckBeta(absl::string_view field, float x) {
-  if (!(x >= 0.0f && x < 1.0f)) {
+absl::Status CheckBeta(absl::string_view field, double x) {
+  if (!(x >= 0.0 && x < 1.0)) {
     return InvalidField(field, absl::StrCat("must be in [0, 1), got ", x));
   }
   return absl::OkStatus();
@@ -680,41 +680,40 @@ UpdateArgs MakeArgs(const OptimizerHyperparams& hp, const UpdateSpans& spans,
       const double bc1 = hp.bias_correction ? 1.0 - std::pow(b1, step) : 1.0;
       const double bc2 = hp.bias_correction ? 1.0 - std::pow(b2, step) : 1.0;
       if (hp.kind == OptimizerKind::kAdam) {
-        a.l2_decay = hp.weight_decay;
+        a.l2_decay = static_cast<float>(hp.weight_decay);
       } else {
         a.param_decay = static_cast<float>(1.0 - lr * wd);
       }
       a.one_minus_beta1 = static_cast<float>(1.0 - b1);
-      a.beta2 = hp.beta2;
+      a.beta2 = static_cast<float>(b2);
       a.one_minus_beta2 = static_cast<float>(1.0 - b2);
       a.step_size = static_cast<float>(lr / bc1);
       a.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-      a.eps = hp.eps;
+      a.eps = static_cast<float>(hp.eps);
       a.amsgrad = hp.amsgrad;
       break;
     }
     case OptimizerKind::kSGD:
-      a.l2_decay = hp.weight_decay;
-      a.lr = hp.lr;
-      a.has_momentum = hp.momentum != 0.0f;
-      a.momentum = hp.momentum;
-      a.one_minus_dampening = static_cast<float>(1.0 - double{hp.dampening});
+      a.l2_decay = static_cast<float>(hp.weight_decay);
+      a.lr = static_cast<float>(hp.lr);
+      a.has_momentum = hp.momentum != 0.0;
+      a.momentum = static_cast<float>(hp.momentum);
+      a.one_minus_dampening = static_cast<float>(1.0 - hp.dampening);
       a.nesterov = hp.nesterov;
       a.first_step = hp.step == 1;
       break;
     case OptimizerKind::kAdagrad:
-      a.l2_decay = hp.weight_decay;
-      a.step_size =
-          static_cast<float>(lr / (1.0 + (step - 1.0) * double{hp.lr_decay}));
-      a.eps = hp.eps;
+      a.l2_decay = static_cast<float>(hp.weight_decay);
+      a.step_size = static_cast<float>(lr / (1.0 + (step - 1.0) * hp.lr_decay));
+      a.eps = static_cast<float>(hp.eps);
       break;
     case OptimizerKind::kLion:
       a.param_decay = static_cast<float>(1.0 - lr * wd);
-      a.lr = hp.lr;
-      a.beta1 = hp.beta1;
-      a.one_minus_beta1 = static_cast<float>(1.0 - double{hp.beta1});
-      a.beta2 = hp.beta2;
-      a.one_minus_beta2 = static_cast<float>(1.0 - double{hp.beta2});
+      a.lr = static_cast<float>(hp.lr);
+      a.beta1 = static_cast<float>(hp.beta1);
+      a.one_minus_beta1 = static_cast<float>(1.0 - hp.beta1);
+      a.beta2 = static_cast<float>(hp.beta2);
+      a.one_minus_beta2 = static_cast<float>(1.0 - hp.beta2);
       break;
   }
   return a;
@@ -803,7 +802,7 @@ absl::Status ValidateHyperparams(const OptimizerHyperparams& hp) {
       if (!std::isfinite(hp.dampening)) {
         return InvalidField("dampening", "must be finite");
       }
-      if (hp.nesterov && (hp.momentum <= 0.0f || hp.dampening != 0.0f)) {
+      if (hp.nesterov && (hp.momentum <= 0.0 || hp.dampening != 0.0)) {
         return InvalidField("nesterov",
                             "requires momentum > 0 and zero dampening");
       }
@@ -829,7 +828,7 @@ int NumStateArrays(const OptimizerHyperparams& hp) {
     case OptimizerKind::kAdamW:
       return hp.amsgrad ? 3 : 2;
     case OptimizerKind::kSGD:
-      return hp.momentum != 0.0f ? 1 : 0;
+      return hp.momentum != 0.0 ? 1 : 0;
     case OptimizerKind::kAdagrad:
     case OptimizerKind::kLion:
       return 1;
@@ -859,8 +858,9 @@ const char* StateArrayName(const OptimizerHyperparams& hp, int index) {
 void InitState(const OptimizerHyperparams& hp, float* const state[3], size_t n,
                ThreadPool* pool) {
   const int num_arrays = NumStateArrays(hp);
-  const float value =
-      hp.kind == OptimizerKind::kAdagrad ? hp.initial_accumulator_value : 0.0f;
+  const float value = hp.kind == OptimizerKind::kAdagrad
+                          ? static_cast<float>(hp.initial_accumulator_value)
+                          : 0.0f;
   // Filled chunk by chunk on the pool so that first touch spreads the pages
   // the way the update will read them.
   ForEachChunk(n, pool, [&](size_t c) {

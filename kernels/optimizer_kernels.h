@@ -41,25 +41,28 @@ const char* OptimizerKindName(OptimizerKind kind);
 absl::StatusOr<OptimizerKind> ParseOptimizerKind(absl::string_view name);
 
 // Hyperparameters of one update. Fields not used by `kind` are ignored.
+// Double, as torch's Python floats: the kernels' fp32 coefficients (1 - beta2,
+// the bias corrections, lr / bias_correction1) are derived in double first,
+// so they round as torch's do (1 - float(0.999) is 1.3e-5 off 0.001).
 struct OptimizerHyperparams {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  float lr = 1e-3f;
-  float weight_decay =
-      0.0f;  // L2 for Adam/SGD/Adagrad; decoupled for AdamW/Lion
+  double lr = 1e-3;
+  double weight_decay =
+      0.0;  // L2 for Adam/SGD/Adagrad; decoupled for AdamW/Lion
   bool maximize = false;
   // Adam, AdamW, Lion (Lion uses beta1 for the update, beta2 for the moment).
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;  // also Adagrad's eps
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;  // also Adagrad's eps
   bool amsgrad = false;
   bool bias_correction = true;
   // SGD.
-  float momentum = 0.0f;
-  float dampening = 0.0f;
+  double momentum = 0.0;
+  double dampening = 0.0;
   bool nesterov = false;
   // Adagrad.
-  float lr_decay = 0.0f;
-  float initial_accumulator_value = 0.0f;
+  double lr_decay = 0.0;
+  double initial_accumulator_value = 0.0;
   // 1-based count of updates applied to this state, this one included (what
   // torch keeps in state["step"] after incrementing it). SGD with momentum
   // initialises its buffer from the gradient when step == 1.

@@ -59,7 +59,8 @@ def assert_same_state(sd, ref_sd):
             got = sd["state"][i][k]
             if isinstance(v, torch.Tensor):
                 assert got.device.type == "cpu"
-                assert torch.allclose(got.float(), v.float(), rtol=1e-5, atol=1e-7), (i, k)
+                # fp32 rounding apart (the coefficients round as torch's do)
+                assert torch.allclose(got.float(), v.float(), rtol=2e-6, atol=1e-9), (i, k)
             else:
                 assert got == v
     strip = lambda groups: [{k: v for k, v in g.items()} for g in groups]

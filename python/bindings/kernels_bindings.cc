@@ -70,37 +70,37 @@ absl::StatusOr<OptimizerHyperparams> HyperparamsFromDict(const py::dict& dict) {
                            CastField<std::string>(key, value));
       MLP_ASSIGN_OR_RETURN(hp.kind, ParseOptimizerKind(name));
     } else if (key == "lr") {
-      MLP_ASSIGN_OR_RETURN(hp.lr, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.lr, CastField<double>(key, value));
     } else if (key == "weight_decay") {
-      MLP_ASSIGN_OR_RETURN(hp.weight_decay, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.weight_decay, CastField<double>(key, value));
     } else if (key == "maximize") {
       MLP_ASSIGN_OR_RETURN(hp.maximize, CastField<bool>(key, value));
     } else if (key == "betas") {
       MLP_ASSIGN_OR_RETURN(const auto betas,
-                           (CastField<std::pair<float, float>>(key, value)));
+                           (CastField<std::pair<double, double>>(key, value)));
       hp.beta1 = betas.first;
       hp.beta2 = betas.second;
     } else if (key == "beta1") {
-      MLP_ASSIGN_OR_RETURN(hp.beta1, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.beta1, CastField<double>(key, value));
     } else if (key == "beta2") {
-      MLP_ASSIGN_OR_RETURN(hp.beta2, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.beta2, CastField<double>(key, value));
     } else if (key == "eps") {
-      MLP_ASSIGN_OR_RETURN(hp.eps, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.eps, CastField<double>(key, value));
     } else if (key == "amsgrad") {
       MLP_ASSIGN_OR_RETURN(hp.amsgrad, CastField<bool>(key, value));
     } else if (key == "bias_correction") {
       MLP_ASSIGN_OR_RETURN(hp.bias_correction, CastField<bool>(key, value));
     } else if (key == "momentum") {
-      MLP_ASSIGN_OR_RETURN(hp.momentum, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.momentum, CastField<double>(key, value));
     } else if (key == "dampening") {
-      MLP_ASSIGN_OR_RETURN(hp.dampening, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.dampening, CastField<double>(key, value));
     } else if (key == "nesterov") {
       MLP_ASSIGN_OR_RETURN(hp.nesterov, CastField<bool>(key, value));
     } else if (key == "lr_decay") {
-      MLP_ASSIGN_OR_RETURN(hp.lr_decay, CastField<float>(key, value));
+      MLP_ASSIGN_OR_RETURN(hp.lr_decay, CastField<double>(key, value));
     } else if (key == "initial_accumulator_value") {
       MLP_ASSIGN_OR_RETURN(hp.initial_accumulator_value,
-                           CastField<float>(key, value));
+                           CastField<double>(key, value));
     } else if (key == "step") {
       MLP_ASSIGN_OR_RETURN(hp.step, CastField<int64_t>(key, value));
     } else {
