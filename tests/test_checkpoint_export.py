@@ -118,16 +118,22 @@ def test_export_default_names_and_bad_arguments(saved):
         mlp_offload.master_weights(str(saved["tmp"] / "nothing"))
 
 
-def test_a_damaged_record_is_refused_and_nothing_is_written(saved, tmp_path):
+def copy_with_a_flipped_byte(saved, tmp_path, record, offset):
+    """A copy of the saved checkpoint with one bit flipped in `record` at
+    `offset` (from the end if negative); returns its directory."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved["ckpt"], ckpt)
     engine_dir = [d for d in os.listdir(ckpt) if d.startswith("engine-")][0]
-    record = os.path.join(ckpt, engine_dir, "sg_1.ckpt")
-    with open(record, "r+b") as f:
-        f.seek(4096 + 17)
+    with open(os.path.join(ckpt, engine_dir, record), "r+b") as f:
+        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
         byte = f.read(1)
-        f.seek(4096 + 17)
+        f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
+    return ckpt
+
+
+def test_a_damaged_record_is_refused_and_nothing_is_written(saved, tmp_path):
+    ckpt = copy_with_a_flipped_byte(saved, tmp_path, "sg_1.ckpt", 4096 + 17)
     with pytest.raises(CorruptStateError, match="sg_1.ckpt: payload checksum mismatch"):
         mlp_offload.master_weights(ckpt)
     out = str(tmp_path / "w.safetensors")
@@ -139,15 +145,7 @@ def test_a_damaged_record_is_refused_and_nothing_is_written(saved, tmp_path):
 def test_unverified_reads_take_the_weights_alone(saved, tmp_path):
     # A flipped byte in the last moment array: the checksum (over the whole
     # record) refuses it; unverified reads never read those bytes.
-    ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(saved["ckpt"], ckpt)
-    engine_dir = [d for d in os.listdir(ckpt) if d.startswith("engine-")][0]
-    record = os.path.join(ckpt, engine_dir, "sg_0.ckpt")
-    with open(record, "r+b") as f:
-        f.seek(-3, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-3, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0x40]))
+    ckpt = copy_with_a_flipped_byte(saved, tmp_path, "sg_0.ckpt", -3)
     with pytest.raises(CorruptStateError, match="sg_0.ckpt: payload checksum mismatch"):
         mlp_offload.master_weights(ckpt)
     got = mlp_offload.master_weights(ckpt, verify_checksums=False)
