@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.optim.optimizer as _optim_module
 
-from mlp_offload import MLPOffloadOptimizer, errors
+from mlp_offload import MLPOffloadOptimizer, cuda_path, errors
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -256,16 +256,22 @@ def test_unscale_and_clip_grad_norm_before_step(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("mode", ["mlp", "baseline"])
 @pytest.mark.parametrize("change", ["unscale_", "data.mul_", "new tensor"])
-def test_gradients_changed_after_backward_are_the_ones_applied(tmp_path, mode, change):
-    # The baseline offloads gradients in backward's hooks; changes after that
-    # bump no version counter here (GradScaler.unscale_, .data) or start a
-    # new one (a new tensor), yet the step must apply the changed values.
+def test_gradients_changed_after_backward_are_the_ones_applied(tmp_path, monkeypatch, mode,
+                                                               change, staged):
+    # The baseline offloads gradients in backward's hooks, and the device
+    # path (staged: its bookkeeping run on CPU parameters) copies them there
+    # in every mode; changes after that bump no version counter here
+    # (GradScaler.unscale_, .data) or start a new one (a new tensor), yet
+    # the step must apply the changed values.
+    monkeypatch.setattr(cuda_path, "_STAGE_CPU_PARAMS", staged)
     ref = make_model()
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path, mode=mode)
+    assert (opt._staging is not None) == staged
     scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
     for step in range(3):
         for s, o, m in zip(scalers, (ref_opt, opt), (ref, model)):

@@ -18,8 +18,9 @@ The pinned buffers are the io layer's aligned buffers (O_DIRECT-ready),
 page-locked with cudaHostRegister through AlignedBuffer's hooks when the
 extension was built with --config=cuda; otherwise torch's pinned allocator
 provides them. Gradients changed on the device after their copy (clipping in
-place, accumulation, GradScaler.unscale_) are copied again at step time, so
-results never depend on when the hooks ran; `clip_grad_norm_` of the
+place, accumulation, GradScaler.unscale_, an all-reduce through .data, found
+by a fingerprint of their values when no version counter moved) are copied
+again at step time, so results never depend on when the hooks ran; `clip_grad_norm_` of the
 optimizer clips without touching the gradients, from the device statistics.
 
 With atomic_step (the default) a failed step must be undone: the H2D copy
@@ -58,6 +59,18 @@ _STAGE_CPU_PARAMS = False
 def wanted(device):
     """Whether parameters on `device` take the staged (device) path."""
     return device.type == "cuda" or (_STAGE_CPU_PARAMS and device.type == "cpu")
+
+
+def _fingerprint(grads):
+    """Per gradient its fp32 sum and L2 norm, on its device (no copy of it):
+    what tells a gradient changed in place without a version bump."""
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in grads])
+    return torch.cat([sums, torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))])
+
+
+def _differ(a, b):
+    """A 0-dim bool tensor: fingerprints a and b differ (NaN equals NaN)."""
+    return ((a != b) & ~(a.isnan() & b.isnan())).any()
 
 
 def _remove_handles(handles):
@@ -148,9 +161,11 @@ class DeviceStaging:
         self._sumsq = torch.zeros(n, dtype=torch.float32, device=self.device)
         self._bad = torch.zeros(n, dtype=torch.int32, device=self.device)
         self._staged = [None] * n       # gradient identity at its last copy
+        self._content = [None] * n      # and a fingerprint of its values
+        self._generation = [0] * n      # copies made so far
         self._d2h_done = [None] * n     # event: copy (and stats) finished
         self._d2h_timing = []           # (start, end) events since the last step
-        self._offloaded = [None] * n    # baseline: identity handed to the engine
+        self._offloaded = [None] * n    # baseline: generation handed to the engine
         self._readiness = None          # layout.GradReadiness of the hooks
         self._handles = []
         self._clip = None               # max_norm from clip_grad_norm_
@@ -221,6 +236,7 @@ class DeviceStaging:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
                 self._grad_stats(g, grads)
+                self._content[g] = _fingerprint(grads)
                 if g in self._owned:
                     host = self._grad_host[g]
                     for p, _, off, n in sg.slices():
@@ -233,11 +249,13 @@ class DeviceStaging:
             self._d2h_timing.append((start, done))
         else:
             self._grad_stats(g, grads)
+            self._content[g] = _fingerprint(grads)
             if g in self._owned:
                 host = self._grad_host[g]
                 for p, _, off, n in sg.slices():
                     host[off:off + n].copy_(p.grad.view(-1))
         self._staged[g] = self._identity(sg)
+        self._generation[g] += 1
         opt = self._opt()
         if opt is not None and g in self._owned and opt._initialized \
                 and not opt._techniques["delayed_grad_conversion"]:
@@ -263,12 +281,27 @@ class DeviceStaging:
 
     def refresh(self, force=False):
         """Stages again every subgroup whose gradients changed since their copy."""
+        same = []
         for sg in self._subgroups:
             ident = self._identity(sg)
             if ident is None:
                 raise OffloadError(f"subgroup {sg.index} has parameters without gradient")
             if force or self._staged[sg.index] != ident:
                 self._stage(sg.index)
+            else:
+                same.append(sg.index)
+        if same:
+            # Same tensors, same version counters: a change through .data
+            # (an all-reduce of p.grad.data, say) bumps neither, so the
+            # values are compared too, by their fingerprints (one sync).
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._d2h)
+            changed = torch.stack([
+                _differ(_fingerprint([p.grad for p in self._subgroups[g].params]),
+                        self._content[g]) for g in same]).tolist()
+            for g, c in zip(same, changed):
+                if c:
+                    self._stage(g)
         if self._readiness is not None:
             self._readiness.reset()
 
@@ -475,7 +508,7 @@ class DeviceStaging:
         """Baseline: hands the staged gradients to the engine (fp32 conversion
         and tier write) where backward did not already."""
         for g in opt._owned:
-            if self._offloaded[g] is None or self._offloaded[g] != self._staged[g]:
+            if self._offloaded[g] != self._generation[g]:
                 self._offload_one(opt, g)
 
     def _offload_one(self, opt, g):
@@ -486,4 +519,4 @@ class DeviceStaging:
         base, size = host.data_ptr(), host.element_size()
         segs = [(off, n, base + off * size, 0) for _, _, off, n in sg.slices()]
         opt._engine.offload_gradients(opt._local[g], segs)
-        self._offloaded[g] = self._staged[g]
+        self._offloaded[g] = self._generation[g]
