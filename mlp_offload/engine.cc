@@ -609,6 +609,12 @@ struct Engine::Impl {
     return s;
   }
 
+  // What Step and GradientsNonfinite check before touching anything.
+  absl::Status ValidateStepInputs(
+      const std::vector<SubgroupStepInput>& inputs) const;
+  bool AnyGradientNonfinite(const std::vector<SubgroupStepInput>& inputs,
+                            float grad_scale);
+
   void ResetStats() {
     stats = StepStats();
     stats.bytes_read.assign(tiers.size(), 0);
@@ -1425,9 +1431,9 @@ void Engine::AbortStep() {
   e.step_failed = true;
 }
 
-absl::StatusOr<StepStats> Engine::Step(
-    const std::vector<SubgroupStepInput>& inputs, const StepOptions& options) {
-  Impl& e = *impl_;
+absl::Status Engine::Impl::ValidateStepInputs(
+    const std::vector<SubgroupStepInput>& inputs) const {
+  const Impl& e = *this;
   if (static_cast<int>(inputs.size()) != e.n()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Step: ", inputs.size(), " inputs for ", e.n(), " subgroups"));
@@ -1465,32 +1471,54 @@ absl::StatusOr<StepStats> Engine::Step(
                        " elements of subgroup ", i));
     }
   }
+  return absl::OkStatus();
+}
+
+bool Engine::Impl::AnyGradientNonfinite(
+    const std::vector<SubgroupStepInput>& inputs, float grad_scale) {
+  Impl& e = *this;
+  for (int i = 0; i < e.n(); ++i) {
+    if (e.eager_grads()) {
+      if (e.grad_nonfinite[i]) return true;
+      continue;
+    }
+    if (inputs[i].skip) continue;
+    for (const Segment& seg : inputs[i].segments) {
+      if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel, grad_scale,
+                           &e.pool)
+              .nonfinite) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+absl::StatusOr<bool> Engine::GradientsNonfinite(
+    const std::vector<SubgroupStepInput>& inputs, float grad_scale) {
+  MLP_RETURN_IF_ERROR(impl_->ValidateStepInputs(inputs));
+  return impl_->AnyGradientNonfinite(inputs, grad_scale);
+}
+
+StepStats Engine::SkipStep() {
+  Impl& e = *impl_;
+  StepStats skipped = e.stats;
+  skipped.step = e.steps_done;
+  skipped.skipped = true;
+  std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+  e.ResetStats();
+  return skipped;
+}
+
+absl::StatusOr<StepStats> Engine::Step(
+    const std::vector<SubgroupStepInput>& inputs, const StepOptions& options) {
+  Impl& e = *impl_;
+  MLP_RETURN_IF_ERROR(e.ValidateStepInputs(inputs));
+  const int s_arrays = e.config.num_state_arrays;
   // Gradient check before anything is touched (GradScaler semantics).
-  if (options.skip_if_nonfinite) {
-    bool bad = false;
-    for (int i = 0; i < e.n() && !bad; ++i) {
-      if (e.eager_grads()) {
-        bad = e.grad_nonfinite[i];
-        continue;
-      }
-      if (inputs[i].skip) continue;
-      for (const Segment& seg : inputs[i].segments) {
-        if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel,
-                             options.grad_scale, &e.pool)
-                .nonfinite) {
-          bad = true;
-          break;
-        }
-      }
-    }
-    if (bad) {
-      StepStats skipped = e.stats;
-      skipped.step = e.steps_done;
-      skipped.skipped = true;
-      std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
-      e.ResetStats();
-      return skipped;
-    }
+  if (options.skip_if_nonfinite &&
+      e.AnyGradientNonfinite(inputs, options.grad_scale)) {
+    return SkipStep();
   }
   MLP_RETURN_IF_ERROR(BeginStep());
   GradTransform transform;

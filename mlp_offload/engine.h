@@ -181,6 +181,17 @@ class Engine {
   absl::StatusOr<StepStats> Step(const std::vector<SubgroupStepInput>& inputs,
                                  const StepOptions& options);
 
+  // Step's gradient check alone (inputs as for Step; the baseline uses the
+  // flags recorded by OffloadGradients): whether a gradient is NaN/Inf.
+  // Sharded runs agree on it across ranks before any of them updates, so
+  // that a NaN in one rank's subgroups skips the step on every rank.
+  absl::StatusOr<bool> GradientsNonfinite(
+      const std::vector<SubgroupStepInput>& inputs, float grad_scale);
+  // Skips this step as Step does on a non-finite gradient (nothing updated,
+  // the baseline's offloaded gradients dropped); returns the stats of the
+  // skipped step.
+  StepStats SkipStep();
+
   // The generic path: the caller updates each record itself.
   //   BeginStep(); while ((v = Next()) valid) { update v; Done(); } EndStep();
   // Next returns the subgroups in the plan's order, prefetched, with

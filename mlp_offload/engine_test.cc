@@ -1089,6 +1089,45 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   EXPECT_EQ(master, model.init[0]);
 }
 
+TEST(EngineTest, GradientCheckAloneAndSkipStepTouchNothing) {
+  // What sharded runs use: the check first (the ranks agree on it), then
+  // SkipStep on every rank if one found a NaN, else Step.
+  EngineConfig cfg = SmallConfig(1);
+  Model model(cfg.subgroup_numel, 4);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok());
+  Engine& e = **engine;
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  model.NewGrads(3);
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  auto bad = e.GradientsNonfinite(in, 1.0f);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_FALSE(*bad);
+  model.grads[2][5] = 0xFF80;  // bf16 -Inf
+  bad = e.GradientsNonfinite(in, 1.0f);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_TRUE(*bad);
+  std::vector<SubgroupStepInput> short_inputs(in.begin(), in.end() - 1);
+  EXPECT_EQ(e.GradientsNonfinite(short_inputs, 1.0f).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  StepStats skipped = e.SkipStep();
+  EXPECT_TRUE(skipped.skipped);
+  EXPECT_EQ(skipped.step, 0);
+  EXPECT_EQ(e.step(), 0);
+  const uint64_t n2 = cfg.subgroup_numel[2];
+  std::vector<float> master(n2), m(n2), v(n2);
+  int64_t step = -1;
+  ASSERT_TRUE(
+      e.ReadSubgroup(2, master.data(), {m.data(), v.data()}, &step).ok());
+  EXPECT_EQ(step, 0);
+  EXPECT_EQ(master, model.init[2]);
+  model.grads[2][5] = 0;  // the next step updates as usual
+  auto stats = e.Step(in, StepOptions());
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_FALSE(stats->skipped);
+  EXPECT_EQ(e.step(), 1);
+}
+
 TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
   EngineConfig cfg = SmallConfig(2);
   cfg.num_state_arrays = 3;  // room for amsgrad; plain AdamW uses two

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from mlp_offload import MLPOffloadOptimizer, cuda_path
-from mlp_offload.errors import OffloadError, StateMismatchError, TierIOError
+from mlp_offload.errors import (NonFiniteGradientError, OffloadError, StateMismatchError,
+                               TierIOError)
 from conftest import tier_dirs
 from distributed_util import (OPTIMIZERS, STEPS, WORLD, assert_params_match,
                                assert_states_match, load_reference, make_model,
@@ -174,13 +175,18 @@ def failing_step_worker(rank, tiers, atomic_step, fail_at, staged):
             assert "Input/output error" in msg, msg
             if fail_at == "step":
                 assert "optimizer step 3" in msg, msg
+        elif fail_at == "init":
+            # Before any rank updated (the gradient check every rank agrees
+            # on comes first): nothing to hold back.
+            assert "rank 1 failed: TierIOError" in msg, msg
+            assert "nothing was updated on any rank" in msg, msg
         else:
             assert "rank 1 failed: TierIOError" in msg and "held back" in msg, msg
         if atomic_step:
             # Rank 0's finished update is held back too: nobody sees half a step.
             for p, q in zip(model.parameters(), before):
                 assert torch.equal(p, q), (rank, attempt)
-    assert engine.steps == (done if rank == 1 else done + 1)
+    assert engine.steps == (done if rank == 1 or fail_at == "init" else done + 1)
     if rank == 1:
         engine.clear_faults(tier)
     opt.step()  # completes the step on rank 1, and rank 0 does not run it twice
@@ -198,3 +204,51 @@ def test_a_step_failing_on_one_rank_raises_on_every_rank_and_is_retried(
         tmp_path, atomic_step, fail_at, staged):
     # fail_at "init": rank 1 cannot write its initial state (the first step).
     spawn(failing_step_worker, tier_dirs(tmp_path), atomic_step, fail_at, staged)
+
+
+def nonfinite_worker(rank, tiers, path, mode, nonfinite):
+    cuda_path._STAGE_CPU_PARAMS = path == "staged"
+    make = OPTIMIZERS["rmsprop" if path == "generic" else "adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1, mode=mode, nonfinite=nonfinite)
+    assert (opt._staging is not None) == (path == "staged")
+    assert (opt._family is None) == (path == "generic")
+    pairs = ((ref_opt, ref), (opt, model))
+    train_same_batches(range(2), pairs)
+    engine = opt.engine
+    gen = torch.Generator().manual_seed(3000)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    # The same (all-reduced) gradients on both ranks, with a NaN in a
+    # subgroup that rank 1 owns: rank 0's own subgroups are all finite.
+    opt.subgroups[1].params[0].grad.view(-1)[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    if nonfinite == "raise":
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.last_step_stats["skipped"], (rank, opt.last_step_stats)
+    # Skipped on every rank: no rank updated its subgroups.
+    assert engine.steps == 2, (rank, engine.steps)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q), rank
+    # Training goes on in step with the plain optimizer (which never saw
+    # the bad gradients).
+    train_same_batches(range(2, 5), pairs)
+    assert engine.steps == 5
+    assert_params_match(model, ref, rank)
+    assert_states_match(opt.state_dict()["state"], ref_opt.state_dict()["state"], rank)
+    opt.close()
+
+
+@pytest.mark.parametrize("path,mode,nonfinite", [
+    ("native", "mlp", "skip"), ("native", "baseline", "raise"),
+    ("generic", "mlp", "skip"), ("staged", "mlp", "skip"), ("staged", "baseline", "raise")])
+def test_a_nonfinite_gradient_in_one_ranks_subgroups_skips_the_step_on_every_rank(
+        tmp_path, path, mode, nonfinite):
+    spawn(nonfinite_worker, tier_dirs(tmp_path), path, mode, nonfinite)

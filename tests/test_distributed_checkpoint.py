@@ -4,6 +4,7 @@ loaded on another number of ranks (resharded), their master weights read
 without an optimizer."""
 
 import copy
+import errno
 import os
 import shutil
 import time
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 import mlp_offload
 from mlp_offload import MLPOffloadOptimizer
-from mlp_offload.errors import OffloadError, StateMismatchError
+from mlp_offload.errors import OffloadError, StateMismatchError, TierFullError
 from conftest import tier_dirs
 from distributed_util import (OPTIMIZERS, WORLD, assert_params_match, assert_states_match,
                                load_reference, make_model, save_reference, spawn,
@@ -129,6 +130,58 @@ def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(t
     for r in range(WORLD):
         assert len([n for n in names if n.startswith(f"engine-r{r}-")]) == 1, names
         assert len([n for n in names if n.startswith(f"python-r{r}-")]) == 1, names
+
+
+def failing_save_worker(rank, tiers, ckpt):
+    """Rank 1's disk is full as it saves, twice in a row: both ranks raise,
+    rank 0 takes its part back, and the save before stays whole."""
+    import mlp_offload.optimizer as impl
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1)
+    pairs = ((ref_opt, ref), (opt, model))
+    train_same_batches(range(0, 2), pairs)
+    opt.save_checkpoint(ckpt)
+    saved, saved_sd = copy.deepcopy(ref), copy.deepcopy(ref_opt.state_dict())
+    dist.barrier()
+    names = sorted(os.listdir(ckpt))
+    write = impl._recovery.write_file_atomically
+
+    def full_disk(path, data, **kwargs):
+        if os.path.basename(path).startswith("python-r1-"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        write(path, data, **kwargs)
+    for attempt in range(2):
+        train_same_batches(range(2 + attempt, 3 + attempt), pairs)
+        if rank == 1:
+            impl._recovery.write_file_atomically = full_disk
+        with pytest.raises(OffloadError) as err:
+            opt.save_checkpoint(ckpt)
+        impl._recovery.write_file_atomically = write
+        msg = str(err.value)
+        if rank == 1:
+            assert isinstance(err.value, TierFullError), msg
+        else:
+            assert "rank 1 failed: TierFullError" in msg and "taken back" in msg, msg
+        dist.barrier()
+        # Every rank is where it was before the save.
+        assert sorted(os.listdir(ckpt)) == names, (rank, attempt, os.listdir(ckpt))
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert_params_match(model, saved, rank)
+    assert_states_match(opt.state_dict()["state"], saved_sd["state"], rank)
+    opt.save_checkpoint(ckpt)  # the disk has room again
+    dist.barrier()  # every rank's clean-up done
+    names = sorted(os.listdir(ckpt))
+    assert [n for n in names if n.startswith("manifest")] == [
+        "manifest.rank0.json", "manifest.rank1.json"], names
+    opt.close()
+
+
+def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_previous_save(tmp_path):
+    spawn(failing_save_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
 
 
 def failing_checkpoint_worker(rank, tiers, ckpt):

@@ -229,6 +229,36 @@ std::vector<Segment> SegmentsFromList(const py::list& list) {
   return out;
 }
 
+// step's inputs: hyperparams is a list of dicts; inputs[i] = (index into
+// hyperparams, segments[, skip]) for subgroup i.
+std::vector<SubgroupStepInput> StepInputsFromLists(const py::list& hyperparams,
+                                                   const py::list& inputs) {
+  std::vector<OptimizerHyperparams> hps;
+  for (py::handle h : hyperparams) hps.push_back(HyperparamsFromDict(h));
+  std::vector<SubgroupStepInput> in;
+  in.reserve(inputs.size());
+  for (py::handle item : inputs) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 2 && t.size() != 3) {
+      ThrowIfError(absl::InvalidArgumentError(
+          "step: each input is (hyperparameter index, segments[, "
+          "skip])"));
+    }
+    size_t h = t[0].cast<size_t>();
+    if (h >= hps.size()) {
+      ThrowIfError(absl::InvalidArgumentError(
+          absl::StrCat("step: hyperparameter index ", h, " out of range (",
+                       hps.size(), ")")));
+    }
+    SubgroupStepInput s;
+    s.hp = hps[h];
+    s.segments = SegmentsFromList(t[1].cast<py::list>());
+    if (t.size() == 3) s.skip = t[2].cast<bool>();
+    in.push_back(std::move(s));
+  }
+  return in;
+}
+
 py::dict StatsToDict(const StepStats& s) {
   py::dict d;
   d["step"] = s.step;
@@ -636,30 +666,8 @@ void RegisterEngineBindings(py::module_& parent) {
           [](PyEngine& e, const py::list& hyperparams, const py::list& inputs,
              const std::string& param_out_dtype, float grad_scale,
              bool skip_if_nonfinite) {
-            std::vector<OptimizerHyperparams> hps;
-            for (py::handle h : hyperparams)
-              hps.push_back(HyperparamsFromDict(h));
-            std::vector<SubgroupStepInput> in;
-            in.reserve(inputs.size());
-            for (py::handle item : inputs) {
-              auto t = item.cast<py::tuple>();
-              if (t.size() != 2 && t.size() != 3) {
-                ThrowIfError(absl::InvalidArgumentError(
-                    "step: each input is (hyperparameter index, segments[, "
-                    "skip])"));
-              }
-              size_t h = t[0].cast<size_t>();
-              if (h >= hps.size()) {
-                ThrowIfError(absl::InvalidArgumentError(
-                    absl::StrCat("step: hyperparameter index ", h,
-                                 " out of range (", hps.size(), ")")));
-              }
-              SubgroupStepInput s;
-              s.hp = hps[h];
-              s.segments = SegmentsFromList(t[1].cast<py::list>());
-              if (t.size() == 3) s.skip = t[2].cast<bool>();
-              in.push_back(std::move(s));
-            }
+            std::vector<SubgroupStepInput> in =
+                StepInputsFromLists(hyperparams, inputs);
             StepOptions options;
             options.param_out_dtype = DTypeFromName(param_out_dtype);
             options.grad_scale = grad_scale;
@@ -678,6 +686,29 @@ void RegisterEngineBindings(py::module_& parent) {
           "hyperparams, segments[, skip]) for subgroup i (skip: no gradient "
           "this "
           "step, the record is left as it is). Returns the step's stats dict.")
+      .def(
+          "gradients_nonfinite",
+          [](PyEngine& e, const py::list& hyperparams, const py::list& inputs,
+             float grad_scale) {
+            std::vector<SubgroupStepInput> in =
+                StepInputsFromLists(hyperparams, inputs);
+            Engine& engine = e.get();
+            absl::StatusOr<bool> bad;
+            {
+              py::gil_scoped_release release;
+              bad = engine.GradientsNonfinite(in, grad_scale);
+            }
+            return ValueOrThrow(std::move(bad));
+          },
+          py::arg("hyperparams"), py::arg("inputs"),
+          py::arg("grad_scale") = 1.0f,
+          "step's gradient check alone (same arguments): whether a gradient "
+          "is NaN/Inf. Touches no state.")
+      .def(
+          "skip_step",
+          [](PyEngine& e) { return StatsToDict(e.get().SkipStep()); },
+          "Skips the step as step() does on a non-finite gradient (another "
+          "rank's); returns its stats dict.")
       .def(
           "begin_step",
           [](PyEngine& e) {

@@ -329,19 +329,29 @@ class DeviceStaging:
 
     # ----------------------------------------------------------------- step
 
-    def step(self, grad_scale, skip_nonfinite, refresh_all=False):
-        """One update of this rank's subgroups; returns the stats dict."""
+    def grads_nonfinite(self):
+        """Whether a staged gradient is NaN/Inf (after refresh())."""
+        return self._nonfinite()
+
+    def skip_step(self):
+        """A step skipped for a NaN/Inf found before it: stats of the skip."""
+        self._d2h_timing = []
+        return {"pinning": self.pinning, "grad_stats": self.grad_stats, "skipped": True}
+
+    def step(self, grad_scale, skip_nonfinite, refresh_all=False, refreshed=False):
+        """One update of this rank's subgroups (refreshed: refresh() has run
+        since the gradients were last changed); returns the stats dict."""
         opt = self._opt()
         t_start = time.perf_counter()
-        self.refresh(force=refresh_all)
+        if not refreshed:
+            self.refresh(force=refresh_all)
         clip, self._clip = self._clip, None
         extra = {"pinning": self.pinning, "grad_stats": self.grad_stats}
         t = time.perf_counter()
         bad = skip_nonfinite and self._nonfinite()
         extra["grad_check_seconds"] = time.perf_counter() - t
         if bad:
-            self._d2h_timing = []
-            return dict(extra, skipped=True)
+            return dict(self.skip_step(), grad_check_seconds=extra["grad_check_seconds"])
         if clip is not None:
             # The norm of the unscaled gradients; the coefficient joins the
             # loss-scale factor, so the gradients are read once, in the kernel.

@@ -715,17 +715,38 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         skip_nonfinite = amp or self._nonfinite != "ignore"
 
         stats = before = failure = None
+        # Sharded: each rank sees only its subgroups' gradients, so the ranks
+        # agree on the check before any of them updates (a NaN in one rank's
+        # subgroups skips the step on every rank).
+        check_first = self._group is not None and skip_nonfinite
+        bad = False
         try:
             self._ensure_initialized()
-            if self._engine is not None:
-                stats, before = self._guarded_step(grad_scale, skip_nonfinite, amp, scale)
+            if check_first and self._engine is not None:
+                bad = self._local_grads_nonfinite(grad_scale, amp, scale)
         except Exception as exc:
             if self._group is None:
                 raise
             failure = exc
-        skipped = bool(stats and stats.get("skipped"))
-        if self._group is not None:
-            skipped = self._agree_on_outcome(skipped, failure, stats, before)
+        if check_first:
+            bad = self._agree_on_gradients(bad, failure)
+        if bad:
+            stats = self._skip_checked_step()
+            skipped = True
+        else:
+            if failure is None:
+                try:
+                    if self._engine is not None:
+                        stats, before = self._guarded_step(
+                            grad_scale, skip_nonfinite and not check_first, amp, scale,
+                            prepared=check_first)
+                except Exception as exc:
+                    if self._group is None:
+                        raise
+                    failure = exc
+            skipped = bool(stats and stats.get("skipped"))
+            if self._group is not None:
+                skipped = self._agree_on_outcome(skipped, failure, stats, before)
         if skipped and not amp and self._nonfinite == "raise":
             raise NonFiniteGradientError(
                 "gradients contain NaN or Inf: the step was skipped and nothing was "
@@ -735,16 +756,57 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self.last_step_stats = stats
         return loss
 
-    def _engine_step(self, grad_scale, skip_nonfinite, amp, scale):
-        """The engine's part of step(): one update of this rank's subgroups."""
-        stats = None
+    def _prepare_grads(self, amp, scale):
+        """Brings the gradients the engine sees up to date before a step: the
+        staging's host copies, or the baseline's offloaded fp32 gradients."""
         if self._staging is not None:
             # GradScaler.unscale_ rescales the gradients in place without
             # bumping their version: copy them all again.
+            self._staging.refresh(force=amp and scale is None)
+        elif not self._techniques["delayed_grad_conversion"]:
+            self._offload_stale_grads()
+
+    def _local_grads_nonfinite(self, grad_scale, amp, scale):
+        """Whether a gradient of this rank's subgroups is NaN/Inf (updates
+        nothing; the gradients are prepared for the step that follows)."""
+        self._prepare_grads(amp, scale)
+        if self._staging is not None:
+            return self._staging.grads_nonfinite()
+        if self._family is not None:
+            return self._engine.gradients_nonfinite(self._group_hps, self._native_inputs(),
+                                                    grad_scale)
+        return self._generic_grads_nonfinite()
+
+    def _agree_on_gradients(self, bad, failure):
+        """Collective: whether some rank's gradients are NaN/Inf; if a rank
+        could not check them, every rank raises (nothing was updated)."""
+        t = torch.tensor([int(bad), int(failure is not None)], dtype=torch.int32,
+                         device=self._comm_device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        t = t.cpu()
+        if t[1]:
+            self._raise_together(failure, "check its gradients",
+                                 note="; nothing was updated on any rank")
+        return bool(t[0])
+
+    def _skip_checked_step(self):
+        """The step every rank skips after _agree_on_gradients found a NaN/Inf."""
+        if self._engine is None:
+            return {"skipped": True}
+        if self._staging is not None:
+            return self._staging.skip_step()
+        return self._engine.skip_step()
+
+    def _engine_step(self, grad_scale, skip_nonfinite, amp, scale, prepared=False):
+        """The engine's part of step(): one update of this rank's subgroups
+        (prepared: _prepare_grads has run)."""
+        stats = None
+        if self._staging is not None:
             stats = self._staging.step(grad_scale, skip_nonfinite,
-                                       refresh_all=amp and scale is None)
+                                       refresh_all=amp and scale is None,
+                                       refreshed=prepared)
         else:
-            if not self._techniques["delayed_grad_conversion"]:
+            if not prepared and not self._techniques["delayed_grad_conversion"]:
                 self._offload_stale_grads()
             if self._family is not None:
                 stats = self._native_step(grad_scale, skip_nonfinite)
@@ -752,7 +814,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 stats = self._generic_step(grad_scale, skip_nonfinite)
         return stats
 
-    def _guarded_step(self, grad_scale, skip_nonfinite, amp, scale):
+    def _guarded_step(self, grad_scale, skip_nonfinite, amp, scale, prepared=False):
         """Runs _engine_step all-or-nothing as the user sees it.
 
         If the step raises, the model's parameters are put back to their
@@ -782,7 +844,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             else:
                 if self._family is not None and self._commits_next():
                     self._write_pystate(start + 1)
-                stats = self._engine_step(grad_scale, skip_nonfinite, amp, scale)
+                stats = self._engine_step(grad_scale, skip_nonfinite, amp, scale, prepared)
         except BaseException as exc:
             try:
                 completed = redo or engine.steps > start
@@ -952,7 +1014,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"engine was created with {self._num_arrays} (e.g. SGD momentum or amsgrad "
                 f"switched after construction)")
 
-    def _native_step(self, grad_scale, skip_nonfinite):
+    def _native_inputs(self):
         inputs = []
         for g in self._owned:
             sg = self._subgroups[g]
@@ -960,8 +1022,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 inputs.append((sg.group, [], True))
             else:
                 inputs.append((sg.group, self._segments(sg)))
-        return self._engine.step(self._group_hps, inputs, _layout.DTYPE_NAMES[self._dtype],
-                                 grad_scale, skip_nonfinite)
+        return inputs
+
+    def _native_step(self, grad_scale, skip_nonfinite):
+        return self._engine.step(self._group_hps, self._native_inputs(),
+                                 _layout.DTYPE_NAMES[self._dtype], grad_scale, skip_nonfinite)
 
     def _offload_stale_grads(self):
         """Baseline: offloads gradients changed since backward offloaded them
@@ -977,12 +1042,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._grad_readiness is not None:
             self._grad_readiness.reset()
 
+    def _generic_grads_nonfinite(self):
+        return any(p.grad is not None and not torch.isfinite(p.grad).all()
+                   for g in self._owned for p in self._subgroups[g].params)
+
     def _generic_step(self, grad_scale, skip_nonfinite):
-        if skip_nonfinite:
-            for sg in (self._subgroups[g] for g in self._owned):
-                for p in sg.params:
-                    if p.grad is not None and not torch.isfinite(p.grad).all():
-                        return {"skipped": True}
+        if skip_nonfinite and self._generic_grads_nonfinite():
+            return {"skipped": True}
         engine = self._engine
         engine.begin_step()
         try:
@@ -1349,13 +1415,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         directory = os.fspath(directory)
+        failure = None
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise _recovery.os_error_to_tier_error(
-                e, "create the checkpoint directory", directory) from e
-        if not os.path.isdir(directory):
-            raise ConfigError(f"checkpoint directory {directory} is not a directory")
+            try:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise _recovery.os_error_to_tier_error(
+                    e, "create the checkpoint directory", directory) from e
+            if not os.path.isdir(directory):
+                raise ConfigError(f"checkpoint directory {directory} is not a directory")
+        except Exception as exc:
+            failure = exc
+        # Every rank raises if one cannot (none waits for it in a collective).
+        self._raise_together(failure, f"create the checkpoint directory {directory}")
         self._refresh_hyperparams()
         self._ensure_initialized()
         save_id = uuid.uuid4().hex
@@ -1364,25 +1436,42 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             torch.distributed.broadcast_object_list(ids, src=self._global_rank(0),
                                                     group=self._group)
             save_id = ids[0]
-        old = self._read_manifest(directory, missing_ok=True)
-        self._remove_failed_saves(directory, old)
         tag = f"r{self._rank}-{uuid.uuid4().hex[:12]}"
         engine_dir = f"engine-{tag}"
         python_file = f"python-{tag}.pt"
+        old = None
+        written = False
         try:
-            self._write_save(directory, save_id, old, engine_dir, python_file)
-        except BaseException as exc:
-            # Until its manifest names them, this attempt's files are no
-            # save's: removed, so that a full disk does not stay full.
-            if self._read_manifest_save_id(directory) != save_id:
-                _remove_entries(directory, [n for n in os.listdir(directory)
-                                            if n.startswith((engine_dir, python_file))])
-            if isinstance(exc, OSError):
-                raise _recovery.os_error_to_tier_error(
-                    exc, "save a checkpoint", directory) from exc
-            raise
+            old = self._read_manifest(directory, missing_ok=True)
+            self._remove_failed_saves(directory, old)
+            try:
+                self._write_save(directory, save_id, old, engine_dir, python_file)
+            except BaseException:
+                # Until its manifest names them, this attempt's files are no
+                # save's: removed, so that a full disk does not stay full.
+                if self._read_manifest_save_id(directory) != save_id:
+                    self._remove_attempt(directory, engine_dir, python_file)
+                raise
+            written = True
+        except Exception as exc:
+            failure = exc
+            if isinstance(exc, OSError) and not isinstance(exc, OffloadError):
+                failure = _recovery.os_error_to_tier_error(exc, "save a checkpoint", directory)
+                failure.__cause__ = exc
+            if self._group is None:
+                if failure is exc:
+                    raise
+                raise failure from exc
         if self._group is not None:
-            torch.distributed.barrier(group=self._group)
+            try:
+                self._raise_together(
+                    failure, f"write its part of the checkpoint in {directory}",
+                    note="; this rank's part was taken back: the previous save is the one "
+                         "load_checkpoint loads")
+            except OffloadError:
+                if written:
+                    self._take_back_save(directory, old, engine_dir, python_file)
+                raise
         # Every rank has the new save: this rank's earlier ones are garbage.
         try:
             os.remove(self._manifest_path(directory, prev=True))
@@ -1430,6 +1519,28 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                             json.dumps(old, indent=1).encode())
         _recovery.write_file_atomically(self._manifest_path(directory),
                                         json.dumps(manifest, indent=1).encode())
+
+    def _remove_attempt(self, directory, engine_dir, python_file):
+        _remove_entries(directory, [n for n in os.listdir(directory)
+                                    if n.startswith((engine_dir, python_file))])
+
+    def _take_back_save(self, directory, old, engine_dir, python_file):
+        """Another rank's part of the save failed: this rank's manifest goes
+        back to the previous save (kept as .prev by _write_save) and the new
+        files are removed, so every rank is where it was before the save (a
+        later save keeps the previous one as its .prev, not this half)."""
+        try:
+            current = self._manifest_path(directory)
+            if old is not None:
+                os.replace(self._manifest_path(directory, prev=True), current)
+            else:
+                os.remove(current)
+            _recovery.fsync_dir(directory)
+            self._remove_attempt(directory, engine_dir, python_file)
+        except OSError as e:
+            # Loading still finds the previous save (through .prev).
+            _log.warning("rank %d could not take back its part of a failed save in %s: %s",
+                         self._rank, directory, e)
 
     def _read_manifest_save_id(self, directory):
         try:
