@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from mlp_offload import MLPOffloadOptimizer, cuda_path
-from mlp_offload.errors import (NonFiniteGradientError, OffloadError, StateMismatchError,
-                               TierIOError)
+from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
+                               StateMismatchError, TierIOError)
 from conftest import tier_dirs
 from distributed_util import (OPTIMIZERS, STEPS, WORLD, assert_params_match,
                                assert_states_match, load_reference, make_model,
@@ -252,3 +252,35 @@ def nonfinite_worker(rank, tiers, path, mode, nonfinite):
 def test_a_nonfinite_gradient_in_one_ranks_subgroups_skips_the_step_on_every_rank(
         tmp_path, path, mode, nonfinite):
     spawn(nonfinite_worker, tier_dirs(tmp_path), path, mode, nonfinite)
+
+
+def mismatch_worker(rank, tiers):
+    model = make_model()
+    make = OPTIMIZERS["adamw"]
+    # Rank 1 was given another subgroup size: every rank refuses, naming it
+    # (before: the ranks owned different subgroups and hung in a broadcast).
+    with pytest.raises(ConfigError, match="disagree on subgroup_numel: rank 0 has 200, "
+                                          "rank 1 has 300"):
+        MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
+                            subgroup_numel=200 if rank == 0 else 300, compute_threads=1)
+    # Another model on rank 1.
+    other = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    with pytest.raises(ConfigError, match=r"disagree on param_shapes: rank 0 has 4 entries, "
+                                          r"\[2\] = \(8, 32\), rank 1 has 4 entries, "
+                                          r"\[2\] = \(4, 32\)"):
+        MLPOffloadOptimizer(make((model if rank == 0 else other).parameters()), tiers=tiers,
+                            subgroup_numel=200, compute_threads=1)
+    # A setting rank 1 refuses: rank 0 raises too, naming it.
+    with pytest.raises(ConfigError if rank == 1 else OffloadError) as err:
+        MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                            compute_threads=1, nonfinite="skip" if rank == 0 else "skp")
+    if rank == 0:
+        assert "rank 1 failed: ConfigError: nonfinite must be one of" in str(err.value)
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1)  # the same everywhere: fine
+    opt.close()
+
+
+def test_ranks_with_other_models_or_settings_are_refused_on_every_rank(tmp_path):
+    spawn(mismatch_worker, tier_dirs(tmp_path))

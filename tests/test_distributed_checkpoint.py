@@ -68,6 +68,43 @@ def test_sharded_state_dict_is_each_ranks_own_and_resumes(tmp_path):
     spawn(sharded_worker, tier_dirs(tmp_path), str(tmp_path))
 
 
+def refused_state_dict_worker(rank, tiers):
+    """Rank 1 is handed a shard that does not fit: no rank loads its own."""
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1,
+                              state_dict_type="sharded")
+    train_same_batches(range(0, 2), ((opt, model),))
+    sd = copy.deepcopy(opt.state_dict())
+    train_same_batches(range(2, 3), ((opt, model),))
+    now = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][0]["lr"] = 0.5
+    if rank == 1:
+        pid = sd["mlp_offload_shard"]["params"][0]
+        bad["state"][pid]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(OffloadError) as err:
+        opt.load_state_dict(bad)
+    msg = str(err.value)
+    if rank == 1:
+        assert isinstance(err.value, StateMismatchError) and "has shape [3]" in msg, msg
+    else:
+        assert "rank 1 failed: StateMismatchError" in msg, msg
+        assert "nothing was loaded on any rank" in msg, msg
+    # Neither rank's hyperparameters nor state changed.
+    assert opt.param_groups[0]["lr"] == 1e-2, rank
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, now["state"][pid][k]), (rank, pid, k)
+    opt.load_state_dict(sd)
+    assert_states_match(opt.state_dict()["state"], sd["state"], rank)
+    opt.close()
+
+
+def test_a_state_dict_refused_on_one_rank_is_loaded_on_none(tmp_path):
+    spawn(refused_state_dict_worker, tier_dirs(tmp_path))
+
+
 def checkpoint_worker(rank, tiers, ckpt, phase):
     """Phase 1 saves checkpoints after steps 2 and 4; rank 1 dies in the
     second save before its manifest lands (rank 0's has). Phase 2 resumes

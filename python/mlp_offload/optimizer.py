@@ -194,32 +194,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
-        if not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
-            raise ConfigError(f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
-        if nonfinite not in _NONFINITE:
-            raise ConfigError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
-        if compute_threads is None:
-            compute_threads = max(1, min(8, os.cpu_count() or 1))
-        if not isinstance(tier_lock_slots, int) or isinstance(tier_lock_slots, bool) \
-                or tier_lock_slots < 1:
-            raise ConfigError(f"tier_lock_slots must be an int >= 1, got {tier_lock_slots!r}")
-        if tier_lock_mode not in _TIER_LOCK_MODES:
-            raise ConfigError(f"tier_lock_mode must be one of {_TIER_LOCK_MODES}, got "
-                              f"{tier_lock_mode!r}")
-        if not isinstance(compute_threads, int) or compute_threads < 1:
-            raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
-        if state_dict_type not in _STATE_DICT_TYPES:
-            raise ConfigError(f"state_dict_type must be one of {_STATE_DICT_TYPES}, got "
-                              f"{state_dict_type!r}")
-        self._state_dict_type = state_dict_type
-
-        self.optimizer = optimizer
-        self._nonfinite = nonfinite
-        self._techniques = _config.techniques_for(
-            mode, multipath=multipath, cache_reuse=cache_reuse,
-            delayed_grad_conversion=delayed_grad_conversion, tier_lock=tier_lock)
-        self._mode = mode
-
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
         self._rank, self._world = 0, 1
@@ -232,45 +206,86 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._world = dist.get_world_size(self._group)
             self._comm_types = _group_device_types(self._group)
             self._comm_device = _collective_device(self._comm_types)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
+        failure = None
+        try:
+            if not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
+                raise ConfigError(
+                    f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
+            if nonfinite not in _NONFINITE:
+                raise ConfigError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+            if compute_threads is None:
+                compute_threads = max(1, min(8, os.cpu_count() or 1))
+            if not isinstance(tier_lock_slots, int) or isinstance(tier_lock_slots, bool) \
+                    or tier_lock_slots < 1:
+                raise ConfigError(f"tier_lock_slots must be an int >= 1, got {tier_lock_slots!r}")
+            if tier_lock_mode not in _TIER_LOCK_MODES:
+                raise ConfigError(f"tier_lock_mode must be one of {_TIER_LOCK_MODES}, got "
+                                  f"{tier_lock_mode!r}")
+            if not isinstance(compute_threads, int) or compute_threads < 1:
+                raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
+            if state_dict_type not in _STATE_DICT_TYPES:
+                raise ConfigError(f"state_dict_type must be one of {_STATE_DICT_TYPES}, got "
+                                  f"{state_dict_type!r}")
+            self._state_dict_type = state_dict_type
 
-        self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
-        self._subgroup_numel = subgroup_numel
-        self._host_cache_bytes = host_cache_bytes
-        self._engine_settings = {
-            "compute_threads": compute_threads,
-            "io": io,
-            "verify_checksums": bool(verify_checksums),
-            "tier_lock_slots": tier_lock_slots,
-            "tier_lock_mode": tier_lock_mode,
-            "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
-        }
-        self._run_prefix = run_name or "mlp_offload"
-        if resume not in _recovery.RESUME_MODES:
-            raise ConfigError(f"resume must be one of {_recovery.RESUME_MODES}, got {resume!r}")
-        if not isinstance(commit_every, int) or isinstance(commit_every, bool) \
-                or commit_every < 0:
-            raise ConfigError(f"commit_every must be an int >= 0, got {commit_every!r}")
-        # A persistent run keeps its state under <tier>/<run_name>.r<rank>
-        # across processes (and close()); others use a private name removed
-        # at close.
-        self._persistent = commit_every > 0 or resume != "never"
-        if self._persistent:
-            if run_name is None:
-                raise ConfigError("commit_every and resume need a run_name naming the run "
-                                  "(its state lives in <tier>/<run_name>.r<rank>)")
-            _recovery.run_dir_name(run_name, 0)  # checks the name
-        self._commit_every = commit_every
-        self._resume = resume
-        self._checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
-        self._atomic_step = bool(atomic_step)
-        self._engine_settings["fault_injection"] = bool(fault_injection)
-        self._want_resume = resume != "never"
-        self._failed_step = None
-        self.resumed_from = None
-        self.resumed_step = None
-        self._generation = 0
-        self._generic_state_keys = generic_state_keys
+            self.optimizer = optimizer
+            self._nonfinite = nonfinite
+            self._techniques = _config.techniques_for(
+                mode, multipath=multipath, cache_reuse=cache_reuse,
+                delayed_grad_conversion=delayed_grad_conversion, tier_lock=tier_lock)
+            self._mode = mode
+
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
+
+            self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
+            self._subgroup_numel = subgroup_numel
+            self._host_cache_bytes = host_cache_bytes
+            self._engine_settings = {
+                "compute_threads": compute_threads,
+                "io": io,
+                "verify_checksums": bool(verify_checksums),
+                "tier_lock_slots": tier_lock_slots,
+                "tier_lock_mode": tier_lock_mode,
+                "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
+            }
+            self._run_prefix = run_name or "mlp_offload"
+            if resume not in _recovery.RESUME_MODES:
+                raise ConfigError(
+                    f"resume must be one of {_recovery.RESUME_MODES}, got {resume!r}")
+            if not isinstance(commit_every, int) or isinstance(commit_every, bool) \
+                    or commit_every < 0:
+                raise ConfigError(f"commit_every must be an int >= 0, got {commit_every!r}")
+            # A persistent run keeps its state under <tier>/<run_name>.r<rank>
+            # across processes (and close()); others use a private name removed
+            # at close.
+            self._persistent = commit_every > 0 or resume != "never"
+            if self._persistent:
+                if run_name is None:
+                    raise ConfigError("commit_every and resume need a run_name naming the run "
+                                      "(its state lives in <tier>/<run_name>.r<rank>)")
+                _recovery.run_dir_name(run_name, 0)  # checks the name
+            self._commit_every = commit_every
+            self._resume = resume
+            self._checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+            self._atomic_step = bool(atomic_step)
+            self._engine_settings["fault_injection"] = bool(fault_injection)
+            self._want_resume = resume != "never"
+            self._failed_step = None
+            self.resumed_from = None
+            self.resumed_step = None
+            self._generation = 0
+            self._generic_state_keys = generic_state_keys
+        except Exception as exc:
+            if self._group is None:
+                raise
+            failure = exc
+        # Every rank raises if one cannot start, or if the ranks were given
+        # different models or settings (they would hang or diverge later).
+        self._agree_on_settings(failure, optimizer, dict(
+            subgroup_numel=subgroup_numel, mode=mode, nonfinite=nonfinite,
+            state_dict_type=state_dict_type, run_name=run_name, commit_every=commit_every,
+            resume=resume, atomic_step=bool(atomic_step),
+            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir)))
 
         # torch.optim.Optimizer bookkeeping (hooks, zero_grad, step patching);
         # then share the wrapped optimizer's param_groups list itself.
@@ -303,6 +318,45 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._resume_run()
 
     # ----------------------------------------------------------------- setup
+
+    def _agree_on_settings(self, failure, optimizer, settings):
+        """Collective (the constructor's first): raises on every rank if one
+        rank's constructor failed, or if the ranks' models (parameter shapes
+        and dtypes per group, optimizer class) or the settings that must be
+        the same everywhere differ, naming the first difference."""
+        if self._group is None:
+            return
+        groups = optimizer.param_groups
+        settings = dict(settings, optimizer=type(optimizer).__name__,
+                        group_sizes=[len(g["params"]) for g in groups],
+                        param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
+                        param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
+                        param_devices=sorted({p.device.type for g in groups
+                                              for p in g["params"]}))
+        got = self._gather((None if failure is None else f"{type(failure).__name__}: {failure}",
+                            settings))
+        if failure is not None:
+            raise failure
+        failed = [(r, e) for r, (e, _) in enumerate(got) if e is not None]
+        if failed:
+            raise OffloadError(f"rank {self._rank}: another rank could not create its "
+                               f"optimizer: rank {failed[0][0]} failed: {failed[0][1]}")
+        first = got[0][1]
+        for r, (_, theirs) in enumerate(got):
+            for key, value in first.items():
+                if theirs.get(key) == value:
+                    continue
+                mine, other = value, theirs.get(key)
+                if isinstance(value, list) and isinstance(other, list):
+                    i = next((i for i, (x, y) in enumerate(zip(value, other)) if x != y),
+                             min(len(value), len(other)))
+                    mine = f"{len(value)} entries, [{i}] = " \
+                           f"{value[i] if i < len(value) else 'none'}"
+                    other = f"{len(other)} entries, [{i}] = " \
+                            f"{other[i] if i < len(other) else 'none'}"
+                raise ConfigError(
+                    f"the ranks disagree on {key}: rank 0 has {mine}, rank {r} has {other} "
+                    f"(every rank wraps the same model with the same settings)")
 
     def _state_by_index(self, state):
         # Copies: torch's load_state_dict shares the 'step' tensors with the
@@ -1327,6 +1381,57 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         copy is taken from the parameters' current values.
         """
         self._check_open()
+        previous = self.optimizer.param_groups
+        replaced = False
+        failure = None
+        try:
+            states, saved_groups = self._checked_states(state_dict)
+            # Hyperparameters through the wrapped optimizer (torch's own
+            # rules); its param_groups list is replaced, so re-share it.
+            replaced = True
+            self.optimizer.load_state_dict({"state": {}, "param_groups": saved_groups})
+            self.optimizer.state.clear()
+            self.param_groups = self.optimizer.param_groups
+            if self._family is not None:
+                _hp.check_options(self.optimizer, self._family)
+            self._refresh_hyperparams()
+            self._write_states(states, check_only=True)
+        except BaseException as exc:
+            if self._group is None or not isinstance(exc, Exception):
+                self._restore_groups(previous, replaced)
+                raise
+            failure = exc
+        # All-or-nothing, on every rank: a state dict refused here (on any
+        # rank) leaves every rank's optimizer as it was.
+        try:
+            self._raise_together(failure, "load its state dict",
+                                 note="; nothing was loaded on any rank")
+        except BaseException:
+            self._restore_groups(previous, replaced)
+            raise
+        failure = None
+        try:
+            if not self._initialized:
+                self._ensure_initialized()
+            self._write_states(states)
+        except Exception as exc:
+            if self._group is None:
+                raise
+            failure = exc
+        self._raise_together(failure, "write its part of the loaded state",
+                             note="; load the state dict again on every rank")
+        self._failed_step = None  # the loaded state replaces a step that failed
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _restore_groups(self, previous, replaced):
+        if replaced:
+            self.optimizer.param_groups = self.param_groups = previous
+            self._refresh_hyperparams()
+
+    def _checked_states(self, state_dict):
+        """load_state_dict's checks of a state dict against this optimizer:
+        its per-parameter states by parameter id, and its param_groups."""
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -1364,28 +1469,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"state '{k}' of parameter {pid} has shape {list(v.shape)}, the "
                         f"parameter {shapes[pid]}")
             states[pid] = st
-        # Hyperparameters through the wrapped optimizer (torch's own rules);
-        # its param_groups list is replaced, so re-share it. All-or-nothing:
-        # a state dict refused here leaves the optimizer as it was.
-        previous = self.optimizer.param_groups
-        self.optimizer.load_state_dict({"state": {}, "param_groups": saved_groups})
-        self.optimizer.state.clear()
-        self.param_groups = self.optimizer.param_groups
-        try:
-            if self._family is not None:
-                _hp.check_options(self.optimizer, self._family)
-            self._refresh_hyperparams()
-            self._write_states(states, check_only=True)
-        except BaseException:
-            self.optimizer.param_groups = self.param_groups = previous
-            self._refresh_hyperparams()
-            raise
-        if not self._initialized:
-            self._ensure_initialized()
-        self._write_states(states)
-        self._failed_step = None  # the loaded state replaces a step that failed
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        return states, saved_groups
 
     # ---------------------------------------------------------- checkpoints
 
