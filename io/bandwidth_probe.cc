@@ -1,7 +1,10 @@
 // Sequential bandwidth probe of tier directories.
 #include "io/bandwidth_probe.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +14,10 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "io/aligned_buffer.h"
 #include "mlp_offload/base/mutex.h"
@@ -116,7 +122,47 @@ absl::Status CheckBytes(const char* who, const ProbeOptions& options) {
         absl::StrCat(who, ": bytes (", options.bytes,
                      ") must be a positive multiple of ", kDirectIoAlignment));
   }
+  // The thread-pool engine runs a thread per slot.
+  if (options.queue_depth == 0 || options.queue_depth > kMaxProbeQueueDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": queue depth ", options.queue_depth,
+                     " is out of range (1..", kMaxProbeQueueDepth, ")"));
+  }
   return absl::OkStatus();
+}
+
+constexpr char kProbePrefix[] = ".mlp_offload_probe.";
+
+// Removes the probe files that processes no longer alive left in `dir`
+// (killed mid-probe): ".mlp_offload_probe.<pid>.<n>.tmp".
+void RemoveStaleProbeFiles(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return;  // the probe itself reports the problem
+  std::vector<std::string> stale;
+  while (struct dirent* entry = readdir(d)) {
+    absl::string_view name = entry->d_name;
+    if (!absl::ConsumePrefix(&name, kProbePrefix) ||
+        !absl::ConsumeSuffix(&name, ".tmp")) {
+      continue;
+    }
+    std::vector<absl::string_view> parts = absl::StrSplit(name, '.');
+    int pid = 0;
+    uint64_t n = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &pid) ||
+        !absl::SimpleAtoi(parts[1], &n) || pid <= 0 || pid == getpid()) {
+      continue;
+    }
+    if (kill(pid, 0) < 0 && errno == ESRCH) stale.emplace_back(entry->d_name);
+  }
+  const int fd = dirfd(d);
+  for (const std::string& name : stale) {
+    struct stat st;
+    if (fstatat(fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(st.st_mode)) {
+      (void)unlinkat(fd, name.c_str(), 0);
+    }
+  }
+  closedir(d);
 }
 
 IoEngineOptions EngineOptions(const ProbeOptions& options) {
@@ -132,7 +178,8 @@ IoEngineOptions EngineOptions(const ProbeOptions& options) {
 absl::Status CreateProbeFile(const std::string& dir, uint64_t bytes,
                              DirProbe& p) {
   p.dir = dir;
-  p.path = absl::StrCat(dir, "/.mlp_offload_probe.", getpid(), ".",
+  RemoveStaleProbeFiles(dir);
+  p.path = absl::StrCat(dir, "/", kProbePrefix, getpid(), ".",
                         g_probe_counter.fetch_add(1), ".tmp");
   FileOptions file_options;
   file_options.create = true;
@@ -140,7 +187,10 @@ absl::Status CreateProbeFile(const std::string& dir, uint64_t bytes,
   file_options.preallocate_bytes = bytes;
   absl::StatusOr<std::unique_ptr<File>> file = File::Open(p.path, file_options);
   if (!file.ok()) {
-    p.path.clear();  // not ours to remove if it could not be created
+    // Created before its preallocation failed (a full disk), or never: the
+    // name is this process's own either way.
+    (void)unlink(p.path.c_str());
+    p.path.clear();
     return file.status();
   }
   p.file = std::move(*file);
@@ -254,9 +304,10 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
     const std::string& dir, int streams, const ProbeOptions& options,
     const std::function<absl::StatusOr<std::unique_ptr<IoEngine>>()>&
         make_engine) {
-  if (streams < 2) {
+  if (streams < 2 || streams > kMaxProbeStreams) {
     return absl::InvalidArgumentError(
-        absl::StrCat("ProbeConcurrency: streams must be >= 2, got ", streams));
+        absl::StrCat("ProbeConcurrency: streams must be in 2..",
+                     kMaxProbeStreams, ", got ", streams));
   }
   MLP_RETURN_IF_ERROR(CheckBytes("ProbeConcurrency", options));
   struct stat st;

@@ -18,6 +18,11 @@
 
 namespace mlp_offload {
 
+// Limits of the probes' options: the thread-pool engine runs a thread per
+// queue slot, and each stream holds two files of `bytes`.
+inline constexpr unsigned kMaxProbeQueueDepth = 1024;
+inline constexpr int kMaxProbeStreams = 256;
+
 struct ProbeOptions {
   uint64_t bytes = uint64_t{256} << 20;  // per directory and direction
   size_t block_size = 1 << 20;

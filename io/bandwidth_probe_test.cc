@@ -1,11 +1,16 @@
 #include "io/bandwidth_probe.h"
 
 #include <dirent.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "io/internal/test_util.h"
 #include "io/shared_throttle.h"
@@ -114,6 +119,78 @@ TEST(BandwidthProbeTest, ConcurrencyProbeRefusesBadArguments) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find(missing), std::string::npos);
   EXPECT_EQ(CountEntries(dir), 0);
+}
+
+TEST(BandwidthProbeTest, ConcurrencyProbeRefusesTooManyStreams) {
+  const std::string dir = internal_io::ScratchDir("probe_streams");
+  absl::Status s =
+      ProbeConcurrency(dir, kMaxProbeStreams + 1, ProbeOptions()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("streams must be in 2..256"), std::string::npos)
+      << s;
+}
+
+TEST(BandwidthProbeTest, QueueDepthIsBounded) {
+  // A thread per slot: 32768 of them aborted the process.
+  ProbeOptions options;
+  options.bytes = 1 << 20;
+  options.queue_depth = kMaxProbeQueueDepth + 1;
+  absl::Status s = ProbeBandwidth({"/tmp"}, options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("queue depth 1025 is out of range (1..1024)"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(ProbeConcurrency("/tmp", 2, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BandwidthProbeTest, AFileThatCannotBePreallocatedIsRemoved) {
+  // A file-size limit stands in for a full disk: the preallocation fails
+  // after the file was created (EFBIG here, ENOSPC there).
+  const std::string dir = internal_io::ScratchDir("probe_full");
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  struct sigaction ignore = {}, old = {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old), 0);
+  struct rlimit small = saved;
+  small.rlim_cur = 1 << 20;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  ProbeOptions options;
+  options.bytes = 8 << 20;
+  options.queue_depth = 4;
+  absl::Status s = ProbeBandwidth({dir}, options).status();
+  setrlimit(RLIMIT_FSIZE, &saved);
+  sigaction(SIGXFSZ, &old, nullptr);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find(dir), std::string::npos) << s;
+  EXPECT_EQ(CountEntries(dir), 0);
+}
+
+TEST(BandwidthProbeTest, FilesOfKilledProbesAreRemoved) {
+  const std::string dir = internal_io::ScratchDir("probe_stale");
+  // A pid that no longer runs: a child that has exited and been reaped.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  const std::string dead =
+      absl::StrCat(dir, "/.mlp_offload_probe.", child, ".0.tmp");
+  const std::string alive =  // this process's parent runs
+      absl::StrCat(dir, "/.mlp_offload_probe.", getppid(), ".0.tmp");
+  const std::string other = dir + "/.mlp_offload_probe.notes.tmp";
+  for (const std::string& path : {dead, alive, other}) {
+    std::ofstream(path) << "x";
+  }
+  ProbeOptions options;
+  options.bytes = 1 << 20;
+  options.queue_depth = 4;
+  absl::StatusOr<std::vector<PathBandwidth>> r = ProbeBandwidth({dir}, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(access(dead.c_str(), F_OK), 0);
+  EXPECT_EQ(access(alive.c_str(), F_OK), 0);
+  EXPECT_EQ(access(other.c_str(), F_OK), 0);
+  EXPECT_EQ(CountEntries(dir), 2);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 """The extension imports next to torch and reports how it was built."""
+import os
 import re
 
 import torch
@@ -28,3 +29,15 @@ def test_extension_does_not_link_libtorch():
     with open(_C.__file__, "rb") as f:
         blob = f.read()
     assert b"libtorch" not in blob and b"libc10" not in blob
+
+
+def test_the_command_line_module_imports_without_torch():
+    # `mlp-offload` imports torch inside main(), where Ctrl-C during the
+    # import is "interrupted" and not a traceback; the API is still there.
+    import subprocess
+    import sys
+    code = ("import sys, mlp_offload.cli; assert 'torch' not in sys.modules, 'torch'; "
+            "from mlp_offload import MLPOffloadOptimizer; assert 'torch' in sys.modules; "
+            "import mlp_offload; assert 'master_weights' in dir(mlp_offload)")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ),
+                   cwd=os.getcwd())

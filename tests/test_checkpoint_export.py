@@ -183,3 +183,18 @@ def test_cli_export(saved, tmp_path):
     with contextlib.redirect_stderr(err):
         rc = cli.main(["export", str(tmp_path / "missing"), out])
     assert rc == 1 and err.getvalue().startswith("mlp-offload export: error: ")
+    # OUT inside the checkpoint (it could replace a manifest), names that
+    # are not text: one line each, the checkpoint untouched.
+    before = sorted(os.listdir(saved["ckpt"]))
+    manifest = os.path.join(saved["ckpt"], "manifest.rank0.json")
+    for argv, want in (
+            ([manifest], "is inside the checkpoint directory"),
+            ([out, "--names", str(tmp_path / "latin1.txt")], "is not UTF-8 text")):
+        (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = cli.main(["export", saved["ckpt"]] + argv)
+        assert rc == 1 and want in err.getvalue(), err.getvalue()
+        assert err.getvalue().count("\n") == 1
+    assert sorted(os.listdir(saved["ckpt"])) == before
+    json.loads(open(manifest).read())

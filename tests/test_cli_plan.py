@@ -5,6 +5,7 @@ import re
 import pytest
 
 from mlp_offload import cli, units, whatif
+from mlp_offload.errors import ConfigError
 
 GB = 1e9
 # One record of 1e8 AdamW params: 1.2e9 B; its host buffer adds a 4 KiB header
@@ -107,11 +108,30 @@ def test_capacity_too_small_is_one_line_error(capsys):
 
 
 @pytest.mark.parametrize("bad", [["--params", "70X"], ["--host-cache", "lots"],
-                                 ["--tier", "nvme:/x:6"], ["--configs", "fast"]])
+                                 ["--tier", "nvme:/x:6"], ["--configs", "fast"],
+                                 ["--params", "1e400"], ["--host-cache", "1e30TB"],
+                                 ["--compute-rate", "nan"], ["--compute-rate", "-1"],
+                                 ["--compute-rate", "inf"], ["--tier", "n:/x:6:3:0.1"]])
 def test_bad_arguments_exit_2(capsys, bad):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan"] + bad)
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--tier", "a:/x:6:3", "--tier", "b:/x/:3:1"], "two tiers have the path '/x'"),
+    (["--tier", "a:/x:6:3", "--tier", "a:/y:3:1"], "two tiers have the name 'a'"),
+    (["--params", "1e15", "--subgroup-numel", "1", "--ranks", "1"],
+     "the planner takes at most 1000000"),
+])
+def test_bad_plans_are_one_line_errors(capsys, argv, want):
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 1 and want in err and err.count("\n") == 1, err
+
+
+def test_log_level_after_the_command(capsys):
+    code, out, _ = run(capsys, "plan", "--json", "--log-level", "error")
+    assert code == 0 and json.loads(out)["configs"]
 
 
 def test_units():
@@ -122,3 +142,10 @@ def test_units():
     assert units.parse_count("2.5M") == 2_500_000
     assert units.parse_rate("6.5") == 6.5e9 and units.parse_rate("800MB/s") == 8e8
     assert whatif.shard_subgroups(250, 2, 100) == [100, 25]
+    # Exact for counts beyond float precision; too large or not finite: refused.
+    assert whatif.shard_subgroups(2 ** 60 + 1, 1, 2 ** 59) == [2 ** 59, 2 ** 59, 1]
+    for bad in ("1e400", "1e19", "nan", "inf"):
+        with pytest.raises(ConfigError):
+            units.parse_count(bad)
+    with pytest.raises(ConfigError, match="too large"):
+        units.parse_size("1e7TB")

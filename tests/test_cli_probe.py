@@ -44,6 +44,21 @@ def test_probe_missing_path_exit_1(tmp_path, capsys):
     assert code == 1 and "nope" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("bad", [["--queue-depth", "32768"], ["--queue-depth", "0"],
+                                 ["--ranks", "1000"], ["--bytes", "1e400"]])
+def test_probe_bad_arguments_exit_2(tmp_path, bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["probe", str(tmp_path)] + bad)
+    assert e.value.code == 2
+
+
+def test_probe_refuses_a_path_given_twice(tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    code = cli.main(["probe", str(tmp_path / "d"), str(tmp_path / "." / "d")])
+    err = capsys.readouterr().err
+    assert code == 1 and "is given twice" in err and err.count("\n") == 1, err
+
+
 def test_probe_needs_a_path():
     with pytest.raises(SystemExit) as e:
         cli.main(["probe"])

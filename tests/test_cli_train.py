@@ -81,6 +81,25 @@ def test_train_bad_heads_is_one_line_error(capsys):
     assert code == 1 and "multiple of heads" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["--corpus-chars", "10", "--seq-len", "16"], "must be more than --seq-len + 1"),
+    (["--out", "{tmp}/file/sub/x.png"], "/file is not a directory"),
+])
+def test_train_bad_setups_are_one_line_errors_before_training(tmp_path, capsys, argv, want):
+    (tmp_path / "file").write_text("")
+    code = cli.main(["train"] + TINY + [a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 1 and want in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("bad", [["--lr", "nan"], ["--lr", "-1"], ["--lr", "0"],
+                                 ["--warmup", "-1"]])
+def test_train_bad_numbers_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train"] + TINY + bad)
+    assert e.value.code == 2
+
+
 def test_corpus_and_model_are_deterministic():
     a, b = corpus.generate(2000, seed=3), corpus.generate(2000, seed=3)
     assert a == b and a != corpus.generate(2000, seed=4)

@@ -12,16 +12,38 @@ asynchronous I/O streams the state in and out.
         tiers=["/local/nvme/run1", "/lustre/me/run1"], host_cache_bytes=8 << 30)
 """
 
+import importlib as _importlib
 import logging as _logging
 
 from mlp_offload import errors
 from mlp_offload._C import build_info
-from mlp_offload.checkpoint import export_master_weights, load_master_weights, master_weights
-from mlp_offload.optimizer import MLPOffloadOptimizer
 
 __version__ = build_info()["version"]
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+# The torch-side API is imported on first use: `import mlp_offload.cli` (the
+# command line) then starts without torch, and imports it where Ctrl-C and
+# errors are handled.
+_LAZY = {
+    "MLPOffloadOptimizer": "mlp_offload.optimizer",
+    "export_master_weights": "mlp_offload.checkpoint",
+    "load_master_weights": "mlp_offload.checkpoint",
+    "master_weights": "mlp_offload.checkpoint",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["MLPOffloadOptimizer", "build_info", "errors", "export_master_weights",
            "load_master_weights", "master_weights", "__version__"]

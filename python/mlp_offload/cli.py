@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -48,6 +49,68 @@ def _positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
+
+
+def _bounded_int(lo, hi):
+    """An argparse type: a count in [lo, hi]."""
+    def convert(text):
+        try:
+            value = units.parse_count(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {text}")
+        return value
+    convert.__name__ = "int"
+    return convert
+
+
+def _number(lo=None, hi=None, lo_open=False):
+    """An argparse type: a finite float >= lo (> lo if lo_open), <= hi."""
+    def convert(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        bad = not math.isfinite(value) \
+            or (lo is not None and (value <= lo if lo_open else value < lo)) \
+            or (hi is not None and value > hi)
+        if bad:
+            want = " and ".join(w for w in (
+                None if lo is None else f"{'>' if lo_open else '>='} {lo:g}",
+                None if hi is None else f"<= {hi:g}") if w) or "finite"
+            raise argparse.ArgumentTypeError(f"must be a number {want}, got {text}")
+        return value
+    convert.__name__ = "number"
+    return convert
+
+
+def _writable_out(path):
+    """A PNG/JSON path to write at the end: its directory exists and is
+    writable now, not found out after the run."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a directory")
+    # Missing directories are made at the end: the nearest existing one
+    # must take them.
+    d = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise ConfigError(f"--out {path}: {d} is not a directory")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path}: directory {d} is not writable")
+
+
+def _distinct_dirs(paths, what):
+    """Refuses a directory given twice (also under another name)."""
+    seen = {}
+    for p in paths:
+        real = os.path.realpath(p)
+        if real in seen:
+            raise ConfigError(f"{what} {p} is given twice (as {seen[real]} too)")
+        seen[real] = p
 
 
 def _list_of(choices):
@@ -141,6 +204,7 @@ def _cmd_probe(args, out):
     for d in args.paths:
         if not os.path.isdir(d):
             raise ConfigError(f"{d} is not a directory")
+    _distinct_dirs(args.paths, "path")
     results = _C.probe_bandwidth(list(args.paths), bytes=args.bytes,
                                  block_size=args.block_size, queue_depth=args.queue_depth)
     if args.ranks > 1:
@@ -198,6 +262,11 @@ _DEFAULT_PLAN_TIERS = ("nvme:/local/nvme:6.5:3.2:3.5TB", "pfs:/lustre/run:3.0:1.
 def _cmd_plan(args, out):
     from mlp_offload import whatif
     tiers = args.tier or [whatif.parse_tier(t, i) for i, t in enumerate(_DEFAULT_PLAN_TIERS)]
+    for key in ("name", "path"):
+        values = [os.path.normpath(t[key]) if key == "path" else t[key] for t in tiers]
+        dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if dup is not None:
+            raise ConfigError(f"two tiers have the {key} {dup!r}: give each path once")
     result = whatif.what_if(args.params, tiers, args.host_cache, ranks=args.ranks,
                             subgroup_numel=args.subgroup_numel, optimizer=args.optimizer,
                             dtype=args.dtype, compute_params_per_sec=args.compute_rate,
@@ -205,7 +274,7 @@ def _cmd_plan(args, out):
     if args.json:
         for row in result["configs"]:
             row.pop("summary")
-        json.dump(result, out, indent=2)
+        json.dump(result, out, indent=2, allow_nan=False)
         out.write("\n")
         return 0
     r = result
@@ -258,6 +327,10 @@ def _cmd_plan(args, out):
 
 def _cmd_bench(args, out):
     from mlp_offload import bench, plot
+    _writable_out(args.out)
+    if args.tiers:
+        _distinct_dirs(args.tiers, "tier directory")
+    bench.subgroup_sizes(args.params, args.subgroup_numel)  # checked before the header
     bar = _progress_bar(len(args.configs) * (args.steps + 1), "bench", args.json or args.quiet)
 
     def progress(config, done, total):
@@ -311,11 +384,17 @@ def _cmd_bench(args, out):
 
 def _cmd_train(args, out):
     from mlp_offload import corpus, plot, train
+    _writable_out(args.out)
+    if args.tiers:
+        _distinct_dirs(args.tiers, "tier directory")
+    if args.corpus_chars <= args.seq_len + 1:
+        raise ConfigError(f"--corpus-chars {args.corpus_chars} must be more than --seq-len + 1 "
+                          f"({args.seq_len + 1}): every sequence is a window of the corpus")
     text = corpus.generate(args.corpus_chars, seed=args.seed)
     tok = corpus.CharTokenizer(text)
     data = corpus.Batches(tok.encode(text), args.batch_size, args.seq_len, seed=args.seed)
     modes = ["mlp"] if args.no_compare else ["mlp", "baseline", "torch"]
-    quiet = args.quiet
+    quiet = args.quiet or args.json  # JSON alone on stdout, no bar on stderr
     log = sys.stderr if args.json else out  # JSON alone on stdout
     with _tier_dirs(args.tiers, "mlp_offload_train_tier") as dirs:
         model = train.build(tok.vocab_size, args.seq_len, args.model_dim, args.layers,
@@ -424,10 +503,20 @@ def _cmd_export(args, out):
     import torch
 
     from mlp_offload import checkpoint
+    ckpt = os.path.realpath(args.checkpoint)
+    out_dir = os.path.realpath(os.path.dirname(os.path.abspath(args.out)))
+    if out_dir == ckpt or out_dir.startswith(ckpt + os.sep):
+        raise ConfigError(f"OUT {args.out} is inside the checkpoint directory "
+                          f"{args.checkpoint}: write it elsewhere (it could replace the "
+                          f"checkpoint's own files)")
     names = None
     if args.names is not None:
-        with open(args.names, encoding="utf-8") as f:
-            names = [line.strip() for line in f if line.strip()]
+        try:
+            with open(args.names, encoding="utf-8") as f:
+                names = [line.strip() for line in f if line.strip()]
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--names {args.names} is not UTF-8 text "
+                              f"(byte {e.start}: {e.reason})") from None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
     t0 = time.perf_counter()
@@ -468,9 +557,9 @@ def build_parser():
                    help="bytes written then read per path (e.g. 1GiB)")
     p.add_argument("--block-size", type=_arg(units.parse_size), default="1MiB",
                    help="bytes per request")
-    p.add_argument("--queue-depth", type=_positive_int, default=32,
-                   help="requests in flight per path")
-    p.add_argument("--ranks", type=_positive_int, default=1,
+    p.add_argument("--queue-depth", type=_bounded_int(1, 1024), default=32,
+                   help="requests in flight per path (1..1024)")
+    p.add_argument("--ranks", type=_bounded_int(1, 256), default=1,
                    help="if > 1, also measure each path with this many processes "
                    "reading and writing at once (the ranks of a node sharing it) "
                    "and suggest a tier lock setting")
@@ -499,7 +588,7 @@ def build_parser():
                    help="sets the fp32 arrays per parameter (adamw/adam 3, others 2)")
     p.add_argument("--dtype", choices=sorted(GRAD_BYTES), default="bfloat16",
                    help="gradient dtype")
-    p.add_argument("--compute-rate", type=float, default=0.0,
+    p.add_argument("--compute-rate", type=_number(lo=0), default=0.0,
                    help="CPU optimizer throughput per rank, params/s (0: I/O only)")
     p.add_argument("--configs", type=_list_of(CONFIGS), default="baseline,mlp",
                    help=f"comma-separated configurations ({', '.join(CONFIGS)})")
@@ -517,11 +606,11 @@ def build_parser():
                    help="parameters per subgroup")
     p.add_argument("--tiers", nargs=2, metavar=("FAST_DIR", "SLOW_DIR"),
                    help="the two tier directories (default: two temporary directories)")
-    p.add_argument("--fast-mbps", type=float, default=120.0,
+    p.add_argument("--fast-mbps", type=_number(lo=0, lo_open=True), default=120.0,
                    help="cap of the fast tier, MB/s, reads and writes each")
-    p.add_argument("--slow-ratio", type=float, default=0.5,
+    p.add_argument("--slow-ratio", type=_number(lo=0, lo_open=True), default=0.5,
                    help="the slow tier's cap relative to the fast one")
-    p.add_argument("--budget-fraction", type=float, default=0.25,
+    p.add_argument("--budget-fraction", type=_number(lo=0), default=0.25,
                    help="host budget as a fraction of the state")
     p.add_argument("--steps", type=_positive_int, default=3,
                    help="measured steps per configuration (after one warm-up)")
@@ -555,10 +644,10 @@ def build_parser():
                    help="most parameters per subgroup")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw/adam/sgd/adagrad run native kernels; rmsprop the generic path")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--lr", type=_number(lo=0, lo_open=True), default=None,
                    help="learning rate (default per optimizer: adamw/adam 3e-3, sgd 0.3, "
                    "adagrad 0.03, rmsprop 1e-3)")
-    p.add_argument("--warmup", type=int, default=10,
+    p.add_argument("--warmup", type=_bounded_int(0, units.MAX_INT), default=10,
                    help="steps of linear learning-rate warm-up (0: none)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="parameter and gradient dtype (the state is fp32 either way)")
@@ -588,11 +677,19 @@ def build_parser():
                    help="read the weights alone, without the records' checksums (which "
                    "cover the optimizer state too: for Adam, a third of the bytes read)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    for p in sub.choices.values():  # also after the command
+        p.add_argument("--log-level", default=argparse.SUPPRESS,
+                       choices=("debug", "info", "warning", "error"),
+                       help="level of the library's log messages (on stderr)")
     return parser
 
 
 def main(argv=None):
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports torch: seconds, where Ctrl-C lands
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return 130
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -22,11 +22,24 @@ _COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 
 
+# Sizes and counts end up in int64 fields of the engine and the planner.
+MAX_INT = 2 ** 63 - 1
+
+
 def _split(text, what, example):
     m = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]*)", str(text).strip())
     if not m:
         raise ConfigError(f"bad {what} {text!r} (e.g. {example})")
-    return float(m.group(1)), m.group(2).lower()
+    value = float(m.group(1))
+    if not math.isfinite(value):
+        raise ConfigError(f"bad {what} {text!r}: too large")
+    return value, m.group(2).lower()
+
+
+def _to_int(value, text, what):
+    if value > MAX_INT:
+        raise ConfigError(f"bad {what} {text!r}: too large (at most {MAX_INT:.3g})")
+    return int(round(value))
 
 
 def parse_size(text):
@@ -35,7 +48,7 @@ def parse_size(text):
     if unit not in _SIZE_UNITS:
         raise ConfigError(f"bad size {text!r}: unknown unit {unit!r} "
                           f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-    return int(round(value * _SIZE_UNITS[unit]))
+    return _to_int(value * _SIZE_UNITS[unit], text, "size")
 
 
 def parse_count(text):
@@ -43,7 +56,7 @@ def parse_count(text):
     value, unit = _split(text, "count", "70e9, 70B, 1.5M, 100000")
     if unit not in _COUNT_UNITS:
         raise ConfigError(f"bad count {text!r}: unknown suffix {unit!r} (K, M, B, T)")
-    return int(round(value * _COUNT_UNITS[unit]))
+    return _to_int(value * _COUNT_UNITS[unit], text, "count")
 
 
 def parse_rate(text):

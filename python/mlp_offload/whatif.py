@@ -8,8 +8,6 @@ tier, bytes moved in a steady-state step over the tier's bandwidth as one
 rank sees it (the node's bandwidth split among the ranks that share it).
 """
 
-import math
-
 from mlp_offload import _C
 from mlp_offload import config as _config
 from mlp_offload import units
@@ -62,10 +60,18 @@ def parse_tier(text, index=0):
     }
     if len(parts) == 5 and parts[4] not in ("", "-", "0"):
         spec["capacity_bytes"] = units.parse_size(parts[4])
+        if spec["capacity_bytes"] < 1:
+            raise ConfigError(f"tier {name}: capacity {parts[4]!r} is less than a byte "
+                              f"(0 or '-' for unlimited)")
     for key in ("read_bytes_per_sec", "write_bytes_per_sec"):
         if not spec[key] > 0:
             raise ConfigError(f"tier {name}: {key.split('_')[0]} bandwidth must be > 0")
     return spec
+
+
+# A real run has hundreds of subgroups per rank; millions only come from a
+# typo (and would take the planner's memory).
+MAX_SUBGROUPS = 1_000_000
 
 
 def shard_subgroups(params, ranks, subgroup_numel):
@@ -76,7 +82,12 @@ def shard_subgroups(params, ranks, subgroup_numel):
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
     if subgroup_numel < 1:
         raise ConfigError(f"subgroup_numel must be >= 1, got {subgroup_numel}")
-    shard = math.ceil(params / ranks)
+    shard = -(-params // ranks)
+    if -(-shard // subgroup_numel) > MAX_SUBGROUPS:
+        raise ConfigError(
+            f"{-(-shard // subgroup_numel)} subgroups per rank ({params} params, {ranks} "
+            f"ranks, subgroups of {subgroup_numel}): the planner takes at most "
+            f"{MAX_SUBGROUPS}; raise subgroup_numel")
     full, rest = divmod(shard, subgroup_numel)
     return [subgroup_numel] * full + ([rest] if rest else [])
 
