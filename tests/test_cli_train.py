@@ -110,3 +110,29 @@ def test_corpus_and_model_are_deterministic():
     assert x.shape == (2, 8) and (x[:, 1:] == y[:, :-1]).all()
     model = gpt.GPT(gpt.GPTConfig(tok.vocab_size, seq_len=8, dim=16, layers=1, heads=2))
     assert model(x).shape == (2, 8, tok.vocab_size)
+
+
+def test_sigterm_cleans_up_and_exits_143(tmp_path):
+    # A job scheduler's SIGTERM mid-training: the temporary tier
+    # directories go, one line says why, status 128 + 15.
+    import os
+    import signal
+    import subprocess
+    import sys
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    argv = [sys.executable, "-m", "mlp_offload.cli", "train", "--out", ""] + \
+        [a if a != "6" else "100000" for a in TINY]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("offload: tiers"):
+                break
+        assert any(n.startswith("mlp_offload_train_tier") for n in os.listdir(tmp_path))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().endswith("mlp-offload: terminated"), err
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("mlp_offload_train_tier")]

@@ -18,8 +18,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from mlp_offload import units
@@ -684,12 +686,31 @@ def build_parser():
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: temporary tier directories and
+    probe files are cleaned up as for Ctrl-C (a probe in C++ finishes its
+    pass first, then removes its files)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv=None):
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv):
     try:
         parser = build_parser()  # imports torch: seconds, where Ctrl-C lands
-    except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG}: interrupted\n")
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted(e)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -709,9 +730,14 @@ def main(argv=None):
     except OSError as e:  # e.g. the PNG's directory is not writable
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return 1
-    except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG}: interrupted\n")
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted(e)
+
+
+def _interrupted(e):
+    terminated = isinstance(e, _Terminated)
+    sys.stderr.write(f"{PROG}: {'terminated' if terminated else 'interrupted'}\n")
+    return 143 if terminated else 130
 
 
 if __name__ == "__main__":
