@@ -255,6 +255,50 @@ def failing_checkpoint_worker(rank, tiers, ckpt):
     opt.close()
 
 
+def partial_load_worker(rank, tiers, ckpt):
+    """Rank 1's load fails part-way: every rank refuses to step until both
+    load again (rank 0's load succeeded, but the ranks' states no longer
+    belong to one step)."""
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1)
+    pairs = ((ref_opt, ref), (opt, model))
+    train_same_batches(range(0, 2), pairs)
+    opt.save_checkpoint(ckpt)
+    dist.barrier()
+    # Rank 1's second record rots: its first subgroup is loaded, then the
+    # checksum of the second fails.
+    engine_dir = [n for n in os.listdir(ckpt) if n.startswith("engine-r1-")][0]
+    record = os.path.join(ckpt, engine_dir, "sg_1.ckpt")
+    good = open(record, "rb").read()
+    if rank == 1:
+        with open(record, "r+b") as f:
+            f.seek(len(good) - 5)
+            f.write(bytes([good[-5] ^ 0xFF]))
+    dist.barrier()
+    with pytest.raises(OffloadError):
+        opt.load_checkpoint(ckpt)
+    for attempt in range(2):  # every rank refuses, before any collective
+        with pytest.raises(StateMismatchError, match="incomplete: load_checkpoint"):
+            opt.step()
+    dist.barrier()
+    if rank == 1:
+        with open(record, "wb") as f:
+            f.write(good)
+    dist.barrier()
+    opt.load_checkpoint(ckpt)
+    train_same_batches(range(2, 4), pairs)
+    assert_params_match(model, ref, rank)
+    opt.close()
+
+
+def test_a_load_failing_part_way_on_one_rank_stops_every_rank(tmp_path):
+    spawn(partial_load_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
+
+
 def test_a_rank_that_cannot_load_its_checkpoint_makes_every_rank_raise(tmp_path):
     spawn(failing_checkpoint_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
 

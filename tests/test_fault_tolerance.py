@@ -648,3 +648,48 @@ def test_truncated_state_and_a_tier_under_a_file_are_named(tmp_path):
     with pytest.raises(errors.CorruptStateError, match=r"sg_0.state.*truncated state of subgroup 0"):
         opt = wrap(make_model(), tiers, run_name="r", commit_every=1, resume="require")
         opt.state_dict()
+
+
+@pytest.mark.parametrize("load", ["state_dict", "checkpoint"])
+def test_a_load_failing_part_way_is_refused_until_loaded_again(tmp_path, load):
+    # An I/O error after some subgroups took the loaded state: the state is
+    # part old, part loaded. Stepping or saving it would train on (or keep)
+    # that mix silently: refused, naming the failed load, until a load
+    # succeeds; then training continues as if nothing happened.
+    steps = 4
+    want_params, want_sd = reference(tmp_path, steps)
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), fault_injection=True)
+    for k in range(2):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    ckpt = str(tmp_path / "ckpt")
+    opt.save_checkpoint(ckpt)
+    engine = opt.engine
+    tiers = engine.plan.tier_of_subgroup
+    assert tiers[0] != tiers[-1]
+    # Writes fail on the last subgroup's tier; the first subgroup's succeed.
+    engine.add_fault(tiers[-1], nth=-1, kind="error", op="write", error=errno.EIO)
+    with pytest.raises(errors.TierIOError):
+        if load == "state_dict":
+            opt.load_state_dict(sd)
+        else:
+            opt.load_checkpoint(ckpt)
+    backward(model, 2)
+    for refused in (opt.step, opt.state_dict, lambda: opt.save_checkpoint(ckpt)):
+        with pytest.raises(errors.StateMismatchError, match=f"incomplete: load_{load}"):
+            refused()
+    engine.clear_faults(tiers[-1])
+    if load == "state_dict":
+        opt.load_state_dict(sd)
+    else:
+        opt.load_checkpoint(ckpt)
+    for k in range(2, steps):
+        if k > 2:
+            backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    assert_equal(params_of(model), want_params, "after the reload")
+    opt.close()

@@ -194,6 +194,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
+        self._incomplete_load = None  # a load that failed after changing state
+        self._load_started = False
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
         self._rank, self._world = 0, 1
@@ -606,6 +608,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise OffloadError("this MLPOffloadOptimizer was closed: its state is gone "
                                "from memory (save_checkpoint before close to keep it)")
 
+    def _check_state_whole(self):
+        """Refuses to step or save a state that a failed load left part old,
+        part loaded (on any rank: the ranks agree on it)."""
+        if self._incomplete_load is not None:
+            raise StateMismatchError(
+                f"the optimizer state is incomplete: {self._incomplete_load}; load the "
+                f"state dict or checkpoint again (on every rank) before stepping or saving")
+
     def close(self):
         """Flushes and releases the engine (and its tier directories); any
         later use of the optimizer raises OffloadError."""
@@ -746,6 +756,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self._check_open()
+        self._check_state_whole()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1357,6 +1368,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parameters' state and a "mlp_offload_shard" entry naming the rank.
         """
         self._check_open()
+        self._check_state_whole()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if len(self.optimizer.state) > 0:
@@ -1414,12 +1426,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if not self._initialized:
                 self._ensure_initialized()
             self._write_states(states)
-        except Exception as exc:
-            if self._group is None:
+        except BaseException as exc:
+            self._incomplete_load = (f"load_state_dict failed part-way "
+                                     f"({type(exc).__name__}: {exc})")
+            if self._group is None or not isinstance(exc, Exception):
                 raise
             failure = exc
-        self._raise_together(failure, "write its part of the loaded state",
-                             note="; load the state dict again on every rank")
+        try:
+            self._raise_together(failure, "write its part of the loaded state",
+                                 note="; load the state dict again on every rank")
+        except OffloadError as exc:
+            if self._incomplete_load is None:
+                self._incomplete_load = f"load_state_dict failed on another rank ({exc})"
+            raise
+        self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -1498,6 +1518,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         loads the previous save.
         """
         self._check_open()
+        self._check_state_whole()
         directory = os.fspath(directory)
         failure = None
         try:
@@ -1736,6 +1757,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # else: the newest save every saving rank finished may be one by
             # another rank count (an interrupted save by this one): below.
         error = None
+        self._load_started = False
         try:
             if manifests is None:
                 manifests = _ckpt.newest_complete_save(
@@ -1743,8 +1765,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._load_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
+        # A failure after some rank's state was touched leaves every rank's
+        # state incomplete (part old, part loaded, or loaded on some ranks).
+        touched = error is not None and self._load_started
+        if self._group is not None:
+            touched = self._any_rank(touched)
+        if touched:
+            why = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
+            self._incomplete_load = f"load_checkpoint({directory!r}) failed part-way ({why})"
         # Before the parameter broadcast, which would wait for a failed rank.
         self._raise_together(error, f"load its checkpoint files in {directory}")
+        self._incomplete_load = None
         if restore_params:
             self._params_from_masters()
 
@@ -1775,6 +1806,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"checkpoint in {directory} packs parameters into other subgroups "
                 f"(subgroup_numel differs)")
         python_states = [self._read_python_state(directory, m) for m in manifests]
+        self._load_started = True  # from here a failure leaves the state part loaded
         self.optimizer.load_state_dict({"state": {},
                                         "param_groups": python_states[0]["param_groups"]})
         self.optimizer.state.clear()
