@@ -397,6 +397,58 @@ def test_argument_errors(tmp_path):
              torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))]
     with pytest.raises(errors.ConfigError, match="one dtype"):
         wrap(torch.optim.Adam(mixed), tmp_path)
+    # torch only warns, then updates the tensor twice per step.
+    ps = list(model.parameters())
+    with pytest.warns(UserWarning), \
+            pytest.raises(errors.ConfigError, match="parameter 4 is parameter 0 again"):
+        wrap(torch.optim.SGD(ps + ps[:1], lr=0.1, momentum=0.9), tmp_path)
+
+
+@pytest.mark.parametrize("dampening", [0.5, 0.0])
+def test_sgd_momentum_switched_on_mid_training(tmp_path, dampening):
+    # Group 1 trains without momentum, then switches it on. torch starts the
+    # buffer from the gradient undamped: with dampening that is refused (the
+    # offloaded buffer is a zero one), with dampening=0 it is the same thing.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+
+    def make(m):
+        w, b = [p for n, p in m.named_parameters() if n.endswith("weight")], \
+            [p for n, p in m.named_parameters() if n.endswith("bias")]
+        return torch.optim.SGD([{"params": w}, {"params": b, "momentum": 0.0}], lr=0.1,
+                               momentum=0.9, dampening=dampening)
+    ref_opt = make(ref)
+    opt = wrap(make(model), tmp_path, subgroup_numel=100)
+    for step in range(4):
+        if step == 2:
+            for o in (ref_opt, opt):
+                o.param_groups[1]["momentum"] = 0.9
+        for o, m in ((ref_opt, ref), (opt, model)):
+            o.zero_grad()
+            loss_of(m, step).backward()
+        ref_opt.step()
+        if step == 2 and dampening:
+            with pytest.raises(errors.ConfigError, match="momentum switched on"):
+                opt.step()
+            # The advice: that first step with dampening=0.
+            opt.param_groups[1]["dampening"] = 0.0
+            opt.step()
+            opt.param_groups[1]["dampening"] = dampening
+        else:
+            opt.step()
+        assert_close(model, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adagrad_accumulator_starts_at_its_fp32_value(tmp_path, dtype):
+    # torch's Adagrad makes its initial state in the parameters' dtype
+    # (0.1 in bf16 is 0.10009765625); the fp32 state starts at 0.1 itself.
+    model = make_model(dtype)
+    opt = wrap(torch.optim.Adagrad(model.parameters(), lr=0.01,
+                                   initial_accumulator_value=0.1), tmp_path)
+    for st in opt.state_dict()["state"].values():
+        assert st["sum"].dtype == torch.float32
+        assert torch.equal(st["sum"], torch.full_like(st["sum"], 0.1))
 
 
 def test_partial_gradients_are_refused(tmp_path):

@@ -56,6 +56,9 @@ OPTIMIZERS = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True,
                                               weight_decay=0.01),
     "adamax": lambda ps: torch.optim.Adamax(ps, lr=2e-3, weight_decay=0.01),
+    # Other state per parameter shape: factored (row/column, kept in Python)
+    # for matrices, a full variance (offloaded) for vectors.
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01),
     "user_sign_momentum": lambda ps: SignMomentum(ps, lr=1e-3),
 }
 

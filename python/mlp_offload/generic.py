@@ -22,8 +22,30 @@ from mlp_offload.errors import ConfigError, OffloadError
 
 _log = logging.getLogger(__name__)
 
-_PROBE_SHAPE = (5, 3)
+# A matrix and a vector: some optimizers keep other state for each
+# (Adafactor: factored row/column variances for a matrix, a full variance
+# for a vector).
+_PROBE_SHAPES = ((5, 3), (7,))
 _PROBE_STEPS = 3
+
+
+def offloaded_keys_of(has_state, keys):
+    """The offloaded state keys a parameter has: has_state[pid] is False
+    (no state), True (state with all of `keys`) or {"offloaded": [some of
+    them]} (an optimizer that keeps a key for some parameter shapes only;
+    a dict, so that it is true even when the list is empty)."""
+    if has_state is True:
+        return list(keys)
+    if not has_state:
+        return []
+    return [k for k in keys if k in has_state["offloaded"]]
+
+
+def has_state_value(present, keys):
+    """has_state[pid] for a parameter whose state has the offloaded keys
+    `present` (see offloaded_keys_of)."""
+    present = [k for k in keys if k in present]
+    return True if len(present) == len(keys) else {"offloaded": present}
 
 
 def _constructor_kwargs(cls, group):
@@ -48,30 +70,32 @@ def discover_state_keys(optimizer, group_index):
     group = optimizer.param_groups[group_index]
     kwargs = _constructor_kwargs(cls, group)
     gen = torch.Generator().manual_seed(1234)
-    probe = torch.nn.Parameter(torch.randn(_PROBE_SHAPE, generator=gen))
-    try:
-        throwaway = cls([probe], **kwargs)
-    except Exception as e:  # any failure of user code: say what to do
-        raise ConfigError(
-            f"cannot construct a probe instance of {cls.__name__} with the "
-            f"hyperparameters of param group {group_index} ({e}); pass "
-            f"generic_state_keys=[...] naming its per-parameter state tensors"
-        ) from e
     keys = []
-    for _ in range(_PROBE_STEPS):
-        probe.grad = torch.randn(_PROBE_SHAPE, generator=gen)
+    for shape in _PROBE_SHAPES:
+        probe = torch.nn.Parameter(torch.randn(shape, generator=gen))
         try:
-            step_without_hooks(throwaway)
-        except Exception as e:  # noqa: BLE001 - user code: say what it means
+            throwaway = cls([probe], **kwargs)
+        except Exception as e:  # any failure of user code: say what to do
             raise ConfigError(
-                f"{cls.__name__}.step() failed on a probe parameter ({type(e).__name__}: "
-                f"{e}): the generic path runs the optimizer's step() without a closure, "
-                f"one subgroup at a time, so an optimizer that needs the closure or "
-                f"all parameters at once (LBFGS) cannot be offloaded") from e
-        for key, value in throwaway.state.get(probe, {}).items():
-            if (isinstance(value, torch.Tensor) and tuple(value.shape) == _PROBE_SHAPE
-                    and value.is_floating_point() and key not in keys):
-                keys.append(key)
+                f"cannot construct a probe instance of {cls.__name__} with the "
+                f"hyperparameters of param group {group_index} ({e}); pass "
+                f"generic_state_keys=[...] naming its per-parameter state tensors"
+            ) from e
+        for _ in range(_PROBE_STEPS):
+            probe.grad = torch.randn(shape, generator=gen)
+            try:
+                step_without_hooks(throwaway)
+            except Exception as e:  # noqa: BLE001 - user code: say what it means
+                raise ConfigError(
+                    f"{cls.__name__}.step() failed on a probe parameter "
+                    f"({type(e).__name__}: {e}): the generic path runs the optimizer's "
+                    f"step() without a closure, one subgroup at a time, so an optimizer "
+                    f"that needs the closure or all parameters at once (LBFGS) cannot be "
+                    f"offloaded") from e
+            for key, value in throwaway.state.get(probe, {}).items():
+                if (isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+                        and value.is_floating_point() and key not in keys):
+                    keys.append(key)
     _log.debug("%s (group %d): offloaded state keys %s", cls.__name__, group_index, keys)
     return keys
 
@@ -126,8 +150,10 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
         t.grad = grad.view(p.shape)
         if has_state[pid]:
             st = dict(py_state.get(pid, {}))
+            present = offloaded_keys_of(has_state[pid], keys)
             for k, arr in zip(keys, arrays):
-                st[k] = arr[off:off + n].view(p.shape)
+                if k in present:
+                    st[k] = arr[off:off + n].view(p.shape)
             optimizer.state[t] = st
         temps.append(t)
     try:
@@ -138,16 +164,31 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
             target = master[off:off + n].view(p.shape)
             if t.data_ptr() != target.data_ptr():  # the step rebound .data
                 target.copy_(t)
+            had = offloaded_keys_of(has_state[pid], keys) if has_state[pid] else None
+            present = []
             for k, arr in zip(keys, arrays):
                 value = st.get(k)
                 if value is None:
+                    if had is not None and k in had:
+                        raise OffloadError(
+                            f"{type(optimizer).__name__} dropped state '{k}' of "
+                            f"parameter {pid} (state keys must not change between steps)")
+                    continue  # not kept for this parameter's shape (Adafactor)
+                if tuple(value.shape) != tuple(p.shape):
                     raise OffloadError(
-                        f"{type(optimizer).__name__} did not keep state '{k}' for "
-                        f"parameter {pid}: the probe saw it (state keys must not "
-                        f"change between steps)")
+                        f"{type(optimizer).__name__} keeps state '{k}' of parameter {pid} "
+                        f"with shape {tuple(value.shape)}, the parameter's is "
+                        f"{tuple(p.shape)}; pass generic_state_keys naming only the state "
+                        f"tensors shaped like every parameter")
+                present.append(k)
                 view = arr[off:off + n].view(p.shape)
                 if value.data_ptr() != view.data_ptr():  # replaced, not updated
                     view.copy_(value)
+            if had is not None and present != had:
+                raise OffloadError(
+                    f"{type(optimizer).__name__} created state "
+                    f"{sorted(set(present) - set(had))} for parameter {pid} after its "
+                    f"first step (state keys must not change between steps)")
             extra = {}
             for k, v in st.items():
                 if k in keys:
@@ -160,7 +201,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                         f"naming all its per-parameter state tensors")
                 extra[k] = v
             py_state[pid] = extra
-            has_state[pid] = True
+            has_state[pid] = has_state_value(present, keys)
     finally:
         for t in temps:
             optimizer.state.pop(t, None)

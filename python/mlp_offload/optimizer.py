@@ -314,7 +314,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # __init__ like Adagrad's) moves to the engine at initialisation.
         self._pending_state = None
         if len(optimizer.state) > 0:
-            self._pending_state = self._state_by_index(optimizer.state)
+            pending = self._state_by_index(optimizer.state)
+            if self._family == "adagrad":
+                # Adagrad's __init__ state (step 0) is in the parameters'
+                # dtype (a bf16 0.1 is 0.10009765625): the engine starts the
+                # fp32 accumulator from initial_accumulator_value itself.
+                pending = {pid: st for pid, st in pending.items()
+                           if float(st.get("step", 1)) != 0}
+            self._pending_state = pending or None
             optimizer.state.clear()
         if self._want_resume:
             self._resume_run()
@@ -393,6 +400,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ConfigError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
                                   f"the engine writes updates in place")
+        first = {}
+        for i, p in enumerate(params):
+            if id(p) in first:
+                # torch only warns, then updates it twice per step with one
+                # state; here it would get two records, the last one winning.
+                raise ConfigError(f"parameter {i} is parameter {first[id(p)]} again (shape "
+                                  f"{tuple(p.shape)}): list each parameter once")
+            first[id(p)] = i
 
         self._family = _hp.native_family(self.optimizer)
         if self._family is not None:
@@ -777,6 +792,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if not self._grad_presence():
             return loss  # torch skips parameters without gradients
         self._refresh_hyperparams()
+        self._check_momentum_switch()
         skip_nonfinite = amp or self._nonfinite != "ignore"
 
         stats = before = failure = None
@@ -818,8 +834,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "updated (use a GradScaler, or nonfinite='skip'/'ignore')")
         if not skipped and self._group is not None:
             self._broadcast_params()
+        if not skipped and self._family == "sgd":
+            self._momentum_seen = [hp["momentum"] for hp in self._group_hps]
         self.last_step_stats = stats
         return loss
+
+    def _check_momentum_switch(self):
+        """SGD momentum switched on mid-training, with dampening: torch starts
+        the buffer from the gradient, undamped; the engine's buffer, kept
+        (zero) for the group's subgroups since they first stepped, would be
+        damped instead. Refused rather than silently different."""
+        seen = getattr(self, "_momentum_seen", None)
+        if self._family != "sgd" or seen is None:
+            return
+        for i, hp in enumerate(self._group_hps[:len(seen)]):
+            if seen[i] == 0.0 and hp["momentum"] != 0.0 and hp["dampening"] != 0.0:
+                raise ConfigError(
+                    f"SGD parameter group {i}: momentum switched on ({hp['momentum']:g}) "
+                    f"after steps without it, with dampening {hp['dampening']:g}: torch "
+                    f"starts the buffer from the undamped gradient, which the offloaded "
+                    f"(zero) buffer cannot tell; take that first step with dampening=0, "
+                    f"or use momentum from the start")
 
     def _prepare_grads(self, amp, scale):
         """Brings the gradients the engine sees up to date before a step: the
@@ -1228,8 +1263,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if not self._has_state[pid]:
             return None
         st = _copy_state(self._py_state.get(pid, {}))
-        for k, arr in zip(self._keys[sg.group], arrays):
-            st[k] = arr[off:off + n].view(p.shape).clone()
+        keys = self._keys[sg.group]
+        present = _generic.offloaded_keys_of(self._has_state[pid], keys)
+        for k, arr in zip(keys, arrays):
+            if k in present:
+                st[k] = arr[off:off + n].view(p.shape).clone()
         return st
 
     def _owned_param_ids(self):
@@ -1331,7 +1369,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     if not check_only:
                         self._py_state[pid] = _copy_state(
                             {k: v for k, v in st.items() if k not in keys})
-                        self._has_state[pid] = True
+                        self._has_state[pid] = _generic.has_state_value(
+                            [k for k in keys if st.get(k) is not None], keys)
                 for ki, k in enumerate(keys[:self._num_arrays]):
                     value = st.get(k)
                     if value is None:
@@ -1441,6 +1480,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise
         self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
+        self._momentum_seen = None  # buffers as loaded: nothing to compare with
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -1477,12 +1517,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                  "doesn't match the size of optimizer's group")
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in saved_groups))
         shapes = self._param_shapes
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         states = {}
         for pid, sid in enumerate(saved_ids):
             st = state_dict["state"].get(sid)
             if st is None or len(st) == 0:
                 continue
             for k, v in st.items():
+                if self._keys is not None and k not in self._keys[group_of[pid]]:
+                    continue  # kept in Python as it is (a factored moment, a counter)
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and \
                         list(v.shape) != shapes[pid] and v.numel() != 1:
                     raise StateMismatchError(
@@ -1824,6 +1867,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._has_state.update(
                 {int(k): v for k, v in python_state["has_state"].items()})
         self._failed_step = None  # the loaded state replaces a step that failed
+        self._momentum_seen = None  # buffers as loaded: nothing to compare with
 
     @staticmethod
     def _read_python_state(directory, manifest):
