@@ -165,6 +165,9 @@ class LockedDispatcher {
 // Sends a tier's requests through its engine: directly (no tier lock), under
 // one lock for all of them, or under one lock for reads and another for
 // writes (TierLockMode::kPerDirection).
+// The tier channel whose Submit is running on this thread (see TierChannel).
+thread_local const void* tls_submitting_channel = nullptr;
+
 class TierChannel {
  public:
   // `locks`: none, one for every request, or {reads' lock, writes' lock}.
@@ -179,23 +182,72 @@ class TierChannel {
   ~TierChannel() {
     dispatchers_.clear();  // issues what they still hold
     engine_->Shutdown();
+    std::thread deferrer;
+    {
+      MutexLock l(&mu_);
+      stop_ = true;
+      deferrer = std::move(deferrer_);
+    }
+    if (deferrer.joinable()) deferrer.join();  // delivers what is queued
   }
 
   IoEngine* engine() const { return engine_.get(); }
 
+  // The engine submits with its mutex held and its completions take that
+  // mutex, so a completion must never run inside Submit. Engines may
+  // complete a request on the submitting thread (an error found before
+  // any I/O, a ring that broke, an engine shutting down, an injected
+  // fault): such completions are handed to a thread of this channel.
   void Submit(const IoRequest& request, IoCallback done) {
-    if (dispatchers_.empty()) {
-      engine_->Submit(request, std::move(done));
+    if (!dispatchers_.empty()) {  // completions come on other threads
+      const size_t d =
+          dispatchers_.size() == 2 && request.op == IoOp::kWrite ? 1 : 0;
+      dispatchers_[d]->Submit(request, std::move(done));
       return;
     }
-    const size_t d =
-        dispatchers_.size() == 2 && request.op == IoOp::kWrite ? 1 : 0;
-    dispatchers_[d]->Submit(request, std::move(done));
+    const void* outer = tls_submitting_channel;
+    tls_submitting_channel = this;
+    engine_->Submit(request, [this, done = std::move(done)](
+                                 absl::StatusOr<size_t> r) mutable {
+      if (tls_submitting_channel == this) {
+        Defer(std::move(done), std::move(r));
+      } else {
+        done(std::move(r));
+      }
+    });
+    tls_submitting_channel = outer;
   }
 
  private:
+  void Defer(IoCallback done, absl::StatusOr<size_t> r) {
+    MutexLock l(&mu_);
+    deferred_.push_back({std::move(done), std::move(r)});
+    if (!deferrer_.joinable()) deferrer_ = std::thread([this] { Deliver(); });
+  }
+
+  void Deliver() {
+    for (;;) {
+      std::deque<std::pair<IoCallback, absl::StatusOr<size_t>>> batch;
+      {
+        MutexLock l(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || !deferred_.empty();
+        };
+        mu_.Await(ready);
+        if (deferred_.empty()) return;  // stopped, all delivered
+        batch.swap(deferred_);
+      }
+      for (auto& [done, r] : batch) done(std::move(r));
+    }
+  }
+
   std::unique_ptr<IoEngine> engine_;
   std::vector<std::unique_ptr<LockedDispatcher>> dispatchers_;
+  Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::pair<IoCallback, absl::StatusOr<size_t>>> deferred_
+      ABSL_GUARDED_BY(mu_);
+  std::thread deferrer_ ABSL_GUARDED_BY(mu_);
 };
 
 enum class BufState { kFree, kReading, kReady, kInUse, kWriting, kCached };
@@ -1064,6 +1116,24 @@ const Plan& Engine::plan() const { return impl_->plan; }
 const EngineConfig& Engine::config() const { return impl_->config; }
 int Engine::num_subgroups() const { return impl_->n(); }
 int64_t Engine::step() const { return impl_->steps_done; }
+
+absl::Status Engine::SetStep(int64_t step) {
+  Impl& e = *impl_;
+  MutexLock l(&e.mu);
+  if (e.in_step || e.step_failed) {
+    return absl::FailedPreconditionError(
+        "SetStep: a step is in progress or failed part-way");
+  }
+  for (int i = 0; i < e.n(); ++i) {
+    if (e.sg_step[i] > step) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SetStep(", step, "): subgroup ", i, " has taken ",
+                       e.sg_step[i], " steps"));
+    }
+  }
+  e.steps_done = step;
+  return absl::OkStatus();
+}
 
 absl::Status Engine::RetryCommit() {
   Impl& e = *impl_;

@@ -148,6 +148,12 @@ class Engine {
   int num_subgroups() const;
   // Steps completed (the next Step is step() + 1).
   int64_t step() const;
+  // Sets that count after a load: a loaded checkpoint sets it to its
+  // subgroups' largest step count, which is less than the run's step where
+  // the subgroups of this engine all skipped some steps (no gradients); the
+  // ranks of a group must count alike, since commits are labelled with it.
+  // Not below any subgroup's count, nor within or after a failed step.
+  absl::Status SetStep(int64_t step);
   // Whether an earlier attempt of the current step failed part-way (the next
   // Step resumes it, see AbortStep).
   bool step_incomplete() const;

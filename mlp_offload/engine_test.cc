@@ -1027,8 +1027,15 @@ TEST(EngineTest, ACheckpointLoadedAfterAFailedStepReplacesIt) {
   EXPECT_EQ(e.step(), 1);
 }
 
-TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
+class WriteFaultTest : public ::testing::TestWithParam<bool> {};
+
+// With and without the tier lock. Without it requests go straight to the
+// tier's I/O engine, and the fault injector (like an engine that finds an
+// error before any I/O) completes them inside Submit, where the engine holds
+// its mutex: the channel must hand such completions to another thread.
+TEST_P(WriteFaultTest, FailsTheStepAndARetryFinishesIt) {
   EngineConfig cfg = SmallConfig(2);
+  cfg.techniques.tier_lock = GetParam();
   cfg.fault_injection = true;
   cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
   Model model(cfg.subgroup_numel, 2);
@@ -1064,6 +1071,8 @@ TEST(EngineTest, WriteFaultFailsTheStepAndARetryFinishesIt) {
     EXPECT_EQ(master, ref.master[i]) << i;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(TierLock, WriteFaultTest, ::testing::Bool());
 
 TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   EngineConfig cfg = SmallConfig(1);

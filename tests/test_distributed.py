@@ -187,6 +187,13 @@ def failing_step_worker(rank, tiers, atomic_step, fail_at, staged):
             for p, q in zip(model.parameters(), before):
                 assert torch.equal(p, q), (rank, attempt)
     assert engine.steps == (done if rank == 1 or fail_at == "init" else done + 1)
+    if fail_at == "step":
+        # Half a step (rank 0's part, or some of rank 1's subgroups) is no
+        # state to keep: saving or reading it out is refused on every rank.
+        with pytest.raises(OffloadError, match="pending"):
+            opt.state_dict()
+        with pytest.raises(OffloadError, match="pending"):
+            opt.save_checkpoint(os.path.join(tiers[0], "ckpt"))
     if rank == 1:
         engine.clear_faults(tier)
     opt.step()  # completes the step on rank 1, and rank 0 does not run it twice
@@ -284,3 +291,103 @@ def mismatch_worker(rank, tiers):
 
 def test_ranks_with_other_models_or_settings_are_refused_on_every_rank(tmp_path):
     spawn(mismatch_worker, tier_dirs(tmp_path))
+
+
+def amp_worker(rank, tiers):
+    # GradScaler finds an inf on rank 1 only (its gradients are its own):
+    # every rank skips that step (before: rank 0 applied it, and the ranks'
+    # collectives drifted a step apart until gloo timed out).
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 * step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step == 1 and rank == 1:
+            opt.subgroups[1].params[0].grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        assert opt.engine.steps == {0: 1, 1: 1, 2: 2}[step], (rank, step)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        both = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(both, flat)
+        assert torch.equal(both[0], both[1]), (rank, step)
+    opt.close()
+
+
+def test_an_inf_that_one_ranks_grad_scaler_finds_skips_the_step_everywhere(tmp_path):
+    spawn(amp_worker, tier_dirs(tmp_path))
+
+
+def read_failure_worker(rank, tiers, ckpt):
+    # A record read failing on its owner: the full state_dict's broadcast of
+    # that record, and load_checkpoint's parameters from the masters, raise
+    # on every rank (before: the other rank waited for the broadcast).
+    model = make_model()
+    # Baseline: no records cached in host memory, every read goes to a tier.
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1, fault_injection=True,
+                              mode="baseline")
+    train_same_batches(range(2), ((opt, model),))
+    opt.save_checkpoint(ckpt)
+    n = len(tiers)
+    for action in ("state_dict", "load_checkpoint"):
+        if rank == 1:
+            for t in range(n):
+                opt.engine.add_fault(t, nth=-1, kind="error", op="read", error=errno.EIO,
+                                     path_substring=".state")
+        with pytest.raises(OffloadError) as err:
+            if action == "state_dict":
+                opt.state_dict()
+            else:
+                opt.load_checkpoint(ckpt, restore_params=True)
+        msg = str(err.value)
+        if rank == 1:
+            assert isinstance(err.value, TierIOError), msg
+        else:
+            assert "rank 1" in msg, msg
+        if rank == 1:
+            for t in range(n):
+                opt.engine.clear_faults(t)
+        dist.barrier()
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert len(opt.state_dict()["state"]) == 4
+    opt.close()
+
+
+def test_a_record_read_failing_on_its_owner_raises_on_every_rank(tmp_path):
+    spawn(read_failure_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
+
+
+def damaged_pystate_worker(rank, tiers):
+    model = make_model()
+
+    def wrap(**kwargs):
+        return MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                                   subgroup_numel=200, compute_threads=1,
+                                   run_name="py", commit_every=1, **kwargs)
+    opt = wrap()
+    train_same_batches(range(2), ((opt, model),))
+    opt.close()
+    dist.barrier()
+    if rank == 1:  # rank 1's Python-side state of the committed steps rots
+        run_dir = os.path.join(tiers[0], "py.r1")
+        for name in os.listdir(run_dir):
+            if name.startswith("pystate-"):
+                with open(os.path.join(run_dir, name), "r+b") as f:
+                    f.seek(100)
+                    f.write(b"XXXX")
+    dist.barrier()
+    with pytest.raises(OffloadError) as err:
+        wrap(resume="auto")
+    if rank == 1:
+        assert "checksum mismatch" in str(err.value), str(err.value)
+    else:
+        assert "another rank could not read its committed state" in str(err.value)
+
+
+def test_a_rank_whose_committed_python_state_is_damaged_makes_every_rank_raise(tmp_path):
+    spawn(damaged_pystate_worker, tier_dirs(tmp_path))

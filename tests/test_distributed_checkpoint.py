@@ -184,7 +184,15 @@ def failing_save_worker(rank, tiers, ckpt):
     opt.save_checkpoint(ckpt)
     saved, saved_sd = copy.deepcopy(ref), copy.deepcopy(ref_opt.state_dict())
     dist.barrier()
+    if rank == 0:
+        # As an earlier save interrupted on rank 1 leaves it: rank 0 keeps
+        # a .prev manifest (naming the last save every rank finished). The
+        # take-back must put it back too.
+        shutil.copy(os.path.join(ckpt, "manifest.rank0.json"),
+                    os.path.join(ckpt, "manifest.rank0.prev.json"))
+    dist.barrier()
     names = sorted(os.listdir(ckpt))
+    prev = open(os.path.join(ckpt, "manifest.rank0.prev.json"), "rb").read()
     write = impl._recovery.write_file_atomically
 
     def full_disk(path, data, **kwargs):
@@ -206,6 +214,7 @@ def failing_save_worker(rank, tiers, ckpt):
         dist.barrier()
         # Every rank is where it was before the save.
         assert sorted(os.listdir(ckpt)) == names, (rank, attempt, os.listdir(ckpt))
+        assert open(os.path.join(ckpt, "manifest.rank0.prev.json"), "rb").read() == prev
     opt.load_checkpoint(ckpt, restore_params=True)
     assert_params_match(model, saved, rank)
     assert_states_match(opt.state_dict()["state"], saved_sd["state"], rank)
@@ -297,6 +306,37 @@ def partial_load_worker(rank, tiers, ckpt):
 
 def test_a_load_failing_part_way_on_one_rank_stops_every_rank(tmp_path):
     spawn(partial_load_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
+
+
+def step_count_worker(rank, tiers, ckpt):
+    """The biases have no gradient at step 0 (torch skips them): the rank
+    whose subgroups hold only biases took one step less. After a load every
+    rank counts the run's steps alike (commits are labelled with them)."""
+    make = OPTIMIZERS["adamw"]
+    model = make_model()
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    opt = MLPOffloadOptimizer(make([{"params": weights}, {"params": biases}]), tiers=tiers,
+                              subgroup_numel=1000, compute_threads=1)
+    assert len(opt.subgroups) == 2  # the weights, the biases: one per rank
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 * step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            for p in biases:
+                p.grad = None
+        opt.step()
+    assert opt.engine.steps == 3
+    opt.save_checkpoint(ckpt)
+    opt.load_checkpoint(ckpt)
+    assert opt.engine.steps == 3, (rank, opt.engine.steps)
+    opt.close()
+
+
+def test_every_rank_counts_the_steps_alike_after_a_load(tmp_path):
+    spawn(step_count_worker, tier_dirs(tmp_path), str(tmp_path / "ckpt"))
 
 
 def test_a_rank_that_cannot_load_its_checkpoint_makes_every_rank_raise(tmp_path):

@@ -693,3 +693,27 @@ def test_a_load_failing_part_way_is_refused_until_loaded_again(tmp_path, load):
         opt.zero_grad()
     assert_equal(params_of(model), want_params, "after the reload")
     opt.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_fault_completed_inside_submit_does_not_deadlock(tmp_path, op):
+    # Without the tier lock (the baseline's default) requests go straight to
+    # the tier's I/O engine, which may complete one on the submitting thread
+    # (an injected fault does; so do engines for errors found before any
+    # I/O). The engine submits with its mutex held: such a completion used
+    # to take that mutex again and hang backward() or step() for good.
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), mode="baseline", fault_injection=True)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    for t in (0, 1):
+        opt.engine.add_fault(t, nth=-1, kind="error", op=op, error=errno.EIO)
+    backward(model, 1)
+    with pytest.raises(errors.TierIOError, match="Input/output error"):
+        opt.step()
+    for t in (0, 1):
+        opt.engine.clear_faults(t)
+    opt.step()
+    assert opt.engine.steps == 2
+    opt.close()

@@ -518,6 +518,14 @@ void RegisterEngineBindings(py::module_& parent) {
       .def_property_readonly("plan", [](PyEngine& e) { return e.get().plan(); })
       .def_property_readonly(
           "num_subgroups", [](PyEngine& e) { return e.get().num_subgroups(); })
+      .def(
+          "set_step",
+          [](PyEngine& e, int64_t step) {
+            ThrowIfError(e.get().SetStep(step));
+          },
+          py::arg("step"),
+          "Sets the count of completed steps after a load (the ranks of a "
+          "group count alike).")
       .def_property_readonly(
           "steps", [](PyEngine& e) { return e.get().step(); },
           "Steps completed (the next step is steps + 1).")

@@ -631,6 +631,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"the optimizer state is incomplete: {self._incomplete_load}; load the "
                 f"state dict or checkpoint again (on every rank) before stepping or saving")
 
+    def _check_no_failed_step(self, what, collective):
+        """A step that failed part-way (on any rank) is pending: its state is
+        half updated, which no uninterrupted run passes through; saving it
+        (and loading it back, which drops the pending step) would keep that
+        mix for good."""
+        pending = self._failed_step is not None
+        if collective and self._group is not None:
+            pending = self._any_rank(pending)
+        if pending:
+            where = "" if self._failed_step is not None else " on another rank"
+            raise OffloadError(
+                f"{what}: a step failed{where} and is pending (some subgroups updated, "
+                f"others not): call step() again with the same gradients to finish it first")
+
     def close(self):
         """Flushes and releases the engine (and its tier directories); any
         later use of the optimizer raises OffloadError."""
@@ -781,9 +795,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         scale = getattr(self, "grad_scale", None)
         amp = found_inf is not None
-        if amp and float(found_inf.item()) > 0:
+        amp_inf = amp and float(found_inf.item()) > 0
+        if amp_inf and self._group is None:
             self.last_step_stats = {"skipped": True}
             return loss
+        # In a process group an inf found by this rank's GradScaler goes
+        # through the ranks' agreement below: every rank skips.
         grad_scale = 1.0
         if scale is not None:
             grad_scale = 1.0 / float(scale.item() if isinstance(scale, torch.Tensor)
@@ -803,7 +820,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         bad = False
         try:
             self._ensure_initialized()
-            if check_first and self._engine is not None:
+            if amp_inf:
+                bad = True
+            elif check_first and self._engine is not None:
                 bad = self._local_grads_nonfinite(grad_scale, amp, scale)
         except Exception as exc:
             if self._group is None:
@@ -1054,12 +1073,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _params_from_masters(self):
         """Sets the model's parameters from the engine's fp32 master copy."""
+        failure = None
         with torch.no_grad():
-            for g in self._owned:
-                master, _, _ = self._read_subgroup(g)
-                for p, _, off, n in self._subgroups[g].slices():
-                    p.copy_(master[off:off + n].view(p.shape))
+            try:
+                for g in self._owned:
+                    master, _, _ = self._read_subgroup(g)
+                    for p, _, off, n in self._subgroups[g].slices():
+                        p.copy_(master[off:off + n].view(p.shape))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                if self._group is None:
+                    raise
+                failure = exc
             if self._group is not None:
+                self._raise_together(failure, "read its master weights")
                 self._broadcast_params()
 
     def _resume_run(self):
@@ -1069,10 +1095,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # The same answer on every rank (_create_engine agreed on the step).
         if self._agreed_step >= 0:
             step = self._agreed_step
+            failure = None
             if engine is not None:
                 run_dir = self._pystate_dir()
-                state = _recovery.read_pystate(run_dir, step)
-                self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
+                try:
+                    state = _recovery.read_pystate(run_dir, step)
+                    self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
+                except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                    failure = exc
+            # Every rank raises if one cannot (none waits in the broadcast).
+            self._raise_together(failure, f"read its committed state of step {step}")
+            if engine is not None:
                 self.optimizer.load_state_dict({"state": {},
                                                 "param_groups": state["param_groups"]})
                 self.optimizer.state.clear()
@@ -1236,12 +1269,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         k = self._num_arrays
         flat = torch.empty((1 + k) * sg.numel, dtype=torch.float32)
         step = torch.zeros(1, dtype=torch.int64)
-        if self._owner(g) == self._rank:
-            master, arrays, s = self._read_subgroup(g)
-            flat = torch.cat([master] + arrays)
-            step[0] = s
-        self._broadcast_tensor(flat, g)
+        failure = None
+        owner = self._owner(g)
+        if owner == self._rank:
+            try:
+                master, arrays, s = self._read_subgroup(g)
+                flat = torch.cat([master] + arrays)
+                step[0] = s
+            except Exception as exc:  # noqa: BLE001 - the others learn of it below
+                failure = exc
+                step[0] = -1
+        # The step first: -1 says the owner could not read, and every rank
+        # raises instead of waiting for a record that will not come.
         self._broadcast_tensor(step, g)
+        if int(step.item()) < 0:
+            if failure is not None:
+                raise failure
+            raise OffloadError(f"rank {self._rank}: rank {owner} could not read the state "
+                               f"of subgroup {g} (its error is raised there)")
+        self._broadcast_tensor(flat, g)
         parts = list(flat.split(sg.numel)) if k > 0 else [flat]
         return parts[0], parts[1:1 + k], int(step.item())
 
@@ -1408,6 +1454,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         self._check_state_whole()
+        self._check_no_failed_step(
+            "state_dict", collective=self._state_dict_type == "full")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if len(self.optimizer.state) > 0:
@@ -1562,6 +1610,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         self._check_state_whole()
+        self._check_no_failed_step("save_checkpoint", collective=True)
         directory = os.fspath(directory)
         failure = None
         try:
@@ -1588,9 +1637,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         engine_dir = f"engine-{tag}"
         python_file = f"python-{tag}.pt"
         old = None
+        old_prev = None  # the .prev manifest's bytes, for a take-back
         written = False
         try:
             old = self._read_manifest(directory, missing_ok=True)
+            try:
+                with open(self._manifest_path(directory, prev=True), "rb") as f:
+                    old_prev = f.read()
+            except FileNotFoundError:
+                pass
             self._remove_failed_saves(directory, old)
             try:
                 self._write_save(directory, save_id, old, engine_dir, python_file)
@@ -1618,7 +1673,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                          "load_checkpoint loads")
             except OffloadError:
                 if written:
-                    self._take_back_save(directory, old, engine_dir, python_file)
+                    self._take_back_save(directory, old, old_prev, engine_dir, python_file)
                 raise
         # Every rank has the new save: this rank's earlier ones are garbage.
         try:
@@ -1644,6 +1699,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._engine.save_checkpoint(os.path.join(directory, engine_dir))
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
         python_state = {
+            # The run's step count (commits are labelled with it).
+            "engine_steps": None if self._engine is None else self._engine.steps,
             "param_groups": self.optimizer.state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
@@ -1672,17 +1729,22 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         _remove_entries(directory, [n for n in os.listdir(directory)
                                     if n.startswith((engine_dir, python_file))])
 
-    def _take_back_save(self, directory, old, engine_dir, python_file):
+    def _take_back_save(self, directory, old, old_prev, engine_dir, python_file):
         """Another rank's part of the save failed: this rank's manifest goes
-        back to the previous save (kept as .prev by _write_save) and the new
-        files are removed, so every rank is where it was before the save (a
-        later save keeps the previous one as its .prev, not this half)."""
+        back to the previous save (kept as .prev by _write_save), its .prev
+        back to what it was, and the new files are removed, so every rank is
+        where it was before the save (a later save keeps the previous one as
+        its .prev, not this half; a .prev that named the last save every
+        rank finished still does)."""
         try:
             current = self._manifest_path(directory)
+            prev = self._manifest_path(directory, prev=True)
             if old is not None:
-                os.replace(self._manifest_path(directory, prev=True), current)
+                os.replace(prev, current)
             else:
                 os.remove(current)
+            if old_prev is not None:
+                _recovery.write_file_atomically(prev, old_prev)
             _recovery.fsync_dir(directory)
             self._remove_attempt(directory, engine_dir, python_file)
         except OSError as e:
@@ -1819,6 +1881,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Before the parameter broadcast, which would wait for a failed rank.
         self._raise_together(error, f"load its checkpoint files in {directory}")
         self._incomplete_load = None
+        if self._group is not None:
+            # Every rank counts the steps alike (older checkpoints, or a rank
+            # whose subgroups all skipped a step): the largest count.
+            t = torch.tensor([self._engine.steps if self._engine is not None else 0],
+                             dtype=torch.int64, device=self._comm_device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                         group=self._group)
+            steps = int(t.item())
+            if self._engine is not None and self._engine.steps < steps:
+                self._engine.set_step(steps)
         if restore_params:
             self._params_from_masters()
 
@@ -1860,6 +1932,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         elif self._engine is not None:
             self._engine.load_checkpoint_records(
                 [_ckpt.record_source(directory, manifests, g) for g in self._owned])
+        if self._engine is not None:
+            # The load counts the subgroups' largest step; the run's count is
+            # saved (an engine whose subgroups all skipped a step has less).
+            saved = [ps.get("engine_steps") for ps in python_states]
+            saved = [int(v) for v in saved if v is not None]
+            if saved and max(saved) > self._engine.steps:
+                self._engine.set_step(max(saved))
         self._initialized = True
         self._pending_state = None
         for python_state in python_states:
