@@ -1100,15 +1100,16 @@ TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
 
 TEST(EngineTest, GradientCheckAloneAndSkipStepTouchNothing) {
   // What sharded runs use: the check first (the ranks agree on it), then
-  // SkipStep on every rank if one found a NaN, else Step.
+  // SkipStep on every rank if one found a NaN, else Step (with the engine
+  // and gradients of NonFiniteGradientSkipsTheWholeStep).
   EngineConfig cfg = SmallConfig(1);
   Model model(cfg.subgroup_numel, 4);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok());
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
   ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
   model.NewGrads(3);
-  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  const std::vector<SubgroupStepInput> in = AdamWInputs(model);
   auto bad = e.GradientsNonfinite(in, 1.0f);
   ASSERT_TRUE(bad.ok()) << bad.status();
   EXPECT_FALSE(*bad);

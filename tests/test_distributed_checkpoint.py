@@ -169,19 +169,26 @@ def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(t
         assert len([n for n in names if n.startswith(f"python-r{r}-")]) == 1, names
 
 
-def failing_save_worker(rank, tiers, ckpt):
-    """Rank 1's disk is full as it saves, twice in a row: both ranks raise,
-    rank 0 takes its part back, and the save before stays whole."""
-    import mlp_offload.optimizer as impl
+def trained_and_saved(tiers, ckpt):
+    """(plain model's optimizer and model, ours) trained two steps alike,
+    ours saved to `ckpt`."""
     make = OPTIMIZERS["adamw"]
     ref = make_model()
     model = copy.deepcopy(ref)
     ref_opt = make(ref.parameters())
     opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
                               compute_threads=1)
-    pairs = ((ref_opt, ref), (opt, model))
-    train_same_batches(range(0, 2), pairs)
+    train_same_batches(range(0, 2), ((ref_opt, ref), (opt, model)))
     opt.save_checkpoint(ckpt)
+    return ref, ref_opt, model, opt
+
+
+def failing_save_worker(rank, tiers, ckpt):
+    """Rank 1's disk is full as it saves, twice in a row: both ranks raise,
+    rank 0 takes its part back, and the save before stays whole."""
+    import mlp_offload.optimizer as impl
+    ref, ref_opt, model, opt = trained_and_saved(tiers, ckpt)
+    pairs = ((ref_opt, ref), (opt, model))
     saved, saved_sd = copy.deepcopy(ref), copy.deepcopy(ref_opt.state_dict())
     dist.barrier()
     if rank == 0:
@@ -268,15 +275,8 @@ def partial_load_worker(rank, tiers, ckpt):
     """Rank 1's load fails part-way: every rank refuses to step until both
     load again (rank 0's load succeeded, but the ranks' states no longer
     belong to one step)."""
-    make = OPTIMIZERS["adamw"]
-    ref = make_model()
-    model = copy.deepcopy(ref)
-    ref_opt = make(ref.parameters())
-    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                              compute_threads=1)
+    ref, ref_opt, model, opt = trained_and_saved(tiers, ckpt)
     pairs = ((ref_opt, ref), (opt, model))
-    train_same_batches(range(0, 2), pairs)
-    opt.save_checkpoint(ckpt)
     dist.barrier()
     # Rank 1's second record rots: its first subgroup is loaded, then the
     # checksum of the second fails.
