@@ -43,16 +43,6 @@ def _arg(parse):
     return convert
 
 
-def _positive_int(text):
-    try:
-        value = units.parse_count(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _bounded_int(lo, hi):
     """An argparse type: a count in [lo, hi]."""
     def convert(text):
@@ -61,10 +51,14 @@ def _bounded_int(lo, hi):
         except ConfigError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {text}")
+            want = f">= {lo}" if hi == units.MAX_INT else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
         return value
     convert.__name__ = "int"
     return convert
+
+
+_positive_int = _bounded_int(1, units.MAX_INT)
 
 
 def _number(lo=None, hi=None, lo_open=False):

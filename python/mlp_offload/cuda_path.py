@@ -321,17 +321,14 @@ class DeviceStaging:
         self._clip = float(max_norm)
         return norm
 
-    def _nonfinite(self):
-        """Whether a staged gradient is NaN/Inf (waits for backward's kernels)."""
+    def grads_nonfinite(self):
+        """Whether a staged gradient is NaN/Inf (after refresh(); waits for
+        backward's kernels)."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._d2h)
         return bool(self._bad.any().item())
 
     # ----------------------------------------------------------------- step
-
-    def grads_nonfinite(self):
-        """Whether a staged gradient is NaN/Inf (after refresh())."""
-        return self._nonfinite()
 
     def skip_step(self):
         """A step skipped for a NaN/Inf found before it: stats of the skip."""
@@ -348,7 +345,7 @@ class DeviceStaging:
         clip, self._clip = self._clip, None
         extra = {"pinning": self.pinning, "grad_stats": self.grad_stats}
         t = time.perf_counter()
-        bad = skip_nonfinite and self._nonfinite()
+        bad = skip_nonfinite and self.grads_nonfinite()
         extra["grad_check_seconds"] = time.perf_counter() - t
         if bad:
             return dict(self.skip_step(), grad_check_seconds=extra["grad_check_seconds"])

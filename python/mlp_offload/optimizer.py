@@ -196,6 +196,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
         self._incomplete_load = None  # a load that failed after changing state
         self._load_started = False
+        self._momentum_seen = None  # SGD: each group's momentum at its last step
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
         self._rank, self._world = 0, 1
@@ -863,7 +864,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the buffer from the gradient, undamped; the engine's buffer, kept
         (zero) for the group's subgroups since they first stepped, would be
         damped instead. Refused rather than silently different."""
-        seen = getattr(self, "_momentum_seen", None)
+        seen = self._momentum_seen
         if self._family != "sgd" or seen is None:
             return
         for i, hp in enumerate(self._group_hps[:len(seen)]):
@@ -899,14 +900,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _agree_on_gradients(self, bad, failure):
         """Collective: whether some rank's gradients are NaN/Inf; if a rank
         could not check them, every rank raises (nothing was updated)."""
-        t = torch.tensor([int(bad), int(failure is not None)], dtype=torch.int32,
-                         device=self._comm_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        t = t.cpu()
-        if t[1]:
+        any_bad, any_failed = self._max_over_ranks(bad, failure is not None)
+        if any_failed:
             self._raise_together(failure, "check its gradients",
                                  note="; nothing was updated on any rank")
-        return bool(t[0])
+        return bool(any_bad)
 
     def _skip_checked_step(self):
         """The step every rank skips after _agree_on_gradients found a NaN/Inf."""
@@ -1018,18 +1016,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parameters as before the step, with atomic_step), so that calling
         step() again with the same gradients completes the step on every rank
         exactly once."""
-        t = torch.tensor([int(skipped), int(failure is not None)], dtype=torch.int32,
-                         device=self._comm_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        t = t.cpu()
-        if t[1]:
+        any_skipped, any_failed = self._max_over_ranks(skipped, failure is not None)
+        if any_failed:
             if failure is None and stats is not None and not stats.get("skipped"):
                 self._hold_back(before, completed=True)
             self._raise_together(
                 failure, "complete its part of the optimizer step",
                 note="; this rank's update is held back: step() again with the same "
                      "gradients completes the step on every rank")
-        return bool(t[0])
+        return bool(any_skipped)
 
     def _commits_next(self):
         """Whether the engine commits at the end of the next step."""
@@ -1220,10 +1215,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _owner(self, g):
         return g % self._world
 
-    def _any_rank(self, flag):
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._comm_device)
+    def _max_over_ranks(self, *values):
+        """Collective: the largest of each integer over the ranks."""
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64,
+                         device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        return bool(t.item())
+        return [int(v) for v in t.cpu().tolist()]
+
+    def _any_rank(self, flag):
+        return bool(self._max_over_ranks(bool(flag))[0])
 
     def _global_rank(self, rank):
         """The global rank of `rank` of the process group."""
@@ -1884,11 +1884,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._group is not None:
             # Every rank counts the steps alike (older checkpoints, or a rank
             # whose subgroups all skipped a step): the largest count.
-            t = torch.tensor([self._engine.steps if self._engine is not None else 0],
-                             dtype=torch.int64, device=self._comm_device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
-                                         group=self._group)
-            steps = int(t.item())
+            steps, = self._max_over_ranks(
+                self._engine.steps if self._engine is not None else 0)
             if self._engine is not None and self._engine.steps < steps:
                 self._engine.set_step(steps)
         if restore_params:
