@@ -34,6 +34,11 @@ def worker(rank, tiers, name, mode):
         # Each rank its own batch; gradients averaged as DDP would.
         gen = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        if name == "sgd" and step == STEPS // 2:
+            # The buffers made so far stay in the state dict (the owner
+            # rank's record of them reaches every rank).
+            for o in (ref_opt, opt):
+                o.param_groups[0]["momentum"] = 0.0
         ref_opt.zero_grad()
         opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
@@ -48,11 +53,13 @@ def worker(rank, tiers, name, mode):
     # Every rank sees the whole state in torch's format.
     sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
     assert sd["state"].keys() == ref_sd["state"].keys()
+    assert all(sd["state"][i].keys() == st.keys() for i, st in ref_sd["state"].items())
     assert_states_match(sd["state"], ref_sd["state"], rank)
     opt.close()
 
 
-@pytest.mark.parametrize("name,mode", [("adamw", "mlp"), ("rmsprop", "baseline")])
+@pytest.mark.parametrize("name,mode", [("adamw", "mlp"), ("rmsprop", "baseline"),
+                                       ("sgd", "mlp")])
 def test_two_ranks_match_plain_optimizer(tmp_path, name, mode):
     spawn(worker, tier_dirs(tmp_path), name, mode)
 

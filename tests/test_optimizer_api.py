@@ -404,11 +404,14 @@ def test_argument_errors(tmp_path):
         wrap(torch.optim.SGD(ps + ps[:1], lr=0.1, momentum=0.9), tmp_path)
 
 
-@pytest.mark.parametrize("dampening", [0.5, 0.0])
-def test_sgd_momentum_switched_on_mid_training(tmp_path, dampening):
+@pytest.mark.parametrize("dampening,via", [(0.5, None), (0.0, None),
+                                            (0.5, "checkpoint"), (0.5, "state_dict")])
+def test_sgd_momentum_switched_on_mid_training(tmp_path, dampening, via):
     # Group 1 trains without momentum, then switches it on. torch starts the
     # buffer from the gradient undamped: with dampening that is refused (the
     # offloaded buffer is a zero one), with dampening=0 it is the same thing.
+    # A checkpoint keeps what refuses it; a torch state dict has no state for
+    # parameters without momentum, so from one the buffer starts as torch's.
     ref = make_model()
     model = copy.deepcopy(ref)
 
@@ -421,13 +424,23 @@ def test_sgd_momentum_switched_on_mid_training(tmp_path, dampening):
     opt = wrap(make(model), tmp_path, subgroup_numel=100)
     for step in range(4):
         if step == 2:
+            if via is not None:
+                (tmp_path / via).mkdir()
+                new = wrap(make(model), tmp_path / via, subgroup_numel=100)
+                if via == "checkpoint":
+                    opt.save_checkpoint(tmp_path / "ckpt")
+                    new.load_checkpoint(tmp_path / "ckpt")
+                else:
+                    new.load_state_dict(opt.state_dict())
+                opt.close()
+                opt = new
             for o in (ref_opt, opt):
                 o.param_groups[1]["momentum"] = 0.9
         for o, m in ((ref_opt, ref), (opt, model)):
             o.zero_grad()
             loss_of(m, step).backward()
         ref_opt.step()
-        if step == 2 and dampening:
+        if step == 2 and dampening and via != "state_dict":
             with pytest.raises(errors.ConfigError, match="momentum switched on"):
                 opt.step()
             # The advice: that first step with dampening=0.
@@ -437,6 +450,85 @@ def test_sgd_momentum_switched_on_mid_training(tmp_path, dampening):
         else:
             opt.step()
         assert_close(model, ref)
+
+
+def assert_same_state(state, ref_state):
+    assert sorted(state) == sorted(ref_state)
+    for pid, st in ref_state.items():
+        assert sorted(state[pid]) == sorted(st), pid
+        for k, v in st.items():
+            assert max_rel_diff(state[pid][k], v) <= 1e-6, (pid, k)
+
+
+# (optimizer, setting, on, off, the step from which group 1 has it on):
+# group 0 has it off from step 2 on. Construction has it on (the engine sizes
+# its arrays then). torch's Adam cannot switch amsgrad on after a first step.
+SWITCHES = {
+    "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                     "momentum", 0.9, 0.0, 1),
+    "adam_amsgrad": (lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+                     "amsgrad", True, False, None),
+}
+
+
+@pytest.mark.parametrize("switch", sorted(SWITCHES))
+def test_switched_off_features_keep_their_state_keys(tmp_path, switch):
+    # torch keeps a state key once a step made it (max_exp_avg_sq, SGD's
+    # momentum_buffer) when the setting is switched off later, and makes
+    # none for a parameter that never stepped with it: the state dict, a
+    # load_state_dict, a checkpoint and a resume of the committed state say
+    # the same.
+    make, key, on, off, on_from = SWITCHES[switch]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+
+    def groups(m):
+        return make([{"params": m[0].parameters()}, {"params": m[2].parameters()}])
+
+    def wrapper(m, tier, **kwargs):
+        (tmp_path / tier).mkdir(exist_ok=True)
+        return wrap(groups(m), tmp_path / tier, subgroup_numel=100, **kwargs)
+    ref_opt = groups(ref)
+    opt = wrapper(model, "live", run_name="switch", commit_every=1, resume="never")
+    for step in range(4):
+        for o in (ref_opt, opt):
+            o.param_groups[0][key] = on if step < 2 else off
+            o.param_groups[1][key] = on if on_from is not None and step >= on_from else off
+        for o, m in ((ref_opt, ref), (opt, model)):
+            o.zero_grad()
+            loss_of(m, step).backward()
+            o.step()
+        assert_close(model, ref)
+        assert_same_state(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    # What the test is about: keys of a setting now off, and no key where
+    # a group never stepped with it.
+    names = {"momentum": "momentum_buffer", "amsgrad": "max_exp_avg_sq"}
+    state = ref_opt.state_dict()["state"]
+    assert names[key] in state[0] and (on_from is not None or names[key] not in state[2])
+    opt.save_checkpoint(tmp_path / "ckpt")
+    # The same state three ways into new wrappers (built with the feature
+    # on, as the run was), then one more step each.
+    models = {name: copy.deepcopy(model) for name in ("loaded", "restored", "resumed")}
+    others = {"loaded": wrapper(models["loaded"], "a"),
+              "restored": wrapper(models["restored"], "b")}
+    others["loaded"].load_state_dict(opt.state_dict())
+    others["restored"].load_checkpoint(tmp_path / "ckpt")
+    opt.close()
+    others["resumed"] = wrapper(models["resumed"], "live", run_name="switch",
+                                commit_every=1, resume="require")
+    ref_state = copy.deepcopy(ref_opt.state_dict())
+    ref_opt.zero_grad()
+    loss_of(ref, 4).backward()
+    ref_opt.step()
+    for name, o in others.items():
+        assert o.param_groups[0][key] == off, name
+        assert_same_state(o.state_dict()["state"], ref_state["state"])
+        o.zero_grad()
+        loss_of(models[name], 4).backward()
+        o.step()
+        assert_close(models[name], ref)
+        assert_same_state(o.state_dict()["state"], ref_opt.state_dict()["state"])
+        o.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -32,8 +32,9 @@ _PROBE_STEPS = 3
 def offloaded_keys_of(has_state, keys):
     """The offloaded state keys a parameter has: has_state[pid] is False
     (no state), True (state with all of `keys`) or {"offloaded": [some of
-    them]} (an optimizer that keeps a key for some parameter shapes only;
-    a dict, so that it is true even when the list is empty)."""
+    them]} (an optimizer that keeps a key for some parameter shapes only,
+    or a native kernel's key whose setting no step of it used yet; a dict,
+    so that it is true even when the list is empty)."""
     if has_state is True:
         return list(keys)
     if not has_state:

@@ -134,6 +134,12 @@ def state_names(hp):
     return _STATE_NAMES[hp["kind"]][: num_state_arrays(hp)]
 
 
+def array_names(kind, num_arrays):
+    """torch's state keys of an engine's first `num_arrays` arrays for
+    kernel kind `kind` (whatever the group's current settings use)."""
+    return _STATE_NAMES[kind][:num_arrays]
+
+
 def has_step_key(hp):
     """Whether torch keeps state['step'] for this optimizer (SGD does not)."""
     return hp["kind"] != "sgd"

@@ -196,7 +196,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
         self._incomplete_load = None  # a load that failed after changing state
         self._load_started = False
-        self._momentum_seen = None  # SGD: each group's momentum at its last step
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
         self._rank, self._world = 0, 1
@@ -430,7 +429,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._owned = [sg.index for sg in self._subgroups
                        if sg.index % self._world == self._rank]
         self._local = {g: j for j, g in enumerate(self._owned)}
-        # Generic path: per-parameter Python-side state and existence flags.
+        # Per parameter: which offloaded state keys it has (False: none yet;
+        # see generic.offloaded_keys_of) and, generic path, its Python-side state.
         self._py_state = {}
         self._has_state = {pid: False for pid in range(len(params))}
         self._initialized = False
@@ -854,27 +854,64 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "updated (use a GradScaler, or nonfinite='skip'/'ignore')")
         if not skipped and self._group is not None:
             self._broadcast_params()
-        if not skipped and self._family == "sgd":
-            self._momentum_seen = [hp["momentum"] for hp in self._group_hps]
+        if not skipped and self._family is not None:
+            self._has_state.update(self._keys_after_step())
         self.last_step_stats = stats
         return loss
 
     def _check_momentum_switch(self):
         """SGD momentum switched on mid-training, with dampening: torch starts
         the buffer from the gradient, undamped; the engine's buffer, kept
-        (zero) for the group's subgroups since they first stepped, would be
-        damped instead. Refused rather than silently different."""
-        seen = self._momentum_seen
-        if self._family != "sgd" or seen is None:
+        (zero) for parameters that stepped without it, would be damped
+        instead. Refused rather than silently different (on every rank)."""
+        if self._family != "sgd" or not any(
+                hp["momentum"] != 0.0 and hp["dampening"] != 0.0 for hp in self._group_hps):
             return
-        for i, hp in enumerate(self._group_hps[:len(seen)]):
-            if seen[i] == 0.0 and hp["momentum"] != 0.0 and hp["dampening"] != 0.0:
-                raise ConfigError(
-                    f"SGD parameter group {i}: momentum switched on ({hp['momentum']:g}) "
-                    f"after steps without it, with dampening {hp['dampening']:g}: torch "
-                    f"starts the buffer from the undamped gradient, which the offloaded "
-                    f"(zero) buffer cannot tell; take that first step with dampening=0, "
-                    f"or use momentum from the start")
+        bad = None
+        for g in self._owned:
+            sg = self._subgroups[g]
+            hp = self._group_hps[sg.group]
+            if self._skip.get(g) or hp["momentum"] == 0.0 or hp["dampening"] == 0.0:
+                continue
+            keys = self._array_names(sg.group)
+            if any(self._has_state[pid] and not _generic.offloaded_keys_of(
+                    self._has_state[pid], keys) for pid in sg.param_ids):
+                bad = sg.group
+                break
+        if self._group is not None:
+            # The same answer on every rank (the others would wait for it).
+            bad = self._max_over_ranks(-1 if bad is None else bad)[0]
+            bad = None if bad < 0 else bad
+        if bad is not None:
+            hp = self._group_hps[bad]
+            raise ConfigError(
+                f"SGD parameter group {bad}: momentum switched on ({hp['momentum']:g}) "
+                f"after steps without it, with dampening {hp['dampening']:g}: torch "
+                f"starts the buffer from the undamped gradient, which the offloaded "
+                f"(zero) buffer cannot tell; take that first step with dampening=0, "
+                f"or use momentum from the start")
+
+    def _array_names(self, group):
+        """torch's state keys of the engine's arrays for parameter group
+        `group` (native family), whether or not its settings use them now."""
+        return _hp.array_names(self._group_hps[group]["kind"], self._num_arrays)
+
+    def _keys_after_step(self):
+        """{param index: has_state} of this rank's parameters that the next
+        step updates, once it has: as torch, a step creates the state keys its
+        settings use and the parameter keeps them after (amsgrad or SGD
+        momentum switched off later leave theirs in the state dict)."""
+        out = {}
+        for g in self._owned:
+            if self._skip.get(g):
+                continue
+            sg = self._subgroups[g]
+            keys = self._array_names(sg.group)
+            now = _hp.state_names(self._group_hps[sg.group])
+            for pid in sg.param_ids:
+                had = _generic.offloaded_keys_of(self._has_state[pid], keys)
+                out[pid] = _generic.has_state_value(set(had) | set(now), keys)
+        return out
 
     def _prepare_grads(self, amp, scale):
         """Brings the gradients the engine sees up to date before a step: the
@@ -960,7 +997,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 stats = {"step": start, "skipped": False, "completed_earlier": True}
             else:
                 if self._family is not None and self._commits_next():
-                    self._write_pystate(start + 1)
+                    self._write_pystate(start + 1, stepping=True)
                 stats = self._engine_step(grad_scale, skip_nonfinite, amp, scale, prepared)
         except BaseException as exc:
             try:
@@ -1035,13 +1072,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _pystate_dir(self):
         return os.path.join(self._tiers[0]["path"], self._run_name)
 
-    def _write_pystate(self, step):
-        """Writes the Python-side state for committed step `step` (see recovery.py)."""
+    def _write_pystate(self, step, stepping=False):
+        """Writes the Python-side state for committed step `step` (see
+        recovery.py); `stepping`: as it will be after the step about to run."""
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
+        has_state = dict(self._has_state)
+        if stepping and self._family is not None:
+            has_state.update(self._keys_after_step())
         _recovery.write_pystate(self._pystate_dir(), step, {
             "param_groups": self.optimizer.state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
-            "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
+            "has_state": {pid: v for pid, v in has_state.items() if pid in own},
             "layout": self._layout_summary(),
         }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
 
@@ -1139,8 +1180,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if need > self._num_arrays:
             raise ConfigError(
                 f"the hyperparameters now need {need} state arrays per parameter, the "
-                f"engine was created with {self._num_arrays} (e.g. SGD momentum or amsgrad "
-                f"switched after construction)")
+                f"engine was created with {self._num_arrays} (SGD momentum or amsgrad "
+                f"switched on after construction): create the optimizer with them on, "
+                f"then turn them off until they are wanted")
 
     def _native_inputs(self):
         inputs = []
@@ -1291,26 +1333,33 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parts = list(flat.split(sg.numel)) if k > 0 else [flat]
         return parts[0], parts[1:1 + k], int(step.item())
 
-    def _param_state(self, sg, pid, p, off, n, arrays, step):
-        """torch's per-parameter state dict for one parameter."""
+    def _param_state(self, sg, pid, p, off, n, arrays, step, has_state):
+        """torch's per-parameter state dict for one parameter (`has_state`:
+        its entry of self._has_state, from its owner rank)."""
         if self._family is not None:
             hp = self._group_hps[sg.group]
             if step == 0 and not _hp.state_exists_at_step0(hp):
                 return None
-            names = _hp.state_names(hp)
+            keys = self._array_names(sg.group)
+            # The keys its steps (or the loaded state) created; a state
+            # without that record (Adagrad before its first step) has what
+            # the settings use.
+            present = _generic.offloaded_keys_of(has_state, keys) if has_state \
+                else _hp.state_names(hp)
             st = {}
             if _hp.has_step_key(hp):
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
-            for name, arr in zip(names, arrays):
-                st[name] = arr[off:off + n].view(p.shape).clone()
-            if hp["kind"] == "sgd" and not names:
-                return None
+            for name, arr in zip(keys, arrays):
+                if name in present:
+                    st[name] = arr[off:off + n].view(p.shape).clone()
+            if not st:
+                return None  # SGD without momentum keeps no state
             return st
-        if not self._has_state[pid]:
+        if not has_state:
             return None
         st = _copy_state(self._py_state.get(pid, {}))
         keys = self._keys[sg.group]
-        present = _generic.offloaded_keys_of(self._has_state[pid], keys)
+        present = _generic.offloaded_keys_of(has_state, keys)
         for k, arr in zip(keys, arrays):
             if k in present:
                 st[k] = arr[off:off + n].view(p.shape).clone()
@@ -1326,6 +1375,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         master values, flat} of the same parameters."""
         self._refresh_hyperparams()
         self._ensure_initialized()
+        has_state = self._has_state
+        if not sharded and self._family is not None and self._group is not None:
+            # Each parameter's record of its keys is kept by its owner rank.
+            has_state = {}
+            for part in self._gather({pid: self._has_state[pid]
+                                      for pid in self._owned_param_ids()}):
+                has_state.update(part)
         out = {}
         for sg in self._subgroups:
             if sharded:
@@ -1337,7 +1393,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             for p, pid, off, n in sg.slices():
                 if masters is not None:
                     masters[pid] = master[off:off + n].clone()
-                st = self._param_state(sg, pid, p, off, n, arrays, step)
+                st = self._param_state(sg, pid, p, off, n, arrays, step, has_state[pid])
                 if st is not None:
                     out[pid] = st
         if not sharded and self._family is None and self._group is not None:
@@ -1402,14 +1458,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 st = states[pid]
                 if self._family is not None:
                     hp = self._group_hps[sg.group]
-                    names = _hp.state_names(hp)
+                    # Keys the settings do not use now (amsgrad or momentum
+                    # switched off) are kept where the engine has an array.
+                    keys = self._array_names(sg.group)
+                    required = _hp.state_names(hp) if _hp.has_step_key(hp) else ()
                     if _hp.has_step_key(hp):
                         if "step" not in st:
                             raise StateMismatchError(f"state of parameter {pid} has no 'step'")
                         steps.add(int(float(st["step"])))
                     else:
-                        steps.add(1 if any(st.get(k) is not None for k in names) else 0)
-                    keys = names
+                        steps.add(1 if any(st.get(k) is not None for k in keys) else 0)
+                    if not check_only:
+                        self._has_state[pid] = _generic.has_state_value(
+                            [k for k in keys if st.get(k) is not None], keys)
                 else:
                     keys = self._keys[sg.group]
                     if not check_only:
@@ -1420,8 +1481,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 for ki, k in enumerate(keys[:self._num_arrays]):
                     value = st.get(k)
                     if value is None:
-                        if self._family is not None and _hp.has_step_key(
-                                self._group_hps[sg.group]):
+                        if self._family is not None and k in required:
                             raise StateMismatchError(
                                 f"state of parameter {pid} has no '{k}'")
                         continue
@@ -1528,7 +1588,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise
         self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
-        self._momentum_seen = None  # buffers as loaded: nothing to compare with
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -1943,7 +2002,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._has_state.update(
                 {int(k): v for k, v in python_state["has_state"].items()})
         self._failed_step = None  # the loaded state replaces a step that failed
-        self._momentum_seen = None  # buffers as loaded: nothing to compare with
 
     @staticmethod
     def _read_python_state(directory, manifest):
