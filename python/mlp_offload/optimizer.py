@@ -20,6 +20,7 @@ torch.distributed process group each rank owns every world-th subgroup
 updated parameters.
 """
 
+import contextlib
 import copy
 import io as _io
 import itertools
@@ -583,6 +584,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise OffloadError(f"rank {self._rank}: another rank could not {what}: "
                                f"rank {failed[0][0]} failed: {failed[0][1]}{note}")
 
+    @contextlib.contextmanager
+    def _together(self, what, note=""):
+        """Collective, around a part that may fail on some ranks: its
+        exception is raised once every rank knows (see _raise_together), and
+        every rank leaves the block or none does."""
+        failure = None
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            failure = exc
+        self._raise_together(failure, what, note)
+
     def _agree_on_step(self, step):
         """The smallest committed step over the ranks (-1: some rank has none)."""
         t = torch.tensor([step], dtype=torch.int64, device=self._comm_device)
@@ -1109,19 +1122,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _params_from_masters(self):
         """Sets the model's parameters from the engine's fp32 master copy."""
-        failure = None
         with torch.no_grad():
-            try:
+            with self._together("read its master weights"):
                 for g in self._owned:
                     master, _, _ = self._read_subgroup(g)
                     for p, _, off, n in self._subgroups[g].slices():
                         p.copy_(master[off:off + n].view(p.shape))
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                if self._group is None:
-                    raise
-                failure = exc
             if self._group is not None:
-                self._raise_together(failure, "read its master weights")
                 self._broadcast_params()
 
     def _resume_run(self):
@@ -1131,16 +1138,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # The same answer on every rank (_create_engine agreed on the step).
         if self._agreed_step >= 0:
             step = self._agreed_step
-            failure = None
-            if engine is not None:
-                run_dir = self._pystate_dir()
-                try:
+            # Every rank raises if one cannot (none waits in the broadcast).
+            with self._together(f"read its committed state of step {step}"):
+                if engine is not None:
+                    run_dir = self._pystate_dir()
                     state = _recovery.read_pystate(run_dir, step)
                     self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                    failure = exc
-            # Every rank raises if one cannot (none waits in the broadcast).
-            self._raise_together(failure, f"read its committed state of step {step}")
             if engine is not None:
                 self.optimizer.load_state_dict({"state": {},
                                                 "param_groups": state["param_groups"]})
@@ -1671,8 +1674,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._check_state_whole()
         self._check_no_failed_step("save_checkpoint", collective=True)
         directory = os.fspath(directory)
-        failure = None
-        try:
+        # Every rank raises if one cannot (none waits for it in a collective).
+        with self._together(f"create the checkpoint directory {directory}"):
             try:
                 os.makedirs(directory, mode=0o700, exist_ok=True)
             except OSError as e:
@@ -1680,10 +1683,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     e, "create the checkpoint directory", directory) from e
             if not os.path.isdir(directory):
                 raise ConfigError(f"checkpoint directory {directory} is not a directory")
-        except Exception as exc:
-            failure = exc
-        # Every rank raises if one cannot (none waits for it in a collective).
-        self._raise_together(failure, f"create the checkpoint directory {directory}")
         self._refresh_hyperparams()
         self._ensure_initialized()
         save_id = uuid.uuid4().hex
@@ -1698,6 +1697,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         old = None
         old_prev = None  # the .prev manifest's bytes, for a take-back
         written = False
+        failure = None
         try:
             old = self._read_manifest(directory, missing_ok=True)
             try:
@@ -1848,15 +1848,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         none."""
         if self._group is None:
             return self._read_manifest(directory), None
-        saves, error = {}, None
-        try:
+        saves = {}
+        with self._together(f"read its checkpoint manifest in {directory}"):
             for prev in (True, False):  # the current manifest wins a tie
                 m = self._read_manifest(directory, missing_ok=True, prev=prev)
                 if m is not None:
                     saves[_ckpt.save_key(m)] = (m, prev)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-        self._raise_together(error, f"read its checkpoint manifest in {directory}")
         gathered = self._gather(sorted(saves))
         common = set(gathered[0]).intersection(*map(set, gathered[1:]))
         if not common:
@@ -1892,12 +1889,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         directory = os.fspath(directory)
-        view, error = None, None
-        try:
+        with self._together(f"read the checkpoint manifest in {directory}"):
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            error = e
-        self._raise_together(error, f"read the checkpoint manifest in {directory}")
         # The same decisions on every rank, from what every rank sees.
         views = self._gather(view)
         shared = all(v is not None for v in views)

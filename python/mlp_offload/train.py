@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from mlp_offload import corpus as _corpus
 from mlp_offload import gpt as _gpt
 from mlp_offload.errors import ConfigError
 from mlp_offload.optimizer import MLPOffloadOptimizer
