@@ -710,6 +710,11 @@ struct Engine::Impl {
       ++next_read;
     }
   }
+
+  // Engine::LoadCheckpointRecords, with the manifests already read by
+  // directory (`manifests`; the others are read here).
+  absl::Status LoadRecords(const std::vector<CheckpointRecord>& records,
+                           std::map<std::string, Manifest> manifests);
 };
 
 absl::Status Engine::Impl::WriteCommit() {
@@ -1901,14 +1906,22 @@ absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
   MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, dir));
   std::vector<CheckpointRecord> records(e.n());
   for (int i = 0; i < e.n(); ++i) records[i] = {dir, i};
-  return LoadCheckpointRecords(records);
+  std::map<std::string, Manifest> manifests;
+  manifests.emplace(dir, std::move(m));
+  return e.LoadRecords(records, std::move(manifests));
 }
 
 absl::Status Engine::LoadCheckpointRecords(
     const std::vector<CheckpointRecord>& records) {
-  Impl& e = *impl_;
-  if (e.in_step)
+  if (impl_->in_step)
     return absl::FailedPreconditionError("LoadCheckpoint during a step");
+  return impl_->LoadRecords(records, {});
+}
+
+absl::Status Engine::Impl::LoadRecords(
+    const std::vector<CheckpointRecord>& records,
+    std::map<std::string, Manifest> manifests) {
+  Impl& e = *this;
   if (records.size() != static_cast<size_t>(e.n())) {
     return absl::InvalidArgumentError(
         absl::StrCat("LoadCheckpointRecords: ", records.size(), " records for ",
@@ -1917,7 +1930,6 @@ absl::Status Engine::LoadCheckpointRecords(
   // Every source's manifest first: nothing is loaded from a checkpoint of
   // another model or optimizer.
   std::vector<std::string> dirs(records.size());
-  std::map<std::string, Manifest> manifests;
   for (int i = 0; i < e.n(); ++i) {
     dirs[i] = ResolveCheckpointDir(records[i].dir);
     auto it = manifests.find(dirs[i]);

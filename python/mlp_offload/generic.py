@@ -135,6 +135,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
     the engine's fp32 copy of the gradients (baseline mode), else None.
     """
     temps = []
+    had_keys = []  # per parameter: its offloaded keys before the step, or None
     for p, pid, off, n in subgroup.slices():
         if p.grad is None:
             raise OffloadError(f"parameter {pid} has no gradient")
@@ -149,23 +150,23 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                 # Never hand the model's own gradient to code that may modify it.
                 grad = grad.clone()
         t.grad = grad.view(p.shape)
-        if has_state[pid]:
+        had = offloaded_keys_of(has_state[pid], keys) if has_state[pid] else None
+        if had is not None:
             st = dict(py_state.get(pid, {}))
-            present = offloaded_keys_of(has_state[pid], keys)
             for k, arr in zip(keys, arrays):
-                if k in present:
+                if k in had:
                     st[k] = arr[off:off + n].view(p.shape)
             optimizer.state[t] = st
         temps.append(t)
+        had_keys.append(had)
     try:
         with only_params(optimizer, subgroup.group, temps), torch.no_grad():
             step_without_hooks(optimizer)
-        for t, (p, pid, off, n) in zip(temps, subgroup.slices()):
+        for t, had, (p, pid, off, n) in zip(temps, had_keys, subgroup.slices()):
             st = optimizer.state.get(t, {})
             target = master[off:off + n].view(p.shape)
             if t.data_ptr() != target.data_ptr():  # the step rebound .data
                 target.copy_(t)
-            had = offloaded_keys_of(has_state[pid], keys) if has_state[pid] else None
             present = []
             for k, arr in zip(keys, arrays):
                 value = st.get(k)
