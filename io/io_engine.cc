@@ -74,9 +74,15 @@ IoFuture IoEngine::Submit(const IoRequest& request) {
 
 absl::StatusOr<std::unique_ptr<IoEngine>> CreateIoEngine(
     const IoEngineOptions& options) {
-  if (options.queue_depth == 0) {
+  if (options.queue_depth == 0 || options.queue_depth > kMaxQueueDepth) {
     return absl::InvalidArgumentError(
-        "CreateIoEngine: queue_depth must be > 0");
+        absl::StrCat("CreateIoEngine: queue_depth ", options.queue_depth,
+                     " must be in [1, ", kMaxQueueDepth, "]"));
+  }
+  if (options.num_threads < 1 || options.num_threads > kMaxIoThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CreateIoEngine: num_threads ", options.num_threads,
+                     " must be in [1, ", kMaxIoThreads, "]"));
   }
   // Pieces of an O_DIRECT request must stay aligned.
   if (options.block_size == 0 || options.block_size % kDirectIoAlignment != 0) {

@@ -54,12 +54,17 @@ class IoFuture {
   std::shared_ptr<State> state_;
 };
 
+// Bounds of IoEngineOptions: a queue slot or a thread each costs memory or
+// a kernel task, so junk sizes are refused instead of exhausting the node.
+inline constexpr unsigned kMaxQueueDepth = 4096;
+inline constexpr int kMaxIoThreads = 1024;
+
 struct IoEngineOptions {
   enum class Kind { kAuto, kUring, kThreadPool };
-  Kind kind = Kind::kAuto;      // kAuto: io_uring if it works, else threads
-  unsigned queue_depth = 32;    // requests (pieces) in flight
+  Kind kind = Kind::kAuto;    // kAuto: io_uring if it works, else threads
+  unsigned queue_depth = 32;  // requests (pieces) in flight, 1..kMaxQueueDepth
   size_t block_size = 1 << 20;  // large requests are split into pieces
-  int num_threads = 4;          // thread-pool engine only
+  int num_threads = 4;          // thread-pool engine only, 1..kMaxIoThreads
 };
 
 class IoEngine {

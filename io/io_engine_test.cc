@@ -522,6 +522,21 @@ TEST(IoEngineFactoryTest, RejectsBadOptions) {
   options.queue_depth = 0;
   EXPECT_EQ(CreateIoEngine(options).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Junk sizes are refused before a slot or thread is made.
+  options.queue_depth = kMaxQueueDepth + 1;
+  absl::Status s = CreateIoEngine(options).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("queue_depth 4097"), absl::string_view::npos) << s;
+  options.queue_depth = 8;
+  for (int threads : {0, kMaxIoThreads + 1}) {
+    options.num_threads = threads;
+    s = CreateIoEngine(options).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << threads;
+    EXPECT_NE(s.message().find("num_threads"), absl::string_view::npos) << s;
+  }
+  options.num_threads = kMaxIoThreads;
+  options.kind = IoEngineOptions::Kind::kThreadPool;
+  EXPECT_TRUE(CreateIoEngine(options).ok());
 }
 
 TEST(IoFutureTest, FirstSetWins) {

@@ -1018,6 +1018,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   if (config.commit_every < 0) {
     return absl::InvalidArgumentError("commit_every must be >= 0");
   }
+  if (config.compute_threads < 1 ||
+      config.compute_threads > kMaxComputeThreads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute_threads must be in [1, ", kMaxComputeThreads,
+                     "], got ", config.compute_threads));
+  }
   auto impl = std::make_unique<Impl>(config);
   PlannerInput in;
   in.subgroup_numel = config.subgroup_numel;

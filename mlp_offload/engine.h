@@ -36,6 +36,9 @@ enum class TierLockMode { kExclusive, kPerDirection };
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
                                            const std::string& tier_dir);
 
+// The most update threads an engine runs (more is a typo, not a machine).
+inline constexpr int kMaxComputeThreads = 1024;
+
 struct EngineConfig {
   std::vector<TierSpec> tiers;
   uint64_t host_budget_bytes = 0;
@@ -46,7 +49,7 @@ struct EngineConfig {
   int num_state_arrays = 2;
   DType grad_dtype = DType::kBFloat16;  // the model's gradient dtype
   Techniques techniques;
-  int compute_threads = 2;
+  int compute_threads = 2;  // 1..kMaxComputeThreads
   IoEngineOptions io;
   // Subdirectory created under every tier path for this run's files.
   std::string run_name = "mlp_offload_run";

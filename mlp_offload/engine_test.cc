@@ -272,6 +272,23 @@ EngineConfig SmallConfig(int tiers) {
   return cfg;
 }
 
+TEST(EngineTest, RefusesJunkThreadCounts) {
+  // A thread each: refused before any is started.
+  for (int threads : {0, kMaxComputeThreads + 1, 100000}) {
+    EngineConfig cfg = SmallConfig(1);
+    cfg.compute_threads = threads;
+    auto e = Engine::Create(cfg);
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << threads;
+    EXPECT_NE(e.status().message().find("compute_threads"), std::string::npos)
+        << e.status();
+  }
+  EngineConfig cfg = SmallConfig(1);
+  cfg.io.num_threads = kMaxIoThreads + 1;
+  auto e = Engine::Create(cfg);
+  EXPECT_NE(e.status().message().find("num_threads"), std::string::npos)
+      << e.status();
+}
+
 TEST(EngineTest, RefusesBadTiers) {
   EngineConfig cfg = SmallConfig(1);
   cfg.tiers[0].path = "/nonexistent/tier";

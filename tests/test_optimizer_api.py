@@ -379,6 +379,11 @@ def test_argument_errors(tmp_path):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, tier_lock_mode="shared")
     with pytest.raises(errors.ConfigError, match="state_dict_type"):
         wrap(torch.optim.Adam(model.parameters()), tmp_path, state_dict_type="shard")
+    # A thread each: a typo must not exhaust the node's tasks.
+    for threads in (0, True, 100000):
+        with pytest.raises(errors.ConfigError, match=r"compute_threads must be an int in "
+                                                     r"\[1, 1024\]"):
+            wrap(torch.optim.Adam(model.parameters()), tmp_path, compute_threads=threads)
     with pytest.raises(errors.ConfigError, match="bandwith"):
         MLPOffloadOptimizer(torch.optim.Adam(model.parameters()),
                             tiers=[{"path": str(tmp_path), "bandwith": 1}])

@@ -316,6 +316,9 @@ void RegisterEngineBindings(py::module_& parent) {
   py::module_ m = parent.def_submodule(
       "engine",
       "The offload engine: planner, pipelined update phase, checkpoints.");
+  m.attr("MAX_COMPUTE_THREADS") = kMaxComputeThreads;
+  m.attr("MAX_IO_QUEUE_DEPTH") = kMaxQueueDepth;
+  m.attr("MAX_IO_THREADS") = kMaxIoThreads;
 
   py::class_<Plan>(m, "Plan",
                    "Placement, caching and predicted cost of one step.")

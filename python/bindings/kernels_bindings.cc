@@ -30,7 +30,12 @@ namespace py = pybind11;
 // ParallelFor is not reentrant, and calls from different Python threads run
 // concurrently once the GIL is released.
 ThreadPool* PoolFor(int num_threads) {
+  constexpr int kMaxThreads = 1024;  // more is a typo, not a machine
   thread_local std::unique_ptr<ThreadPool> pool;
+  if (num_threads > kMaxThreads) {
+    throw py::value_error("num_threads " + std::to_string(num_threads) +
+                          " is more than " + std::to_string(kMaxThreads));
+  }
   if (num_threads <= 1) return nullptr;
   if (pool == nullptr || pool->num_threads() != num_threads) {
     pool = std::make_unique<ThreadPool>(num_threads);

@@ -335,13 +335,12 @@ class DeviceStaging:
         self._d2h_timing = []
         return {"pinning": self.pinning, "grad_stats": self.grad_stats, "skipped": True}
 
-    def step(self, grad_scale, skip_nonfinite, refresh_all=False, refreshed=False):
-        """One update of this rank's subgroups (refreshed: refresh() has run
-        since the gradients were last changed); returns the stats dict."""
+    def step(self, grad_scale, skip_nonfinite):
+        """One update of this rank's subgroups, refresh() having run since
+        the gradients last changed; returns the stats dict ("seconds": from
+        the staged gradients to the updated parameters on the device)."""
         opt = self._opt()
         t_start = time.perf_counter()
-        if not refreshed:
-            self.refresh(force=refresh_all)
         clip, self._clip = self._clip, None
         extra = {"pinning": self.pinning, "grad_stats": self.grad_stats}
         t = time.perf_counter()

@@ -224,8 +224,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if tier_lock_mode not in _TIER_LOCK_MODES:
                 raise ConfigError(f"tier_lock_mode must be one of {_TIER_LOCK_MODES}, got "
                                   f"{tier_lock_mode!r}")
-            if not isinstance(compute_threads, int) or compute_threads < 1:
-                raise ConfigError(f"compute_threads must be an int >= 1, got {compute_threads!r}")
+            limit = _C.engine.MAX_COMPUTE_THREADS
+            if not isinstance(compute_threads, int) or isinstance(compute_threads, bool) \
+                    or not 1 <= compute_threads <= limit:
+                raise ConfigError(f"compute_threads must be an int in [1, {limit}], got "
+                                  f"{compute_threads!r}")
             if state_dict_type not in _STATE_DICT_TYPES:
                 raise ConfigError(f"state_dict_type must be one of {_STATE_DICT_TYPES}, got "
                                   f"{state_dict_type!r}")
@@ -967,19 +970,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _engine_step(self, grad_scale, skip_nonfinite, amp, scale, prepared=False):
         """The engine's part of step(): one update of this rank's subgroups
         (prepared: _prepare_grads has run)."""
-        stats = None
+        if not prepared:
+            self._prepare_grads(amp, scale)
         if self._staging is not None:
-            stats = self._staging.step(grad_scale, skip_nonfinite,
-                                       refresh_all=amp and scale is None,
-                                       refreshed=prepared)
-        else:
-            if not prepared and not self._techniques["delayed_grad_conversion"]:
-                self._offload_stale_grads()
-            if self._family is not None:
-                stats = self._native_step(grad_scale, skip_nonfinite)
-            else:
-                stats = self._generic_step(grad_scale, skip_nonfinite)
-        return stats
+            return self._staging.step(grad_scale, skip_nonfinite)
+        if self._family is not None:
+            return self._native_step(grad_scale, skip_nonfinite)
+        return self._generic_step(grad_scale, skip_nonfinite)
 
     def _guarded_step(self, grad_scale, skip_nonfinite, amp, scale, prepared=False):
         """Runs _engine_step all-or-nothing as the user sees it.
