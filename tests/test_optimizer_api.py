@@ -536,6 +536,91 @@ def test_switched_off_features_keep_their_state_keys(tmp_path, switch):
         o.close()
 
 
+@pytest.mark.parametrize("case,error", [("dtype", errors.ConfigError),
+                                        ("empty_amsgrad", errors.ConfigError),
+                                        ("tier_full", errors.TierFullError)])
+def test_a_refused_add_param_group_changes_nothing(tmp_path, case, error):
+    # torch would take each of these groups; the wrapper refuses them, and
+    # then has the groups and state it had (the tier-full case builds a new
+    # engine before it finds out: the old one's state comes back too).
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    tier = {"path": str(tmp_path), "capacity_bytes": 64 << 10} if case == "tier_full" \
+        else str(tmp_path)
+    ref_opt = torch.optim.Adam(ref[0].parameters(), lr=1e-2)
+    opt = MLPOffloadOptimizer(torch.optim.Adam(model[0].parameters(), lr=1e-2),
+                              tiers=[tier], subgroup_numel=100, compute_threads=1)
+
+    def train(steps):
+        for step in steps:
+            for o, m in ((ref_opt, ref), (opt, model)):
+                o.zero_grad()
+                loss_of(m, step).backward()
+                o.step()
+            assert_close(model, ref)
+    train(range(2))
+    before = copy.deepcopy(opt.state_dict())
+    group = {
+        "dtype": {"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]},
+        # Refused (no elements) after it made the optimizer need a third array.
+        "empty_amsgrad": {"params": [torch.nn.Parameter(torch.zeros(0))], "amsgrad": True},
+        "tier_full": {"params": [torch.nn.Parameter(torch.zeros(1 << 16))]},
+    }[case]
+    with pytest.raises(error):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) == 1
+    assert opt.state_dict()["param_groups"] == before["param_groups"]
+    assert_same_state(opt.state_dict()["state"], before["state"])
+    train(range(2, 4))
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+def test_parameters_changed_after_wrapping_are_refused(tmp_path, mode):
+    # The engine reads and writes the parameters in place: model.to(dtype),
+    # another memory format, or parameters added to a group behind the
+    # wrapper's back are refused by name instead of read as what they were.
+    def fresh():
+        model = make_model()
+        return model, wrap(torch.optim.Adam(model.parameters()), tmp_path, mode=mode)
+
+    def step(model, opt):
+        opt.zero_grad()
+        loss_of(model, 0, next(model.parameters()).dtype).backward()
+        opt.step()
+    for change, match in (
+            (lambda m, o: m.to(torch.float64), r"now a torch.float64 tensor.*built for "
+                                               r"torch.float32"),
+            (lambda m, o: m.to(torch.bfloat16), r"now a torch.bfloat16"),
+            (lambda m, o: o.param_groups[0]["params"].append(
+                torch.nn.Parameter(torch.randn(4))), r"param_groups changed.*\[4\], now "
+                                                     r"\[5\].*add_param_group")):
+        model, opt = fresh()
+        step(model, opt)
+        change(model, opt)
+        with pytest.raises(errors.ConfigError, match=match):
+            step(model, opt)  # in baseline mode, backward's hooks raise it
+        opt.close()
+    conv = torch.nn.Conv2d(3, 4, 3)
+    opt = wrap(torch.optim.SGD(conv.parameters(), lr=0.1), tmp_path, mode=mode)
+    conv.to(memory_format=torch.channels_last)
+    conv(torch.randn(2, 3, 5, 5)).sum().backward()
+    with pytest.raises(errors.ConfigError, match="now a non-contiguous"):
+        opt.step()
+    opt.close()
+
+
+def test_sparse_gradients_are_refused_by_name(tmp_path):
+    for make in (lambda ps: torch.optim.SGD(ps, lr=0.1),
+                 lambda ps: torch.optim.RMSprop(ps, lr=0.1)):
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = wrap(make(emb.parameters()), tmp_path)
+        emb(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(errors.ConfigError, match="sparse_coo gradient.*dense"):
+            opt.step()
+        opt.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_adagrad_accumulator_starts_at_its_fp32_value(tmp_path, dtype):
     # torch's Adagrad makes its initial state in the parameters' dtype

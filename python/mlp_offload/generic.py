@@ -90,9 +90,10 @@ def discover_state_keys(optimizer, group_index):
                 raise ConfigError(
                     f"{cls.__name__}.step() failed on a probe parameter "
                     f"({type(e).__name__}: {e}): the generic path runs the optimizer's "
-                    f"step() without a closure, one subgroup at a time, so an optimizer "
-                    f"that needs the closure or all parameters at once (LBFGS) cannot be "
-                    f"offloaded") from e
+                    f"own step() on dense fp32 tensors, without a closure, one subgroup "
+                    f"at a time; an optimizer that cannot run that way (this error's "
+                    f"cause; or one that needs the closure or all parameters at once, "
+                    f"as LBFGS) cannot be offloaded") from e
             for key, value in throwaway.state.get(probe, {}).items():
                 if (isinstance(value, torch.Tensor) and tuple(value.shape) == shape
                         and value.is_floating_point() and key not in keys):

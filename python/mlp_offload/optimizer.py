@@ -430,6 +430,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         self._subgroups = _layout.pack(groups, self._subgroup_numel)
         self._param_shapes = [list(p.shape) for p in params]
+        self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
         self._owned = [sg.index for sg in self._subgroups
                        if sg.index % self._world == self._rank]
         self._local = {g: j for j, g in enumerate(self._owned)}
@@ -720,12 +721,33 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Keep the state of the existing subgroups across the re-packing, and
         # their fp32 master copy (for bf16/fp16 parameters, more precise than
         # the parameters themselves).
+        self._check_params_unchanged()
         saved = masters = None
         if self._initialized:
             masters = {}
             saved = self._read_all_states(masters=masters)
-        self.optimizer.add_param_group(param_group)
+        before = len(self.optimizer.param_groups)
+        self.optimizer.add_param_group(param_group)  # torch's checks change nothing
         self.param_groups = self.optimizer.param_groups
+        try:
+            self._rebuild(saved, masters)
+        except BaseException as exc:
+            # Refused here (another dtype, more state arrays than the
+            # optimizer has) or failed (a full tier): the optimizer goes back
+            # to the groups it had, with their state.
+            del self.optimizer.param_groups[before:]
+            try:
+                self._rebuild(saved, masters)
+            except Exception as again:
+                raise OffloadError(
+                    f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
+                    f"restoring the optimizer's previous groups ({type(again).__name__}: "
+                    f"{again}); load a checkpoint or state dict") from exc
+            raise
+
+    def _rebuild(self, saved, masters):
+        """Packs the groups and creates the engine again, then writes the
+        state `saved` (None: not initialised) back."""
         self._build()
         if saved is not None:
             self._ensure_initialized()
@@ -746,8 +768,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}; got "
                     f"{g.dtype} {tuple(g.shape)}{' sparse' if g.is_sparse else ''}"
                     f"{'' if g.is_sparse or g.is_contiguous() else ' non-contiguous'}")
-            if not p.is_contiguous():
-                raise ConfigError(f"parameter {pid} is no longer contiguous")
+            if p.dtype != self._dtype or not p.is_contiguous():
+                self._check_params_unchanged()  # raises, naming the change
             segs.append((off, n, g.data_ptr(), p.data_ptr()))
         return segs
 
@@ -759,9 +781,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parameters too); one where only some have one is refused, as its
         state is stored and stepped together. Sets self._skip.
         """
+        self._check_params_unchanged()
         self._skip = {}
         any_grad = False
         for sg in self._subgroups:
+            for p, pid in zip(sg.params, sg.param_ids):
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    raise ConfigError(
+                        f"parameter {pid} has a {p.grad.layout} gradient: the offloaded "
+                        f"update takes dense gradients (nn.Embedding(sparse=False), or "
+                        f"a dense copy of it)")
             have = [p.grad is not None for p in sg.params]
             if all(have):
                 any_grad = True
@@ -777,6 +806,30 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"gradient together or not at all (pass only trainable parameters, "
                     f"or zero_grad(set_to_none=False))")
         return any_grad
+
+    def _check_params_unchanged(self):
+        """The parameters are those the engine was built for, as they were:
+        the same tensors in each group, and the same dtype, device, shape
+        and contiguity (the engine reads and writes them in place)."""
+        groups = self.param_groups
+        if len(groups) != len(self._group_param_ids) or any(
+                len(g["params"]) != len(ids) or any(id(p) != i for p, i in zip(g["params"], ids))
+                for g, ids in zip(groups, self._group_param_ids)):
+            now = [len(g["params"]) for g in groups]
+            raise ConfigError(
+                f"param_groups changed after the optimizer was built (parameters per group: "
+                f"{[len(ids) for ids in self._group_param_ids]}, now {now}): add parameters "
+                f"with add_param_group")
+        for sg in self._subgroups:
+            for p, pid in zip(sg.params, sg.param_ids):
+                if p.dtype != self._dtype or p.device != self._device \
+                        or list(p.shape) != self._param_shapes[pid] or not p.is_contiguous():
+                    raise ConfigError(
+                        f"parameter {pid} is now a {'' if p.is_contiguous() else 'non-contiguous '}"
+                        f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}; the "
+                        f"optimizer was built for {self._dtype} {tuple(self._param_shapes[pid])} "
+                        f"on {self._device}: convert the model (model.to(...)) before "
+                        f"creating the optimizer, or create it again")
 
     def _ensure_initialized(self):
         if self._initialized:
