@@ -111,6 +111,26 @@ absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
   return file;
 }
 
+absl::Status CheckOpenFileAtPath(int fd, const std::string& path,
+                                 absl::string_view what) {
+  struct stat open_st, path_st;
+  if (fstat(fd, &open_st) < 0) return ErrnoStatus(errno, "fstat", path);
+  const bool gone = lstat(path.c_str(), &path_st) < 0;
+  if (gone && errno != ENOENT && errno != ENOTDIR) {
+    return ErrnoStatus(errno, "stat", path);
+  }
+  if (gone || open_st.st_nlink == 0 || open_st.st_dev != path_st.st_dev ||
+      open_st.st_ino != path_st.st_ino) {
+    const std::string message = absl::StrCat(
+        path, " (", what, ") was ", gone ? "deleted or moved away" : "replaced",
+        " while in use: what was written to it since is on no file that the "
+        "path shows");
+    return gone ? absl::NotFoundError(message)
+                : absl::FailedPreconditionError(message);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status File::Sync() {
   int rc;
   do {

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace mlp_offload {
 
@@ -19,6 +20,13 @@ struct FileOptions {
   bool no_follow = true;   // O_NOFOLLOW: refuse a symlink planted in a tier
   uint64_t preallocate_bytes = 0;  // fallocate this many bytes (if > 0)
 };
+
+// OK if `path` still names the file open as `fd` (the same inode, linked):
+// a file deleted while in use is NotFound, one replaced FailedPrecondition,
+// naming it and `what` it held. Writes through `fd` would reach no file that
+// the path shows, so nothing may be recorded as durable there.
+absl::Status CheckOpenFileAtPath(int fd, const std::string& path,
+                                 absl::string_view what);
 
 class File {
  public:
@@ -39,6 +47,10 @@ class File {
 
   // fdatasync; the error names the path.
   absl::Status Sync();
+  // CheckOpenFileAtPath for this file.
+  absl::Status CheckStillAtPath(absl::string_view what) const {
+    return CheckOpenFileAtPath(fd_, path_, what);
+  }
   // fallocate(0, 0, bytes) (posix_fallocate-like fallback where unsupported).
   absl::Status Allocate(uint64_t bytes);
   absl::StatusOr<uint64_t> Size() const;

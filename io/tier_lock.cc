@@ -56,6 +56,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "io/file.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -239,6 +240,10 @@ bool TierLock::HasWaiters() const {
 
 RunLock::RunLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
 
+absl::Status RunLock::CheckStillAtPath() const {
+  return CheckOpenFileAtPath(fd_, path_, "the run's lock");
+}
+
 RunLock::~RunLock() {
   // Clear the pid so a later reader is not pointed at a finished process;
   // the file stays (see the TierLock note on unlinking lock files).
@@ -278,8 +283,13 @@ absl::StatusOr<std::unique_ptr<RunLock>> RunLock::Acquire(
                          &pid)) {
       holder = absl::StrCat("pid ", pid);
     }
-    return absl::AlreadyExistsError(absl::StrCat(
-        "run lock ", path, " is held by another live process (", holder, ")"));
+    // Two RunLocks in one process conflict too (see above): a second
+    // optimizer on the same run, not some other program.
+    const bool ours = pid != 0 && pid == getpid();
+    return absl::AlreadyExistsError(
+        absl::StrCat("run lock ", path, " is held by another ",
+                     ours ? "optimizer in this process" : "live process", " (",
+                     holder, ")"));
   }
   const std::string pid = absl::StrCat(getpid(), "\n");
   if (ftruncate(fd, 0) < 0 || pwrite(fd, pid.data(), pid.size(), 0) !=

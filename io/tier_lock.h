@@ -46,6 +46,9 @@ class RunLock {
   static absl::StatusOr<std::unique_ptr<RunLock>> Acquire(
       const std::string& path);
   ~RunLock();
+  // OK while the lock file is still at its path; if it was deleted or
+  // replaced, another process could take the run: FailedPrecondition.
+  absl::Status CheckStillAtPath() const;
 
  private:
   RunLock(int fd, std::string path);

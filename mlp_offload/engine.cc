@@ -728,6 +728,22 @@ absl::Status Engine::Impl::WriteCommit() {
     }
     MLP_RETURN_IF_ERROR(state_files[i]->Sync());
   }
+  // A state file deleted or replaced under the run (a tier wiped) still
+  // takes writes through its descriptor, on a file that no path shows: a
+  // commit record naming it would promise state that no resume can find.
+  // Likewise, without its lock file another process could open the run.
+  constexpr absl::string_view kNoCommit =
+      "no commit record written (this process still holds the state: "
+      "SaveCheckpoint to a directory elsewhere keeps it)";
+  for (int i = 0; i < n(); ++i) {
+    absl::Status s = state_files[i]->CheckStillAtPath(
+        absl::StrCat("the state of subgroup ", i));
+    if (!s.ok()) return Annotate(s, kNoCommit);
+  }
+  for (const Tier& tier : tiers) {
+    absl::Status s = tier.run_lock->CheckStillAtPath();
+    if (!s.ok()) return Annotate(s, kNoCommit);
+  }
   // Each tier's previous record moves to COMMIT.prev first. A crash between
   // two tiers' records leaves them one commit apart; Create then resumes
   // the older step from the newer tier's COMMIT.prev, whose slots this step

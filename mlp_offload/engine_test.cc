@@ -809,6 +809,46 @@ void RunSteps(Engine& e, Model& model, int first, int last) {
   }
 }
 
+TEST(EngineTest, NoCommitNamesAStateFileDeletedOrReplacedUnderTheRun) {
+  // A tier wiped (or its files replaced) while the run uses it: writes still
+  // reach the open descriptors, but a commit record naming those files would
+  // promise state that no resume finds. The commit fails, naming the file,
+  // and the committed step stays where the files last were.
+  for (const char* what : {"delete", "replace", "lock"}) {
+    SCOPED_TRACE(what);
+    EngineConfig cfg = SmallConfig(2);
+    cfg.commit_every = 1;
+    cfg.run_name = absl::StrCat("wiped_", what);
+    Model model(cfg.subgroup_numel, 11);
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 1));
+    ASSERT_EQ(e.committed_step(), 1);
+    const int t = e.plan().tier_of_subgroup[1];
+    const std::string dir = absl::StrCat(cfg.tiers[t].path, "/", cfg.run_name);
+    const std::string victim =
+        std::string(what) == "lock" ? dir + "/LOCK" : dir + "/sg_1.state";
+    ASSERT_EQ(unlink(victim.c_str()), 0);
+    if (std::string(what) == "replace") {
+      int fd = open(victim.c_str(), O_CREAT | O_WRONLY, 0600);
+      ASSERT_GE(fd, 0);
+      close(fd);
+    }
+    model.NewGrads(2);
+    absl::Status s = e.Step(AdamWInputs(model), StepOptions()).status();
+    EXPECT_EQ(s.code(), std::string(what) == "replace"
+                            ? absl::StatusCode::kFailedPrecondition
+                            : absl::StatusCode::kNotFound)
+        << s;
+    EXPECT_NE(s.message().find(victim), std::string::npos) << s;
+    EXPECT_EQ(e.committed_step(), 1);
+    EXPECT_FALSE(e.RetryCommit().ok());
+    EXPECT_EQ(e.committed_step(), 1);
+  }
+}
+
 // A run with commits every 2 steps, taken to step 4; `at2` and `at4` get the
 // state after steps 2 and 4.
 EngineConfig CommittedEveryTwo(const std::string& name, Model& model,

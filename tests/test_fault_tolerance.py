@@ -212,7 +212,8 @@ def test_tier_directory_removed_mid_run(tmp_path):
     before = params_of(model)
     with pytest.raises(errors.TierNotFoundError) as info:
         opt.step()
-    assert "tier 1" in str(info.value) and "COMMIT" in str(info.value), str(info.value)
+    # No commit names files that its path no longer shows.
+    assert "tier 1" in str(info.value) and "moved away" in str(info.value), str(info.value)
     assert_equal(params_of(model), before, "after a failed step")
     os.rename(run_dir + ".moved", run_dir)  # the fault is gone
     opt.step()
@@ -555,6 +556,57 @@ def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
     assert opt.resumed_step == 3
     assert_equal(params_of(resumed), want, "resumed")
     opt.close()
+
+
+@pytest.mark.parametrize("wipe", ["files", "dir"])
+def test_a_tier_wiped_under_the_run_is_never_committed_and_its_state_can_be_saved(
+        tmp_path, wipe):
+    # The run's files on tier b are deleted (or the directory wiped and made
+    # again) between steps. The open descriptors still take the writes, but a
+    # commit naming those files would promise state that no resume finds:
+    # step() raises, naming the file, and the committed step stays. The
+    # process still holds the whole state; save_checkpoint elsewhere keeps it
+    # (the completed step's update goes to the model first).
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    want, want_sd = reference(tmp_path, 2)
+    model = make_model()
+    opt = wrap(model, [a, b], run_name="r", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    run_b = os.path.join(b, "r.r0")
+    if wipe == "files":
+        for name in os.listdir(run_b):
+            if name.startswith("sg_"):
+                os.remove(os.path.join(run_b, name))
+    else:
+        shutil.rmtree(run_b)
+        os.mkdir(run_b)
+    backward(model, 1)
+    for _ in range(2):  # and again when retried
+        with pytest.raises(errors.TierNotFoundError,
+                           match=r"tier 1.*no commit record.*deleted or moved away"):
+            opt.step()
+        assert opt.engine.steps == 2 and opt.engine.committed_step == 1
+    # Another process cannot take the run while this one holds it.
+    with pytest.raises(errors.TierInUseError):
+        wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="never")
+    sd = opt.state_dict()
+    assert_equal(params_of(model), want, "the completed step, settled")
+    opt.save_checkpoint(tmp_path / "rescue")
+    opt.close()
+    rescued = make_model()
+    fresh = [str(tmp_path / "c")]
+    os.mkdir(fresh[0])
+    again = wrap(rescued, fresh)
+    again.load_checkpoint(tmp_path / "rescue", restore_params=True)
+    assert_equal(params_of(rescued), want, "from the rescue checkpoint")
+    for pid, st in want_sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again.state_dict()["state"][pid][k], v), (pid, k)
+            assert torch.equal(sd["state"][pid][k], v), (pid, k)
+    again.close()
 
 
 def test_a_failed_save_leaves_nothing_behind(tmp_path):

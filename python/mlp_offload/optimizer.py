@@ -655,13 +655,35 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         (and loading it back, which drops the pending step) would keep that
         mix for good."""
         pending = self._failed_step is not None
+        incomplete = pending and not self._failed_step["completed"]
         if collective and self._group is not None:
-            pending = self._any_rank(pending)
-        if pending:
-            where = "" if self._failed_step is not None else " on another rank"
+            incomplete, pending = map(bool, self._max_over_ranks(incomplete, pending))
+        if incomplete:
+            where = "" if self._failed_step is not None and not \
+                self._failed_step["completed"] else " on another rank"
             raise OffloadError(
                 f"{what}: a step failed{where} and is pending (some subgroups updated, "
                 f"others not): call step() again with the same gradients to finish it first")
+        if pending:
+            self._settle_completed_step(what, broadcast=collective)
+
+    def _settle_completed_step(self, what, broadcast):
+        """A pending step that completed, whose commit record alone could not
+        be written (a full or wiped tier), left whole state: the model takes
+        the update atomic_step held back, so that what `what` saves is the
+        completed step, parameters and state alike (the way out when the
+        commit cannot be written again: save a checkpoint elsewhere). The
+        next step() still retries the commit first."""
+        failed = self._failed_step
+        if failed is not None:
+            if failed["partial"] is not None:
+                failed["partial"].restore()
+            self._failed_step = {"before": None, "completed": True, "partial": None}
+            _log.warning("%s: step %d completed but its commit record was not written; "
+                         "the model's parameters now hold its update, and the next "
+                         "step() retries the commit", what, self._engine.steps)
+        if broadcast and self._group is not None:
+            self._broadcast_params()
 
     def close(self):
         """Flushes and releases the engine (and its tier directories); any
@@ -1073,7 +1095,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             elif before is not None:
                 before.restore()
             err = _recovery.annotate(exc, self._tiers, self._run_name,
-                                     f"optimizer step {start + 1}")
+                                     f"optimizer step {start if redo else start + 1}")
             if err is exc:
                 raise
             raise err from exc
