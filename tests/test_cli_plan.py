@@ -118,6 +118,23 @@ def test_bad_arguments_exit_2(capsys, bad):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("capacity", ["0", "0B", "0.0TB", "0.1"])
+def test_capacity_under_a_byte_is_refused(capsys, capacity):
+    # 0 is a typo, not "unlimited" (that is no capacity, or '-'): refused
+    # like any capacity under a byte, with the usage's one error line.
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--tier", f"n:/x:6:3:{capacity}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].endswith(
+        f"argument --tier: tier n: capacity '{capacity}' is less than a byte "
+        f"(leave it out or give '-' for unlimited)"), err
+    for unlimited in ("n:/x:6:3", "n:/x:6:3:-", "n:/x:6:3:"):
+        assert whatif.parse_tier(unlimited)["capacity_bytes"] == 0
+    code, out, _ = run(capsys, "plan", "--params", "1B", "--tier", "n:/x:6:3:-")
+    assert code == 0 and "capacity unlimited" in out
+
+
 @pytest.mark.parametrize("argv,want", [
     (["--tier", "a:/x:6:3", "--tier", "b:/x/:3:1"], "two tiers have the path '/x'"),
     (["--tier", "a:/x:6:3", "--tier", "a:/y:3:1"], "two tiers have the name 'a'"),

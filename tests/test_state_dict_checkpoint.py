@@ -7,12 +7,14 @@ checkpoint, and a failed save leaves the previous checkpoint usable.
 """
 
 import copy
+import json
+import re
 
 import pytest
 import torch
 from conftest import tier_dirs
 
-from mlp_offload import MLPOffloadOptimizer, errors
+from mlp_offload import MLPOffloadOptimizer, checkpoint, errors
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -212,3 +214,42 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
     assert_same_state(opt2.state_dict(), at_save)
     opt.close()
     opt2.close()
+
+
+def test_hand_edited_manifest_with_a_bad_field_is_corrupt(tmp_path):
+    # A manifest edited by hand with its checksum recomputed (as a user
+    # fixing a path would) is checked field by field: a null engine_dir on
+    # a rank that owns subgroups, or a field of the wrong type, is a
+    # CorruptStateError naming the file and the field, never a TypeError
+    # in the load or a silently accepted value.
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "a"))
+    run(model, opt, range(1))
+    ckpt = tmp_path / "ckpt"
+    opt.save_checkpoint(ckpt)
+    path = ckpt / "manifest.rank0.json"
+    good = json.loads(path.read_text())
+    edits = [
+        (lambda m: m.update(engine_dir=None), r"'engine_dir' is null.*rank 0 owns subgroups"),
+        (lambda m: m.update(rank="0"), "'rank' must be"),
+        (lambda m: m.update(rank=1), r"'rank' must be an integer in \[0, 1\)"),
+        (lambda m: m.update(save_id=3), "'save_id' must be"),
+        (lambda m: m.update(python_state_sha256=123), "'python_state_sha256' must be"),
+        (lambda m: m["layout"].update(optimizer=5), "'layout.optimizer' must be"),
+        (lambda m: m["layout"].update(dtype=None), "'layout.dtype' must be"),
+        (lambda m: m["layout"].update(num_state_arrays="2"), "'layout.num_state_arrays'"),
+        (lambda m: m["layout"].update(group_sizes="4"), "'layout.group_sizes'"),
+        (lambda m: m["layout"].update(world_size=True), "'layout.world_size'"),
+        (lambda m: m["layout"].update(param_shapes=[[32, True]]), "'layout.param_shapes'"),
+    ]
+    for change, match in edits:
+        m = json.loads(json.dumps(good))
+        change(m)
+        m["checksum"] = checkpoint.manifest_checksum(m)
+        path.write_text(json.dumps(m))
+        with pytest.raises(errors.CorruptStateError,
+                           match=rf"manifest {re.escape(str(path))} is corrupt: {match}"):
+            opt.load_checkpoint(ckpt)
+    path.write_text(json.dumps(good))
+    opt.load_checkpoint(ckpt)
+    opt.close()

@@ -89,11 +89,24 @@ def _file_name(value):
         and os.path.basename(value) == value
 
 
+def _is_count(value):
+    """Whether `value` is an int >= 0 (JSON true/false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _schema_problem(m):
     """What is missing or malformed in a manifest whose checksum holds (a
-    hand-edited or foreign file), or None."""
+    hand-edited or foreign file), or None. Every field the loaders use is
+    checked here, so that a bad one reads as a corrupt manifest, never as a
+    TypeError deep in a load."""
     if not _file_name(m.get("python_state")):
         return "'python_state' must name a file of the checkpoint directory"
+    sha = m.get("python_state_sha256")
+    if sha is not None and not (isinstance(sha, str) and len(sha) == 64
+                                and all(c in "0123456789abcdef" for c in sha)):
+        return "'python_state_sha256' must be a sha256 in hex"
+    if "save_id" in m and not (isinstance(m["save_id"], str) and m["save_id"]):
+        return "'save_id' must be a non-empty string"
     if m.get("engine_dir") is not None and not _file_name(m["engine_dir"]):
         return "'engine_dir' must name a directory of the checkpoint directory"
     layout = m.get("layout")
@@ -101,16 +114,31 @@ def _schema_problem(m):
         return "no 'layout'"
     shapes, subgroups = layout.get("param_shapes"), layout.get("subgroups")
     if not isinstance(shapes, list) or not all(
-            isinstance(sh, list) and all(isinstance(d, int) and d >= 0 for d in sh)
-            for sh in shapes):
+            isinstance(sh, list) and all(_is_count(d) for d in sh) for sh in shapes):
         return "'layout.param_shapes' must be a list of shapes"
     if not isinstance(subgroups, list) or not all(
-            isinstance(sg, list) and all(isinstance(p, int) and 0 <= p < len(shapes)
-                                         for p in sg) for sg in subgroups):
+            isinstance(sg, list) and all(_is_count(p) and p < len(shapes) for p in sg)
+            for sg in subgroups):
         return "'layout.subgroups' must be lists of parameter indices"
     world = layout.get("world_size", 1)
-    if not isinstance(world, int) or world < 1:
+    if not _is_count(world) or world < 1:
         return "'layout.world_size' must be a positive integer"
+    for key in ("optimizer", "dtype"):
+        if key in layout and not isinstance(layout[key], str):
+            return f"'layout.{key}' must be a string"
+    if "num_state_arrays" in layout and not _is_count(layout["num_state_arrays"]):
+        return "'layout.num_state_arrays' must be an integer >= 0"
+    if "group_sizes" in layout and not (isinstance(layout["group_sizes"], list)
+                                        and all(map(_is_count, layout["group_sizes"]))):
+        return "'layout.group_sizes' must be a list of integers >= 0"
+    rank = m.get("rank", 0)
+    if not _is_count(rank) or rank >= world:
+        return f"'rank' must be an integer in [0, {world}) (layout.world_size), got {rank!r}"
+    # Subgroup g is rank g % world's: only a rank without any has no engine
+    # state (null).
+    if m.get("engine_dir") is None and rank < len(subgroups):
+        return (f"'engine_dir' is null (no engine state), but rank {rank} owns subgroups "
+                f"({len(subgroups)} subgroups over {world} ranks)")
     return None
 
 

@@ -211,9 +211,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._comm_device = _collective_device(self._comm_types)
         failure = None
         try:
-            if not isinstance(host_cache_bytes, int) or host_cache_bytes < 0:
-                raise ConfigError(
-                    f"host_cache_bytes must be an int >= 0, got {host_cache_bytes!r}")
+            host_cache_bytes = _config.check_int("host_cache_bytes", host_cache_bytes)
             if nonfinite not in _NONFINITE:
                 raise ConfigError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
             if compute_threads is None:
@@ -241,7 +239,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 delayed_grad_conversion=delayed_grad_conversion, tier_lock=tier_lock)
             self._mode = mode
 
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self._world))
+            local_world = _config.env_int("LOCAL_WORLD_SIZE", self._world, minimum=1)
 
             self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
             self._subgroup_numel = subgroup_numel
@@ -249,7 +247,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._engine_settings = {
                 "compute_threads": compute_threads,
                 "io": io,
-                "verify_checksums": bool(verify_checksums),
+                "verify_checksums": _config.check_bool("verify_checksums", verify_checksums),
                 "tier_lock_slots": tier_lock_slots,
                 "tier_lock_mode": tier_lock_mode,
                 "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
@@ -272,9 +270,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 _recovery.run_dir_name(run_name, 0)  # checks the name
             self._commit_every = commit_every
             self._resume = resume
-            self._checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
-            self._atomic_step = bool(atomic_step)
-            self._engine_settings["fault_injection"] = bool(fault_injection)
+            self._checkpoint_dir = None if checkpoint_dir is None \
+                else _config.check_path("checkpoint_dir", checkpoint_dir)
+            self._atomic_step = _config.check_bool("atomic_step", atomic_step)
+            self._engine_settings["fault_injection"] = _config.check_bool(
+                "fault_injection", fault_injection)
             self._want_resume = resume != "never"
             self._failed_step = None
             self.resumed_from = None
@@ -290,8 +290,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._agree_on_settings(failure, optimizer, dict(
             subgroup_numel=subgroup_numel, mode=mode, nonfinite=nonfinite,
             state_dict_type=state_dict_type, run_name=run_name, commit_every=commit_every,
-            resume=resume, atomic_step=bool(atomic_step),
-            checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir)))
+            resume=resume,
+            # Checked in the try block: a rank that failed there sends None.
+            atomic_step=self._atomic_step if failure is None else None,
+            checkpoint_dir=self._checkpoint_dir if failure is None else None))
 
         # torch.optim.Optimizer bookkeeping (hooks, zero_grad, step patching);
         # then share the wrapped optimizer's param_groups list itself.

@@ -42,8 +42,9 @@ def parse_tier(text, index=0):
     """A TierSpec dict from 'NAME:PATH:READ:WRITE[:CAPACITY]'.
 
     READ and WRITE are bandwidths (a bare number is GB/s; '800MB/s' works
-    too), CAPACITY a size ('3.5TB'; absent, 0 or '-': unlimited). PATH is
-    only a label here: the planner does no I/O.
+    too), CAPACITY a size ('3.5TB'; absent, empty or '-': unlimited; 0,
+    like any size under a byte, is refused: a tier that holds nothing is a
+    typo). PATH is only a label here: the planner does no I/O.
     """
     parts = str(text).split(":")
     if len(parts) not in (4, 5):
@@ -58,11 +59,11 @@ def parse_tier(text, index=0):
         "write_bytes_per_sec": units.parse_rate(parts[3]),
         "capacity_bytes": 0,
     }
-    if len(parts) == 5 and parts[4] not in ("", "-", "0"):
+    if len(parts) == 5 and parts[4].strip() not in ("", "-"):
         spec["capacity_bytes"] = units.parse_size(parts[4])
         if spec["capacity_bytes"] < 1:
             raise ConfigError(f"tier {name}: capacity {parts[4]!r} is less than a byte "
-                              f"(0 or '-' for unlimited)")
+                              f"(leave it out or give '-' for unlimited)")
     for key in ("read_bytes_per_sec", "write_bytes_per_sec"):
         if not spec[key] > 0:
             raise ConfigError(f"tier {name}: {key.split('_')[0]} bandwidth must be > 0")

@@ -1,0 +1,135 @@
+"""Bad constructor input is a ConfigError naming the argument and the value.
+
+Tier dict values, tier_bandwidths, host_cache_bytes, the bool and path
+arguments and $LOCAL_WORLD_SIZE: each bad value is refused before anything
+is written, never accepted silently (a NaN bandwidth, "false" read as true)
+and never an untyped error from os.fspath, float() or the bindings. Also:
+a second optimizer of this process on a live run is named as such.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+from conftest import tier_dirs
+
+from mlp_offload import MLPOffloadOptimizer, config, errors
+
+torch.set_num_threads(1)  # CI shares 2 cores between test processes
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 8)
+
+
+def wrap(model, tiers, **kwargs):
+    kwargs.setdefault("subgroup_numel", 100)
+    kwargs.setdefault("compute_threads", 1)
+    return MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=tiers, **kwargs)
+
+
+def refused(tiers, match, **kwargs):
+    with pytest.raises(errors.ConfigError, match=match):
+        wrap(make_model(), tiers, **kwargs).close()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("read_bytes_per_sec", "fast"), ("read_bytes_per_sec", float("nan")),
+    ("write_bytes_per_sec", float("inf")), ("read_bytes_per_sec", 0),
+    ("write_bytes_per_sec", -1e9), ("read_bytes_per_sec", True),
+    ("throttle_read_bytes_per_sec", -1), ("throttle_write_bytes_per_sec", float("nan")),
+    ("throttle_contention", float("nan")), ("throttle_contention", -3),
+    ("shared_by", 0), ("shared_by", -1), ("shared_by", 2.0),
+    ("capacity_bytes", 2 ** 64), ("throttle_shared", "yes"), ("path", 3),
+])
+def test_bad_tier_value_is_a_config_error_naming_it(tmp_path, key, value):
+    a, b = tier_dirs(tmp_path)
+    tier = {"path": a, key: value}
+    refused([tier, b], rf"tier 0: '{key}' must .*got {re.escape(repr(value))}$")
+    assert os.listdir(a) == [] and os.listdir(b) == []
+
+
+@pytest.mark.parametrize("bandwidths,match", [
+    (["1GB", "2GB"], r"tier_bandwidths\[0\] must be .*got '1GB'"),
+    ([float("nan"), 1e9], r"tier_bandwidths\[0\] must be a finite number > 0.*got nan"),
+    ([1e9, (1e9, float("inf"))], r"tier_bandwidths\[1\] \(write\) must .*got inf"),
+    ([1e9, (1e9, 2e9, 3e9)], r"tier_bandwidths\[1\] must be .*pair, got \(1"),
+    ("1GB", r"tier_bandwidths must be a list .*got '1GB'"),
+    (5, r"tier_bandwidths must be a list .*got 5"),
+])
+def test_bad_tier_bandwidths_are_config_errors(tmp_path, bandwidths, match):
+    refused(tier_dirs(tmp_path), match, tier_bandwidths=bandwidths)
+
+
+def test_good_tier_values_are_kept():
+    # What the checks let through reaches the engine as before: unknown
+    # (None or left out) bandwidths take the default, 0 caps mean none.
+    tiers = config.normalize_tiers(
+        [{"path": "/a", "read_bytes_per_sec": None, "write_bytes_per_sec": 3,
+          "throttle_read_bytes_per_sec": 0, "throttle_contention": 0.5, "shared_by": 2,
+          "capacity_bytes": 1 << 40},
+         "/b", "/c"],
+        tier_bandwidths=[None, (1e9, 2e9), 4e9], shared_by=3)
+    assert tiers[0]["read_bytes_per_sec"] == config.DEFAULT_TIER_BYTES_PER_SEC
+    assert tiers[0]["write_bytes_per_sec"] == 3.0 and tiers[0]["shared_by"] == 2
+    assert tiers[0]["throttle_read_bytes_per_sec"] == 0.0
+    assert tiers[1]["read_bytes_per_sec"] == 1e9 and tiers[1]["write_bytes_per_sec"] == 2e9
+    assert tiers[2]["read_bytes_per_sec"] == tiers[2]["write_bytes_per_sec"] == 4e9
+    assert tiers[1]["shared_by"] == 3
+    with pytest.raises(errors.ConfigError, match=r"shared_by must be an int .*got 0"):
+        config.normalize_tiers(["/a"], shared_by=0)
+
+
+def test_host_cache_bytes_beyond_the_engine_is_a_config_error(tmp_path):
+    refused(tier_dirs(tmp_path), rf"host_cache_bytes must be an int .*got {2 ** 64}",
+            host_cache_bytes=2 ** 64)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("verify_checksums", "no"), ("atomic_step", "false"), ("verify_checksums", None),
+    ("checkpoint_dir", 5), ("checkpoint_dir", b"/tmp"), ("checkpoint_dir", ""),
+])
+def test_bool_and_path_arguments_are_checked(tmp_path, name, value):
+    match = rf"{name} is an empty path" if value == "" \
+        else rf"{name} must be .*got {re.escape(repr(value))}"
+    refused(tier_dirs(tmp_path), match, **{name: value})
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-3", "2.5"])
+def test_bad_local_world_size_is_a_config_error_naming_it(tmp_path, monkeypatch, text):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", text)
+    refused(tier_dirs(tmp_path), rf"environment variable LOCAL_WORLD_SIZE .*got '{text}'")
+
+
+def test_validators(monkeypatch):
+    assert config.check_bool("x", False) is False
+    assert config.check_path("x", os.path.join("a", "b")) == "a/b"
+    assert config.check_int("x", 7, minimum=1) == 7
+    assert config.check_number("x", 0) == 0.0
+    for check, value in [(config.check_bool, 1), (config.check_bool, "true"),
+                         (config.check_path, None), (config.check_int, 1.0),
+                         (config.check_int, -1), (config.check_int, False),
+                         (config.check_number, "1"), (config.check_number, -0.5),
+                         (config.check_number, float("inf")), (config.check_rate, 0)]:
+        with pytest.raises(errors.ConfigError, match=rf"^the_arg .*{re.escape(repr(value))}"):
+            check("the_arg", value)
+    monkeypatch.delenv("MLP_TEST_COUNT", raising=False)
+    assert config.env_int("MLP_TEST_COUNT", 4, minimum=1) == 4
+    monkeypatch.setenv("MLP_TEST_COUNT", " 2 ")
+    assert config.env_int("MLP_TEST_COUNT", 4, minimum=1) == 2
+    monkeypatch.setenv("MLP_TEST_COUNT", "0")
+    with pytest.raises(errors.ConfigError, match="MLP_TEST_COUNT must be an integer >= 1"):
+        config.env_int("MLP_TEST_COUNT", 4, minimum=1)
+
+
+def test_second_optimizer_of_this_process_on_a_live_run_is_named(tmp_path):
+    tiers = tier_dirs(tmp_path, 1)
+    first = wrap(make_model(), tiers, run_name="busy", commit_every=1)
+    try:
+        with pytest.raises(errors.TierInUseError,
+                           match=rf"another optimizer in this process \(pid {os.getpid()}\)"):
+            wrap(make_model(), tiers, run_name="busy", commit_every=1)
+    finally:
+        first.close()
