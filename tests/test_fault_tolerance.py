@@ -514,18 +514,25 @@ def test_resume_with_other_tiers_is_refused_and_the_commit_kept(tmp_path):
     opt.close()
 
 
-def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
-    # The step completes, then its commit record cannot be written on tier b
-    # (the temporary file's name is taken by a directory): step() raises,
-    # again on a retry while that lasts, and writes the commit once it can.
+def committed_run_after_one_step(tmp_path):
+    """Tiers a and b, and a model and its optimizer (run "r", a commit every
+    step) that took one step."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     os.mkdir(a), os.mkdir(b)
-    want, _ = reference(tmp_path, 3)
     model = make_model()
     opt = wrap(model, [a, b], run_name="r", commit_every=1)
     backward(model, 0)
     opt.step()
     opt.zero_grad()
+    return a, b, model, opt
+
+
+def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
+    # The step completes, then its commit record cannot be written on tier b
+    # (the temporary file's name is taken by a directory): step() raises,
+    # again on a retry while that lasts, and writes the commit once it can.
+    want, _ = reference(tmp_path, 3)
+    a, b, model, opt = committed_run_after_one_step(tmp_path)
     backward(model, 1)
     blocker = os.path.join(b, "r.r0", f"COMMIT.prev.tmp.{os.getpid()}")
     os.mkdir(blocker)
@@ -567,14 +574,8 @@ def test_a_tier_wiped_under_the_run_is_never_committed_and_its_state_can_be_save
     # step() raises, naming the file, and the committed step stays. The
     # process still holds the whole state; save_checkpoint elsewhere keeps it
     # (the completed step's update goes to the model first).
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    os.mkdir(a), os.mkdir(b)
     want, want_sd = reference(tmp_path, 2)
-    model = make_model()
-    opt = wrap(model, [a, b], run_name="r", commit_every=1)
-    backward(model, 0)
-    opt.step()
-    opt.zero_grad()
+    a, b, model, opt = committed_run_after_one_step(tmp_path)
     run_b = os.path.join(b, "r.r0")
     if wipe == "files":
         for name in os.listdir(run_b):
