@@ -216,17 +216,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
             if compute_threads is None:
                 compute_threads = max(1, min(8, os.cpu_count() or 1))
-            if not isinstance(tier_lock_slots, int) or isinstance(tier_lock_slots, bool) \
-                    or tier_lock_slots < 1:
-                raise ConfigError(f"tier_lock_slots must be an int >= 1, got {tier_lock_slots!r}")
+            tier_lock_slots = _config.check_int("tier_lock_slots", tier_lock_slots, minimum=1)
             if tier_lock_mode not in _TIER_LOCK_MODES:
                 raise ConfigError(f"tier_lock_mode must be one of {_TIER_LOCK_MODES}, got "
                                   f"{tier_lock_mode!r}")
-            limit = _C.engine.MAX_COMPUTE_THREADS
-            if not isinstance(compute_threads, int) or isinstance(compute_threads, bool) \
-                    or not 1 <= compute_threads <= limit:
-                raise ConfigError(f"compute_threads must be an int in [1, {limit}], got "
-                                  f"{compute_threads!r}")
+            compute_threads = _config.check_int("compute_threads", compute_threads, minimum=1,
+                                                maximum=_C.engine.MAX_COMPUTE_THREADS)
             if state_dict_type not in _STATE_DICT_TYPES:
                 raise ConfigError(f"state_dict_type must be one of {_STATE_DICT_TYPES}, got "
                                   f"{state_dict_type!r}")
@@ -256,9 +251,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if resume not in _recovery.RESUME_MODES:
                 raise ConfigError(
                     f"resume must be one of {_recovery.RESUME_MODES}, got {resume!r}")
-            if not isinstance(commit_every, int) or isinstance(commit_every, bool) \
-                    or commit_every < 0:
-                raise ConfigError(f"commit_every must be an int >= 0, got {commit_every!r}")
+            commit_every = _config.check_int("commit_every", commit_every)
             # A persistent run keeps its state under <tier>/<run_name>.r<rank>
             # across processes (and close()); others use a private name removed
             # at close.
@@ -809,13 +802,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._skip = {}
         any_grad = False
         for sg in self._subgroups:
+            have = []
             for p, pid in zip(sg.params, sg.param_ids):
                 if p.grad is not None and p.grad.layout != torch.strided:
                     raise ConfigError(
                         f"parameter {pid} has a {p.grad.layout} gradient: the offloaded "
                         f"update takes dense gradients (nn.Embedding(sparse=False), or "
                         f"a dense copy of it)")
-            have = [p.grad is not None for p in sg.params]
+                have.append(p.grad is not None)
             if all(have):
                 any_grad = True
                 self._skip[sg.index] = False
@@ -1002,6 +996,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             keys = self._array_names(sg.group)
             now = _hp.state_names(self._group_hps[sg.group])
             for pid in sg.param_ids:
+                if self._has_state[pid] is True:
+                    continue  # every key already: nothing a step adds
                 had = _generic.offloaded_keys_of(self._has_state[pid], keys)
                 out[pid] = _generic.has_state_value(set(had) | set(now), keys)
         return out
@@ -1163,13 +1159,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Writes the Python-side state for committed step `step` (see
         recovery.py); `stepping`: as it will be after the step about to run."""
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
-        has_state = dict(self._has_state)
+        has_state = {pid: v for pid, v in self._has_state.items() if pid in own}
         if stepping and self._family is not None:
-            has_state.update(self._keys_after_step())
+            has_state.update(self._keys_after_step())  # this rank's parameters only
         _recovery.write_pystate(self._pystate_dir(), step, {
             "param_groups": self.optimizer.state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
-            "has_state": {pid: v for pid, v in has_state.items() if pid in own},
+            "has_state": has_state,
             "layout": self._layout_summary(),
         }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
 
