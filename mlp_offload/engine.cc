@@ -300,6 +300,7 @@ struct Engine::Impl {
     std::unique_ptr<TierChannel> channel;
     FaultInjectingEngine* faults = nullptr;
     std::unique_ptr<RunLock> run_lock;
+    std::string manifest;  // the bytes of dir/MANIFEST, as written or read
   };
   std::vector<Tier> tiers;
 
@@ -312,7 +313,9 @@ struct Engine::Impl {
   std::vector<int> current_slot;    // slot with the latest on-disk version
   std::vector<int> committed_slot;  // slot named by the last commit
   std::vector<int64_t> disk_step;   // step of the latest on-disk version
-  std::vector<int64_t> sg_step;     // updates applied (latest version)
+  // A cached record WriteSubgroup replaced (its step may equal disk_step).
+  std::vector<bool> rewritten;
+  std::vector<int64_t> sg_step;  // updates applied (latest version)
   std::vector<bool> initialized;
   std::vector<bool> grad_nonfinite;  // baseline: seen at offload time
   std::vector<bool> grad_offloaded;  // baseline: fp32 grad on the tier
@@ -543,6 +546,7 @@ struct Engine::Impl {
     int i = buffers[b].subgroup;
     current_slot[i] = buffers[b].write_slot;
     disk_step[i] = sg_step[i];
+    rewritten[i] = false;
     buffers[b].write_slot = -1;
   }
 
@@ -674,6 +678,20 @@ struct Engine::Impl {
   }
 
   absl::Status WriteCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Writes every cached record whose latest version is not on disk (it
+  // stays cached), so that a commit record can name them all.
+  absl::Status FlushCached() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      const int i = buffers[b].subgroup;
+      if (buffers[b].state != BufState::kCached || i < 0) continue;
+      MLP_RETURN_IF_ERROR(WaitIo(static_cast<int>(b)));
+      if (disk_step[i] == sg_step[i] && !rewritten[i]) continue;
+      MLP_RETURN_IF_ERROR(WriteNow(i, static_cast<int>(b)));
+    }
+    return absl::OkStatus();
+  }
+  // OK if tier t's MANIFEST still holds the bytes this run wrote or read.
+  absl::Status CheckManifestUnchanged(size_t t) const;
   // Checks every tier path (exists, a writable directory, no two the same)
   // without touching them; OpenTiers then creates the run directories.
   absl::Status CheckTiers();
@@ -717,6 +735,27 @@ struct Engine::Impl {
                            std::map<std::string, Manifest> manifests);
 };
 
+absl::Status Engine::Impl::CheckManifestUnchanged(size_t t) const {
+  const std::string path = tiers[t].dir + "/MANIFEST";
+  absl::StatusOr<std::string> now = ReadSmallFile(path);
+  if (!now.ok()) {
+    if (now.status().code() == absl::StatusCode::kNotFound) {
+      return absl::NotFoundError(
+          absl::StrCat(path,
+                       " (the run's manifest) was deleted or moved "
+                       "away while the run uses it"));
+    }
+    return now.status();
+  }
+  if (*now != tiers[t].manifest) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path,
+                     " (the run's manifest) was changed by someone "
+                     "else while the run uses it"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::Impl::WriteCommit() {
   // Per tier: the slot of each of its subgroups. Every subgroup must have
   // its latest version on disk (the caller flushed the cached ones), and
@@ -740,8 +779,12 @@ absl::Status Engine::Impl::WriteCommit() {
         absl::StrCat("the state of subgroup ", i));
     if (!s.ok()) return Annotate(s, kNoCommit);
   }
-  for (const Tier& tier : tiers) {
-    absl::Status s = tier.run_lock->CheckStillAtPath();
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    absl::Status s = tiers[t].run_lock->CheckStillAtPath();
+    if (!s.ok()) return Annotate(s, kNoCommit);
+    // A resume reads the MANIFEST first: without it (or with another
+    // run's), the commit record would name state no resume can use.
+    s = CheckManifestUnchanged(t);
     if (!s.ok()) return Annotate(s, kNoCommit);
   }
   // Each tier's previous record moves to COMMIT.prev first. A crash between
@@ -904,6 +947,7 @@ absl::Status Engine::Impl::LoadCommitted() {
     MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
     MLP_ASSIGN_OR_RETURN(Manifest m, ParseManifest(text, mpath));
     MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, mpath));
+    tiers[t].manifest = text;
     if (t == 0) {
       run_id = m.run_id;
       plan.tier_of_subgroup = m.tier_of_subgroup;
@@ -1081,6 +1125,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   e.current_slot.assign(n, -1);
   e.committed_slot.assign(n, -1);
   e.disk_step.assign(n, 0);
+  e.rewritten.assign(n, false);
   e.sg_step.assign(n, 0);
   e.initialized.assign(n, false);
   e.grad_nonfinite.assign(n, false);
@@ -1102,8 +1147,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
       // A fresh run: an old commit record must not be resumed against it.
       unlink((tier.dir + "/COMMIT").c_str());
       unlink((tier.dir + "/COMMIT.prev").c_str());
+      tier.manifest = EncodeManifest(m);
       MLP_RETURN_IF_ERROR(
-          WriteFileAtomically(tier.dir + "/MANIFEST", EncodeManifest(m)));
+          WriteFileAtomically(tier.dir + "/MANIFEST", tier.manifest));
     }
   }
 
@@ -1162,6 +1208,29 @@ absl::Status Engine::SetStep(int64_t step) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Commit() {
+  Impl& e = *impl_;
+  if (e.in_step) return absl::FailedPreconditionError("Commit during a step");
+  if (e.step_failed) {
+    return absl::FailedPreconditionError(
+        "Commit: a step that failed part-way is pending (retry it first)");
+  }
+  if (e.config.commit_every <= 0) {
+    return absl::FailedPreconditionError(
+        "Commit: the run does not commit (commit_every is 0)");
+  }
+  for (int i = 0; i < e.n(); ++i) {
+    if (!e.initialized[i]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Commit: subgroup ", i, " was never initialised"));
+    }
+  }
+  MutexLock l(&e.mu);
+  MLP_RETURN_IF_ERROR(e.FlushCached());
+  return Annotate(e.WriteCommit(),
+                  absl::StrCat("commit of step ", e.steps_done));
+}
+
 absl::Status Engine::RetryCommit() {
   Impl& e = *impl_;
   if (e.in_step) return absl::FailedPreconditionError("RetryCommit in a step");
@@ -1181,9 +1250,9 @@ FaultInjectingEngine* Engine::fault_injector(int tier) const {
   return impl_->tiers[tier].faults;
 }
 
-absl::Status Engine::InitializeSubgroup(
-    int i, const void* params, DType dtype,
-    const OptimizerHyperparams* state_init) {
+absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
+                                        const OptimizerHyperparams* state_init,
+                                        bool commit_initial) {
   Impl& e = *impl_;
   if (i < 0 || i >= e.n())
     return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
@@ -1215,10 +1284,14 @@ absl::Status Engine::InitializeSubgroup(
   e.buffers[b].from_disk = false;
   e.SupersedeIncompleteStep(i);
   absl::Status s = e.WriteNow(i, b);
-  if (s.ok() && e.config.commit_every > 0 &&
+  if (s.ok() && commit_initial && e.config.commit_every > 0 &&
+      e.committed < 0 &&
       std::all_of(e.initialized.begin(), e.initialized.end(),
                   [](bool x) { return x; })) {
-    s = e.WriteCommit();  // the initial state is resumable too
+    // The initial state is resumable too (records another call left in
+    // memory go to disk first).
+    s = e.FlushCached();
+    if (s.ok()) s = e.WriteCommit();
   }
   // Keep the records that step 0 starts with (cache reuse) in memory.
   const int k = e.plan.num_cached;
@@ -1732,7 +1805,10 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
   e.initialized[i] = true;
   e.buffers[b].from_disk = false;
   e.SupersedeIncompleteStep(i);
-  if (cached) return absl::OkStatus();  // written back when evicted
+  if (cached) {
+    e.rewritten[i] = true;
+    return absl::OkStatus();  // written back when evicted
+  }
   absl::Status s = e.WriteNow(i, b);
   e.Free(b);
   return s;

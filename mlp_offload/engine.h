@@ -165,10 +165,14 @@ class Engine {
 
   // Sets subgroup `i`'s master parameters from `numel` values of `dtype` and
   // its state arrays to `state_init` (or zeros when null), step count 0, and
-  // writes the record to its tier (or keeps it cached).
+  // writes the record to its tier (or keeps it cached). With commit_initial
+  // and config.commit_every > 0, the call that leaves every subgroup
+  // initialised in a run with no commit yet commits that initial state
+  // (step 0); loads pass false and commit with Commit() if they must.
   absl::Status InitializeSubgroup(
       int i, const void* params, DType dtype,
-      const OptimizerHyperparams* state_init = nullptr);
+      const OptimizerHyperparams* state_init = nullptr,
+      bool commit_initial = true);
 
   // Baseline (delayed_grad_conversion off): called as gradients become final
   // during backward; converts them to fp32 and writes them to the subgroup's
@@ -258,6 +262,14 @@ class Engine {
   FaultInjectingEngine* fault_injector(int tier) const;
   // The step that the state on the tiers can be resumed from (-1: none).
   int64_t committed_step() const;
+  // Commits the state as it is now, labelled with the current step count:
+  // every record held in memory is written to its tier first (the slots the
+  // last commit names stay untouched until the new record lands). For
+  // state written with WriteSubgroup outside a step (a re-packed or loaded
+  // state) that must survive a crash. FailedPrecondition during a step, with
+  // a failed step pending, with commit_every 0, or with a subgroup never
+  // initialised.
+  absl::Status Commit();
   // Writes the commit record of the last step if that step was due one
   // (commit_every) and its commit failed after the step itself completed
   // (a full tier, say); OK with nothing to do. Tiers whose record was

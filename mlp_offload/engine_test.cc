@@ -812,10 +812,13 @@ void RunSteps(Engine& e, Model& model, int first, int last) {
 TEST(EngineTest, NoCommitNamesAStateFileDeletedOrReplacedUnderTheRun) {
   // A tier wiped (or its files replaced) while the run uses it: writes still
   // reach the open descriptors, but a commit record naming those files would
-  // promise state that no resume finds. The commit fails, naming the file,
-  // and the committed step stays where the files last were.
-  for (const char* what : {"delete", "replace", "lock"}) {
+  // promise state that no resume finds (likewise without the run's lock or
+  // its MANIFEST, which a resume reads first). The commit fails, naming the
+  // file, and the committed step stays where the files last were.
+  for (const char* what :
+       {"delete", "replace", "lock", "manifest", "manifest_changed"}) {
     SCOPED_TRACE(what);
+    const std::string kind = what;
     EngineConfig cfg = SmallConfig(2);
     cfg.commit_every = 1;
     cfg.run_name = absl::StrCat("wiped_", what);
@@ -828,19 +831,24 @@ TEST(EngineTest, NoCommitNamesAStateFileDeletedOrReplacedUnderTheRun) {
     ASSERT_EQ(e.committed_step(), 1);
     const int t = e.plan().tier_of_subgroup[1];
     const std::string dir = absl::StrCat(cfg.tiers[t].path, "/", cfg.run_name);
-    const std::string victim =
-        std::string(what) == "lock" ? dir + "/LOCK" : dir + "/sg_1.state";
+    const std::string victim = kind == "lock" ? dir + "/LOCK"
+                               : kind.rfind("manifest", 0) == 0
+                                   ? dir + "/MANIFEST"
+                                   : dir + "/sg_1.state";
     ASSERT_EQ(unlink(victim.c_str()), 0);
-    if (std::string(what) == "replace") {
+    if (kind == "replace" || kind == "manifest_changed") {
       int fd = open(victim.c_str(), O_CREAT | O_WRONLY, 0600);
       ASSERT_GE(fd, 0);
+      ASSERT_EQ(write(fd, "x\n", 2), 2);
       close(fd);
     }
     model.NewGrads(2);
     absl::Status s = e.Step(AdamWInputs(model), StepOptions()).status();
-    EXPECT_EQ(s.code(), std::string(what) == "replace"
+    EXPECT_EQ(s.code(), kind == "replace" || kind == "manifest_changed"
                             ? absl::StatusCode::kFailedPrecondition
                             : absl::StatusCode::kNotFound)
+        << s;
+    EXPECT_NE(s.message().find("no commit record written"), std::string::npos)
         << s;
     EXPECT_NE(s.message().find(victim), std::string::npos) << s;
     EXPECT_EQ(e.committed_step(), 1);
@@ -897,6 +905,71 @@ TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
   // Steps 3 and 4 again: bit for bit what the interrupted run had.
   RunSteps(e, model, 3, 4);
   EXPECT_TRUE(Take(e, cfg.subgroup_numel) == at4);
+}
+
+TEST(EngineTest, LoadsAreCommittedByCommitNeverHalfWay) {
+  // State written outside a step (a load, a re-packed state) is committed by
+  // Commit(), records rewritten in the host cache at their own step count
+  // included; InitializeSubgroup in a run that has committed commits
+  // nothing on its own (before, it committed a half-loaded state, naming the
+  // stale disk copy of a record rewritten in the cache).
+  Model model({1000, 2000, 3000, 1500}, 33);
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 1;
+  cfg.run_name = "explicit_commit";
+  cfg.host_budget_bytes *= 4;  // records stay cached
+  Snapshot at2, loaded;
+  for (bool commit : {false, true}) {
+    SCOPED_TRACE(commit ? "committed" : "not committed");
+    {
+      cfg.resume = commit;  // the second round starts from the first's
+      auto engine = Engine::Create(cfg);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      Engine& e = **engine;
+      if (!commit) {
+        ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+        ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
+        at2 = Take(e, cfg.subgroup_numel);
+      }
+      ASSERT_EQ(e.committed_step(), 2);
+      ASSERT_GT(e.plan().num_cached, 0);
+      ASSERT_GE(e.plan().tier_of_subgroup.size(), 4u);
+      for (int i : {0, 3}) {
+        const uint64_t n = cfg.subgroup_numel[i];
+        std::vector<float> master(n, 0.5f + i), m(n, 0.25f), v(n, 0.125f);
+        ASSERT_TRUE(
+            e.WriteSubgroup(i, master.data(), {m.data(), v.data()}, 2).ok());
+      }
+      ASSERT_TRUE(
+          e.InitializeSubgroup(1, model.init[1].data(), DType::kFloat32).ok());
+      EXPECT_EQ(e.committed_step(), 2);
+      loaded = Take(e, cfg.subgroup_numel);
+      if (commit) {
+        absl::Status s = e.Commit();
+        ASSERT_TRUE(s.ok()) << s;
+        EXPECT_EQ(e.committed_step(), 2);
+      }
+    }
+    cfg.resume = true;
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->step(), 2);
+    EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == (commit ? loaded : at2));
+  }
+  // Refused where it cannot be a whole state.
+  cfg.commit_every = 0;
+  cfg.resume = false;
+  cfg.run_name = "explicit_commit_off";
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->Commit().code(), absl::StatusCode::kFailedPrecondition);
+  cfg.commit_every = 1;
+  cfg.run_name = "explicit_commit_uninitialised";
+  auto fresh = Engine::Create(cfg);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  absl::Status s = (*fresh)->Commit();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("never initialised"), std::string::npos) << s;
 }
 
 TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {

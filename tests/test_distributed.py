@@ -64,6 +64,54 @@ def test_two_ranks_match_plain_optimizer(tmp_path, name, mode):
     spawn(worker, tier_dirs(tmp_path), name, mode)
 
 
+def add_group_worker(rank, tiers, name, spill, persistent):
+    # A group added after two steps: each rank keeps its own subgroups'
+    # state across the re-packing (held in a file on a tier with `spill`);
+    # a persistent run commits the new layout at once.
+    from mlp_offload import layout, optimizer
+    arenas = []
+    if spill:
+        optimizer._REGROUP_MEMORY_FRACTION = 0.0
+
+        class Recorded(layout.HostArena):
+            def __init__(self, *args):
+                super().__init__(*args)
+                arenas.append(self)
+        layout.HostArena = Recorded
+    make = OPTIMIZERS[name]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref[0].parameters())
+    opt = MLPOffloadOptimizer(make(model[0].parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1,
+                              **(dict(run_name="grp", commit_every=1) if persistent else {}))
+    assert opt.engine.num_subgroups == 1  # the weight on rank 0, the bias on 1
+    pairs = ((ref_opt, ref), (opt, model))
+    train_same_batches(range(2), pairs)
+    for o, m in pairs:
+        o.add_param_group({"params": m[2].parameters(), "lr": 5e-3})
+    assert opt.engine.num_subgroups == 2
+    assert (opt.engine.steps, opt.engine.committed_step) == (2, 2 if persistent else -1)
+    if spill:
+        assert len(arenas) == 1 and arenas[0].directory in tiers, arenas
+    train_same_batches(range(2, STEPS), pairs)
+    assert_params_match(model, ref, rank)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    assert_states_match(sd["state"], ref_sd["state"], rank)
+    assert sd["param_groups"] == ref_sd["param_groups"]
+    opt.close()
+
+
+@pytest.mark.parametrize("name,spill,persistent", [("adamw", True, False),
+                                                   ("rmsprop", False, True)])
+def test_add_param_group_keeps_each_ranks_state(tmp_path, name, spill, persistent):
+    tiers = tier_dirs(tmp_path)
+    spawn(add_group_worker, tiers, name, spill, persistent)
+    for t in tiers:  # no spill file left behind
+        assert not [f for f in os.listdir(t) if "spill" in f], os.listdir(t)
+
+
 def commit_worker(rank, tiers, out_dir, phase):
     """Phase 1 trains 4 steps committing every 2 (and saves the plain
     optimizer's run at step 2); phase 2 resumes and trains steps 3 and 4."""

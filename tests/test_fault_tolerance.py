@@ -565,7 +565,66 @@ def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("wipe", ["files", "dir"])
+def train_then_add_group(model, tiers, steps_before, steps_after, **kwargs):
+    """AdamW on the first two layers for `steps_before` steps, then the rest
+    added as a group of its own (lr 5e-3), then `steps_after` more steps;
+    returns the optimizer (kwargs: the wrapper's)."""
+    params = list(model.parameters())
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(params[:4], lr=1e-2, weight_decay=0.1),
+                              tiers=tiers, subgroup_numel=300, compute_threads=1, **kwargs)
+    for k in range(steps_before + steps_after):
+        if k == steps_before:
+            opt.add_param_group({"params": params[4:], "lr": 5e-3})
+        model.zero_grad(set_to_none=True)
+        backward(model, k)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("host_cache_bytes", [0, 1 << 20])
+def test_add_param_group_in_a_committed_run_is_committed_at_once(tmp_path, host_cache_bytes):
+    # The re-packed state goes to a new engine whose files replace the run's,
+    # commit records included: it is committed at the current step right
+    # away (records written back into the host cache go to disk first), so
+    # that a crash after add_param_group resumes that step and not a fresh
+    # state (before, the commit said step 0 with zero moments, or with a
+    # host cache the add failed: "subgroup 0 is not on disk").
+    want_model = make_model()
+    want = train_then_add_group(want_model, tier_dirs(tmp_path, prefix="ref"), 3, 2)
+    want_sd = want.state_dict()
+    want.close()
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1,
+                               host_cache_bytes=host_cache_bytes)
+    opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    assert (opt.engine.steps, opt.engine.committed_step) == (3, 3)
+    at_add = opt.state_dict()
+    opt.close()  # as a crash: nothing more is committed
+    params = list(model.parameters())
+    again = MLPOffloadOptimizer(
+        torch.optim.AdamW([{"params": params[:4]}, {"params": params[4:], "lr": 5e-3}],
+                          lr=1e-2, weight_decay=0.1),
+        tiers=tiers, subgroup_numel=300, compute_threads=1, run_name="r", commit_every=1,
+        resume="require", host_cache_bytes=host_cache_bytes)
+    assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
+    resumed = again.state_dict()
+    for pid, st in at_add["state"].items():
+        for k, v in st.items():
+            assert torch.equal(resumed["state"][pid][k], v), (pid, k)
+    for k in range(3, 5):
+        model.zero_grad(set_to_none=True)
+        backward(model, k)
+        again.step()
+    assert again.engine.committed_step == 5
+    assert_equal(params_of(model), params_of(want_model), "resumed after the add")
+    for pid, st in want_sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again.state_dict()["state"][pid][k], v), (pid, k)
+    again.close()
+
+
+@pytest.mark.parametrize("wipe", ["files", "dir", "manifest"])
 def test_a_tier_wiped_under_the_run_is_never_committed_and_its_state_can_be_saved(
         tmp_path, wipe):
     # The run's files on tier b are deleted (or the directory wiped and made
@@ -581,6 +640,8 @@ def test_a_tier_wiped_under_the_run_is_never_committed_and_its_state_can_be_save
         for name in os.listdir(run_b):
             if name.startswith("sg_"):
                 os.remove(os.path.join(run_b, name))
+    elif wipe == "manifest":  # what a resume reads first
+        os.remove(os.path.join(run_b, "MANIFEST"))
     else:
         shutil.rmtree(run_b)
         os.mkdir(run_b)

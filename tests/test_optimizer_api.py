@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.optim.optimizer as _optim_module
 
-from mlp_offload import MLPOffloadOptimizer, cuda_path, errors
+from mlp_offload import MLPOffloadOptimizer, cuda_path, errors, layout
+from mlp_offload import optimizer as optimizer_module
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -145,8 +146,20 @@ def test_step_without_gradients_is_a_no_op(tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("kind", ["adam", "adamax"])
-def test_add_param_group_keeps_state(tmp_path, kind):
+@pytest.mark.parametrize("kind,spill", [("adam", False), ("adamax", False),
+                                        ("adam", True), ("adamax", True)])
+def test_add_param_group_keeps_state(tmp_path, monkeypatch, kind, spill):
+    # With `spill`, the state is held in a file while the engine is rebuilt
+    # (as where it would not fit in memory).
+    arenas = []
+    if spill:
+        monkeypatch.setattr(optimizer_module, "_REGROUP_MEMORY_FRACTION", 0.0)
+
+        class Recorded(layout.HostArena):
+            def __init__(self, *args):
+                super().__init__(*args)
+                arenas.append(self)
+        monkeypatch.setattr(layout, "HostArena", Recorded)
     make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
             "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2)}[kind]
     ref = make_model()
@@ -158,6 +171,9 @@ def test_add_param_group_keeps_state(tmp_path, kind):
             ref_opt.add_param_group({"params": ref[2].parameters(), "lr": 5e-3})
             opt.add_param_group({"params": model[2].parameters(), "lr": 5e-3})
             assert opt.param_groups is opt.optimizer.param_groups
+            if spill:
+                assert [a.directory for a in arenas] == [str(tmp_path)]
+                assert not [f for f in os.listdir(tmp_path) if "spill" in f]
         ref_opt.zero_grad()
         opt.zero_grad()
         loss_of(ref, step).backward()
@@ -538,11 +554,14 @@ def test_switched_off_features_keep_their_state_keys(tmp_path, switch):
 
 @pytest.mark.parametrize("case,error", [("dtype", errors.ConfigError),
                                         ("empty_amsgrad", errors.ConfigError),
-                                        ("tier_full", errors.TierFullError)])
-def test_a_refused_add_param_group_changes_nothing(tmp_path, case, error):
+                                        ("tier_full", errors.TierFullError),
+                                        ("no_room", errors.TierFullError)])
+def test_a_refused_add_param_group_changes_nothing(tmp_path, monkeypatch, case, error):
     # torch would take each of these groups; the wrapper refuses them, and
     # then has the groups and state it had (the tier-full case builds a new
-    # engine before it finds out: the old one's state comes back too).
+    # engine before it finds out: the old one's state comes back too; the
+    # no-room case finds neither memory nor a tier to hold the state while
+    # it rebuilds the engine).
     ref = make_model()
     model = copy.deepcopy(ref)
     tier = {"path": str(tmp_path), "capacity_bytes": 64 << 10} if case == "tier_full" \
@@ -565,9 +584,14 @@ def test_a_refused_add_param_group_changes_nothing(tmp_path, case, error):
         # Refused (no elements) after it made the optimizer need a third array.
         "empty_amsgrad": {"params": [torch.nn.Parameter(torch.zeros(0))], "amsgrad": True},
         "tier_full": {"params": [torch.nn.Parameter(torch.zeros(1 << 16))]},
+        "no_room": {"params": [torch.nn.Parameter(torch.zeros(3))]},
     }[case]
-    with pytest.raises(error):
-        opt.add_param_group(group)
+    with monkeypatch.context() as patch:
+        if case == "no_room":
+            patch.setattr(optimizer_module, "_REGROUP_MEMORY_FRACTION", 0.0)
+            patch.setattr(layout, "free_bytes", lambda path: 1 << 20)
+        with pytest.raises(error, match="rebuilds the engine" if case == "no_room" else None):
+            opt.add_param_group(group)
     assert len(opt.param_groups) == 1
     assert opt.state_dict()["param_groups"] == before["param_groups"]
     assert_same_state(opt.state_dict()["state"], before["state"])

@@ -551,6 +551,19 @@ void RegisterEngineBindings(py::module_& parent) {
           },
           "Writes the last step's commit record if it was due and failed "
           "after the step completed; nothing otherwise.")
+      .def(
+          "commit",
+          [](PyEngine& e) {
+            Engine& engine = e.get();
+            absl::Status status;
+            {
+              py::gil_scoped_release release;
+              status = engine.Commit();
+            }
+            ThrowIfError(status);
+          },
+          "Commits the state as it is now, labelled with the current step "
+          "count (records held in memory are written first).")
       .def_property_readonly(
           "step_incomplete",
           [](PyEngine& e) { return e.get().step_incomplete(); },
@@ -620,7 +633,7 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "initialize_subgroup",
           [](PyEngine& e, int i, uintptr_t params, const std::string& dtype,
-             py::object state_init) {
+             py::object state_init, bool commit_initial) {
             DType dt = DTypeFromName(dtype);
             OptimizerHyperparams hp;
             const bool has_init = !state_init.is_none();
@@ -631,15 +644,17 @@ void RegisterEngineBindings(py::module_& parent) {
               py::gil_scoped_release release;
               status = engine.InitializeSubgroup(
                   i, reinterpret_cast<const void*>(params), dt,
-                  has_init ? &hp : nullptr);
+                  has_init ? &hp : nullptr, commit_initial);
             }
             ThrowIfError(status);
           },
           py::arg("i"), py::arg("params"), py::arg("dtype"),
-          py::arg("state_init") = py::none(),
+          py::arg("state_init") = py::none(), py::arg("commit_initial") = true,
           "Sets subgroup i's master from `params` (a data pointer of its numel "
           "elements of `dtype`), its state to the optimizer's initial values "
-          "(hyperparameter dict) or zeros, step 0.")
+          "(hyperparameter dict) or zeros, step 0. With commit_initial, the "
+          "call that initialises the last subgroup of a run with no commit "
+          "yet commits that initial state.")
       .def(
           "offload_gradients",
           [](PyEngine& e, int i, const py::list& segments) {

@@ -8,10 +8,12 @@ parameters are never split.
 
 import ctypes
 import dataclasses
+import os
+import tempfile
 
 import torch
 
-from mlp_offload.errors import ConfigError
+from mlp_offload.errors import ConfigError, TierFullError
 
 DTYPE_NAMES = {
     torch.float32: "float32",
@@ -74,6 +76,67 @@ def float_view(ptr, numel):
         return torch.empty(0, dtype=torch.float32)
     buf = (ctypes.c_float * numel).from_address(ptr)
     return torch.frombuffer(buf, dtype=torch.float32, count=numel)
+
+
+def memory_available_bytes():
+    """MemAvailable of /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def free_bytes(path):
+    """Bytes an unprivileged writer may still use on `path`'s filesystem."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class HostArena:
+    """Room for `numel` fp32 values, handed out in pieces by take(n).
+
+    In host memory (`directory` None), or as one shared mapping of a file in
+    `directory`, for a copy of the state that may not fit in memory: the
+    kernel pages it out to the file and back. The file is preallocated (a
+    full filesystem fails here, before anything changed, instead of as a
+    SIGBUS on a later write) and unlinked at once (nothing is left behind,
+    even by a kill); its blocks are freed when the last piece is dropped.
+    """
+
+    def __init__(self, numel, directory=None):
+        self._numel = int(numel)
+        self._used = 0
+        self.directory = directory
+        if directory is None or self._numel == 0:
+            self.directory = None
+            self._flat = torch.empty(self._numel, dtype=torch.float32)
+            return
+        fd, name = tempfile.mkstemp(prefix=".mlp_offload-spill-", dir=directory)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, 4 * self._numel)
+            except OSError as e:
+                raise TierFullError(
+                    f"cannot reserve {4 * self._numel} bytes in {directory} for a copy "
+                    f"of the state: {e.strerror or e}") from e
+            self._flat = torch.from_file(name, shared=True, size=self._numel,
+                                         dtype=torch.float32)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+
+    def take(self, n):
+        """A new fp32 vector of n elements (contents undefined)."""
+        if self._used + n > self._numel:
+            raise ValueError(f"arena of {self._numel} elements: {self._used} used, "
+                             f"{n} more asked")
+        piece = self._flat[self._used:self._used + n]
+        self._used += n
+        return piece
 
 
 def flat_fp32(params):

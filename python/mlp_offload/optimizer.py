@@ -22,6 +22,7 @@ updated parameters.
 
 import contextlib
 import copy
+import functools
 import io as _io
 import itertools
 import json
@@ -43,7 +44,7 @@ from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
 from mlp_offload import _C
 from mlp_offload.errors import (ConfigError, CorruptStateError, NonFiniteGradientError,
-                                OffloadError, StateMismatchError)
+                                OffloadError, StateMismatchError, TierFullError)
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +55,12 @@ _TIER_LOCK_MODES = ("exclusive", "per_direction")
 _SHARD_KEY = "mlp_offload_shard"
 # A rank with no subgroups puts no limit on the step the ranks resume.
 _ANY_STEP = 2 ** 62
+# add_param_group holds a copy of this rank's state while it rebuilds the
+# engine: in host memory while that copy takes at most this fraction of the
+# memory available, else in a file on the tier with the most room (see
+# layout.HostArena), which must have this much to spare besides.
+_REGROUP_MEMORY_FRACTION = 0.5
+_SPILL_HEADROOM_BYTES = 64 << 20
 
 
 def _group_device_types(group):
@@ -235,6 +242,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._mode = mode
 
             local_world = _config.env_int("LOCAL_WORLD_SIZE", self._world, minimum=1)
+            self._local_world = local_world
 
             self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
             self._subgroup_numel = subgroup_numel
@@ -740,21 +748,36 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # the parameters themselves).
         self._check_params_unchanged()
         saved = masters = None
+        steps = 0
         if self._initialized:
-            masters = {}
-            saved = self._read_all_states(masters=masters)
+            # The ranks count steps alike (a rank without subgroups has no
+            # engine to count them).
+            steps = self._engine.steps if self._engine is not None else 0
+            if self._group is not None:
+                steps = self._max_over_ranks(steps)[0]
+            # This rank's subgroups only: they keep their indices (and so
+            # their owners) after the re-packing, as the groups are packed
+            # one after another.
+            with self._together("hold its state for add_param_group"):
+                arena = self._regroup_arena()
+                masters = {}
+                saved = self._read_all_states(sharded=True, masters=masters,
+                                              alloc=arena.take)
         before = len(self.optimizer.param_groups)
         self.optimizer.add_param_group(param_group)  # torch's checks change nothing
         self.param_groups = self.optimizer.param_groups
         try:
-            self._rebuild(saved, masters)
+            with self._together("add the parameter group"):
+                self._rebuild(saved, masters, steps)
         except BaseException as exc:
             # Refused here (another dtype, more state arrays than the
-            # optimizer has) or failed (a full tier): the optimizer goes back
-            # to the groups it had, with their state.
+            # optimizer has) or failed (a full tier), on this rank or
+            # another: the optimizer goes back to the groups it had, with
+            # their state.
             del self.optimizer.param_groups[before:]
             try:
-                self._rebuild(saved, masters)
+                with self._together("restore its parameter groups"):
+                    self._rebuild(saved, masters, steps)
             except Exception as again:
                 raise OffloadError(
                     f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
@@ -762,13 +785,52 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{again}); load a checkpoint or state dict") from exc
             raise
 
-    def _rebuild(self, saved, masters):
+    def _regroup_arena(self):
+        """A HostArena for this rank's state (master and arrays): in memory
+        where that is cheap, else on the tier with the most room. The ranks
+        of this node (LOCAL_WORLD_SIZE) do the same at once: each counts on
+        its share of the memory."""
+        numel = sum(self._subgroups[g].numel for g in self._owned) * (1 + self._num_arrays)
+        need = 4 * numel
+        avail = _layout.memory_available_bytes()
+        if avail is not None:
+            avail //= self._local_world
+        if avail is None or need <= _REGROUP_MEMORY_FRACTION * avail:
+            return _layout.HostArena(numel)
+        room = {}
+        for tier in self._tiers:
+            try:
+                room[tier["path"]] = _layout.free_bytes(tier["path"])
+            except OSError as e:
+                _log.warning("add_param_group: cannot stat tier %s: %s", tier["path"], e)
+        best = max(room, key=room.get, default=None)
+        if best is None or room[best] < need + _SPILL_HEADROOM_BYTES:
+            raise TierFullError(
+                f"add_param_group holds this rank's state ({need} bytes) while it rebuilds "
+                f"the engine: that is over {_REGROUP_MEMORY_FRACTION:.0%} of the {avail} "
+                f"bytes of memory available to this rank (MemAvailable / "
+                f"LOCAL_WORLD_SIZE {self._local_world}), and no tier has room for it and "
+                f"{_SPILL_HEADROOM_BYTES} bytes to spare (free: "
+                f"{ {p: b for p, b in room.items()} }); nothing was changed")
+        _log.info("add_param_group: this rank's state (%d bytes) is held in a file on %s "
+                  "while the engine is rebuilt", need, best)
+        return _layout.HostArena(numel, best)
+
+    def _rebuild(self, saved, masters, steps):
         """Packs the groups and creates the engine again, then writes the
-        state `saved` (None: not initialised) back."""
+        state `saved` (None: not initialised) back, `steps` steps taken. A
+        persistent run commits it at once: the new engine's files replaced
+        the run's, and its commit records with them."""
         self._build()
-        if saved is not None:
-            self._ensure_initialized()
-            self._write_states(saved, masters)
+        if saved is None:
+            return
+        self._write_states(saved, masters)  # every subgroup of this rank
+        self._initialized = True
+        if self._engine is not None:
+            self._engine.set_step(steps)
+            if self._commit_every > 0:
+                self._write_pystate(steps)
+                self._engine.commit()
 
     # ----------------------------------------------------------------- step
 
@@ -1367,11 +1429,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- state
 
-    def _read_subgroup(self, g):
-        """(master, [arrays], step) of subgroup g (owned by this rank)."""
+    def _read_subgroup(self, g, alloc=None):
+        """(master, [arrays], step) of subgroup g (owned by this rank), in
+        memory from `alloc(n)` (default: new tensors)."""
         sg = self._subgroups[g]
-        master = torch.empty(sg.numel, dtype=torch.float32)
-        arrays = [torch.empty(sg.numel, dtype=torch.float32) for _ in range(self._num_arrays)]
+        if alloc is None:
+            alloc = functools.partial(torch.empty, dtype=torch.float32)
+        master = alloc(sg.numel)
+        arrays = [alloc(sg.numel) for _ in range(self._num_arrays)]
         step = self._engine.read_subgroup(self._local[g], master.data_ptr(),
                                           [a.data_ptr() for a in arrays])
         return master, arrays, int(step)
@@ -1406,9 +1471,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parts = list(flat.split(sg.numel)) if k > 0 else [flat]
         return parts[0], parts[1:1 + k], int(step.item())
 
-    def _param_state(self, sg, pid, p, off, n, arrays, step, has_state):
+    def _param_state(self, sg, pid, p, off, n, arrays, step, has_state, views=False):
         """torch's per-parameter state dict for one parameter (`has_state`:
-        its entry of self._has_state, from its owner rank)."""
+        its entry of self._has_state, from its owner rank). Its tensors are
+        copies, or with `views` views of `arrays`."""
+        def copy(arr):
+            piece = arr[off:off + n].view(p.shape)
+            return piece if views else piece.clone()
+
         if self._family is not None:
             hp = self._group_hps[sg.group]
             if step == 0 and not _hp.state_exists_at_step0(hp):
@@ -1424,7 +1494,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
             for name, arr in zip(keys, arrays):
                 if name in present:
-                    st[name] = arr[off:off + n].view(p.shape).clone()
+                    st[name] = copy(arr)
             if not st:
                 return None  # SGD without momentum keeps no state
             return st
@@ -1435,17 +1505,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         present = _generic.offloaded_keys_of(has_state, keys)
         for k, arr in zip(keys, arrays):
             if k in present:
-                st[k] = arr[off:off + n].view(p.shape).clone()
+                st[k] = copy(arr)
         return st
 
     def _owned_param_ids(self):
         return sorted(pid for g in self._owned for pid in self._subgroups[g].param_ids)
 
-    def _read_all_states(self, sharded=False, masters=None):
+    def _read_all_states(self, sharded=False, masters=None, alloc=None):
         """{param index: torch-format state} for every parameter (all ranks),
         or with `sharded` for the parameters of this rank's subgroups only
         (no communication). A dict `masters` receives {param index: fp32
-        master values, flat} of the same parameters."""
+        master values, flat} of the same parameters. With `alloc` (sharded
+        only), the subgroups are read into memory from alloc(n) and the
+        tensors are views of it (no other copy is made)."""
+        if alloc is not None and not sharded:
+            raise ValueError("alloc is for a sharded read")
         self._refresh_hyperparams()
         self._ensure_initialized()
         has_state = self._has_state
@@ -1460,13 +1534,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if sharded:
                 if self._owner(sg.index) != self._rank:
                     continue
-                master, arrays, step = self._read_subgroup(sg.index)
+                master, arrays, step = self._read_subgroup(sg.index, alloc)
             else:
                 master, arrays, step = self._subgroup_record(sg.index)
             for p, pid, off, n in sg.slices():
                 if masters is not None:
-                    masters[pid] = master[off:off + n].clone()
-                st = self._param_state(sg, pid, p, off, n, arrays, step, has_state[pid])
+                    piece = master[off:off + n]
+                    masters[pid] = piece if alloc is not None else piece.clone()
+                st = self._param_state(sg, pid, p, off, n, arrays, step, has_state[pid],
+                                       views=alloc is not None)
                 if st is not None:
                     out[pid] = st
         if not sharded and self._family is None and self._group is not None:
@@ -1513,8 +1589,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         master[off:off + n].copy_(masters[pid])
             if not any(present):
                 init = None if self._family is None else dict(self._group_hps[sg.group])
+                # A load is committed by the next step's commit (or by the
+                # caller), never half-way by this call.
                 self._engine.initialize_subgroup(self._local[g], master.data_ptr(),
-                                                 "float32", init)
+                                                 "float32", init, commit_initial=False)
                 for pid in sg.param_ids:
                     self._has_state[pid] = False
                     self._py_state.pop(pid, None)
