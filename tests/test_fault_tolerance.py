@@ -9,6 +9,7 @@ before anything is written; state files are 0600 in a 0700 run directory
 and planted symlinks are not followed.
 """
 
+import copy
 import errno
 import json
 import os
@@ -618,6 +619,48 @@ def test_add_param_group_in_a_committed_run_is_committed_at_once(tmp_path, host_
         again.step()
     assert again.engine.committed_step == 5
     assert_equal(params_of(model), params_of(want_model), "resumed after the add")
+    for pid, st in want_sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(again.state_dict()["state"][pid][k], v), (pid, k)
+    again.close()
+
+
+def test_a_load_in_a_committed_run_with_a_host_cache_is_committed_by_the_next_step(tmp_path):
+    # A state dict of step 2 loaded at step 4: its records go into the host
+    # cache, and a subgroup without state (a frozen layer) is initialised
+    # again. Nothing is committed half-way (before, that initialisation
+    # committed at once and failed: "subgroup 0 is not on disk"); the next
+    # step commits the loaded state stepped once, which a resume gives back.
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    for p in model[6].parameters():
+        p.requires_grad_(False)
+    opt = wrap(model, tiers, run_name="r", commit_every=1, host_cache_bytes=1 << 20)
+    assert opt.engine.plan.num_cached > 0
+    for k in range(4):
+        if k == 2:
+            sd, params = copy.deepcopy(opt.state_dict()), params_of(model)
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    assert len(sd["state"]) == len(params) - 2  # the frozen layer has none
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    opt.load_state_dict(sd)
+    assert opt.engine.committed_step == 4
+    backward(model, 2)
+    opt.step()
+    assert opt.engine.committed_step == 5
+    want, want_sd = params_of(model), opt.state_dict()
+    opt.close()  # as a crash
+    resumed = make_model()
+    for p in resumed[6].parameters():
+        p.requires_grad_(False)
+    again = wrap(resumed, tiers, run_name="r", commit_every=1, host_cache_bytes=1 << 20,
+                 resume="require")
+    assert again.resumed_step == 5
+    assert_equal(params_of(resumed), want, "resumed")
     for pid, st in want_sd["state"].items():
         for k, v in st.items():
             assert torch.equal(again.state_dict()["state"][pid][k], v), (pid, k)
