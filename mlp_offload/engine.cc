@@ -313,8 +313,9 @@ struct Engine::Impl {
   std::vector<int> current_slot;    // slot with the latest on-disk version
   std::vector<int> committed_slot;  // slot named by the last commit
   std::vector<int64_t> disk_step;   // step of the latest on-disk version
-  // A cached record WriteSubgroup replaced (its step may equal disk_step).
-  std::vector<bool> rewritten;
+  // A cached record replaced outside a step (WriteSubgroup, a checkpoint
+  // load) whose step may equal disk_step.
+  std::vector<bool> rewritten;   // under mu, as the vectors above
   std::vector<int64_t> sg_step;  // updates applied (latest version)
   std::vector<bool> initialized;
   std::vector<bool> grad_nonfinite;  // baseline: seen at offload time
@@ -1226,6 +1227,20 @@ absl::Status Engine::Commit() {
     }
   }
   MutexLock l(&e.mu);
+  if (e.committed == e.steps_done) {
+    // Two commit records of one step would defeat the recovery from a crash
+    // between two tiers' records (it matches the tiers by step).
+    bool changed = false;
+    for (int i = 0; i < e.n(); ++i) {
+      changed = changed || e.current_slot[i] != e.committed_slot[i] ||
+                e.disk_step[i] != e.sg_step[i] || e.rewritten[i];
+    }
+    if (!changed) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Commit: step ", e.steps_done,
+        " is committed already and the state changed since: SetStep to a "
+        "later count first"));
+  }
   MLP_RETURN_IF_ERROR(e.FlushCached());
   return Annotate(e.WriteCommit(),
                   absl::StrCat("commit of step ", e.steps_done));
@@ -2132,6 +2147,9 @@ absl::Status Engine::Impl::LoadRecords(
     e.initialized[i] = true;
     e.buffers[b].from_disk = false;
     e.SupersedeIncompleteStep(i);
+    // A cached record replaced at its own step count: a commit must write
+    // it (until the write, the disk holds the old version).
+    if (cached) e.rewritten[i] = true;
     if (!cached) {
       // The header's checksum was just verified against this payload.
       e.IssueWrite(i, b, h.payload_checksum);

@@ -267,8 +267,9 @@ class Engine {
   // last commit names stay untouched until the new record lands). For
   // state written with WriteSubgroup outside a step (a re-packed or loaded
   // state) that must survive a crash. FailedPrecondition during a step, with
-  // a failed step pending, with commit_every 0, or with a subgroup never
-  // initialised.
+  // a failed step pending, with commit_every 0, with a subgroup never
+  // initialised, or when the current step count is committed already and
+  // the state changed since (one step, one commit: SetStep first).
   absl::Status Commit();
   // Writes the commit record of the last step if that step was due one
   // (commit_every) and its commit failed after the step itself completed

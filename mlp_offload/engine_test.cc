@@ -945,15 +945,24 @@ TEST(EngineTest, LoadsAreCommittedByCommitNeverHalfWay) {
       EXPECT_EQ(e.committed_step(), 2);
       loaded = Take(e, cfg.subgroup_numel);
       if (commit) {
+        // Step 2 is committed: a second record of it would defeat the
+        // recovery from a crash between two tiers' records.
         absl::Status s = e.Commit();
+        EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+        EXPECT_NE(s.message().find("SetStep to a later count"),
+                  std::string::npos)
+            << s;
+        ASSERT_TRUE(e.SetStep(3).ok());
+        s = e.Commit();
         ASSERT_TRUE(s.ok()) << s;
-        EXPECT_EQ(e.committed_step(), 2);
+        EXPECT_EQ(e.committed_step(), 3);
+        EXPECT_TRUE(e.Commit().ok());  // nothing changed since: nothing to do
       }
     }
     cfg.resume = true;
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
-    EXPECT_EQ((*engine)->step(), 2);
+    EXPECT_EQ((*engine)->step(), commit ? 3 : 2);
     EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == (commit ? loaded : at2));
   }
   // Refused where it cannot be a whole state.
@@ -970,6 +979,47 @@ TEST(EngineTest, LoadsAreCommittedByCommitNeverHalfWay) {
   absl::Status s = (*fresh)->Commit();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("never initialised"), std::string::npos) << s;
+}
+
+TEST(EngineTest, CommitWritesWhatACheckpointLoadPutInTheCache) {
+  // A checkpoint of step 2 loaded over other records of step 2 (another
+  // branch of the run): the cached ones differ from their disk copy at the
+  // same step count, and Commit must write them.
+  Model model({1000, 2000, 3000, 1500}, 44);
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 1;
+  cfg.run_name = "commit_after_load";
+  cfg.host_budget_bytes *= 4;
+  const std::string ckpt = TempDir("commit_after_load_ckpt");
+  Snapshot saved;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_GT(e.plan().num_cached, 0);
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
+    ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
+    saved = Take(e, cfg.subgroup_numel);
+    for (int i = 0; i < 4; ++i) {  // the other branch, committed as step 3
+      const uint64_t n = cfg.subgroup_numel[i];
+      std::vector<float> master(n, -1.0f), m(n, 0.5f), v(n, 0.5f);
+      ASSERT_TRUE(
+          e.WriteSubgroup(i, master.data(), {m.data(), v.data()}, 2).ok());
+    }
+    ASSERT_TRUE(e.SetStep(3).ok());
+    ASSERT_TRUE(e.Commit().ok());
+    ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
+    ASSERT_TRUE(Take(e, cfg.subgroup_numel) == saved);
+    ASSERT_TRUE(e.SetStep(4).ok());
+    absl::Status s = e.Commit();
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->step(), 4);
+  EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == saved);
 }
 
 TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {

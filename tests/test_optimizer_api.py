@@ -187,6 +187,35 @@ def test_add_param_group_keeps_state(tmp_path, monkeypatch, kind, spill):
     opt.close()
 
 
+@pytest.mark.parametrize("kind", ["adam", "adamax"])
+def test_add_param_group_after_loading_a_state(tmp_path, kind):
+    # A loaded state brings its own step counts (torch's 5 here) to an engine
+    # that has taken no step: the re-packed engine counts on from the highest
+    # of them (add_param_group failed on that, native and generic path).
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2)}[kind]
+    ref = make_model()
+    ref_opt = make(ref[0].parameters())
+
+    def train(pairs, steps):
+        for step in steps:
+            for o, m in pairs:
+                o.zero_grad()
+                loss_of(m, step).backward()
+                o.step()
+    train([(ref_opt, ref)], range(5))
+    model = copy.deepcopy(ref)
+    opt = wrap(make(model[0].parameters()), tmp_path)
+    opt.load_state_dict(ref_opt.state_dict())
+    for o, m in ((ref_opt, ref), (opt, model)):
+        o.add_param_group({"params": m[2].parameters(), "lr": 5e-3})
+    assert opt.engine.steps >= (5 if kind == "adam" else 1)  # generic: step 1
+    train([(ref_opt, ref), (opt, model)], range(5, 8))
+    assert_close(model, ref)
+    assert_same_state(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    opt.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_add_param_group_keeps_the_fp32_master_of_low_precision_params(tmp_path, dtype):
     # Updates too small for the parameters' dtype live in the master copy

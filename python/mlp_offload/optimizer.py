@@ -739,6 +739,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if getattr(self, "_in_super_init", False):
             return super().add_param_group(param_group)
         self._check_open()
+        self._check_state_whole()  # a committed run commits what it reads below
         if self._failed_step is not None:
             raise OffloadError(
                 "a step failed part-way and is pending: call step() again to complete it "
@@ -748,13 +749,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # the parameters themselves).
         self._check_params_unchanged()
         saved = masters = None
-        steps = 0
+        steps = [0]
         if self._initialized:
-            # The ranks count steps alike (a rank without subgroups has no
-            # engine to count them).
-            steps = self._engine.steps if self._engine is not None else 0
-            if self._group is not None:
-                steps = self._max_over_ranks(steps)[0]
             # This rank's subgroups only: they keep their indices (and so
             # their owners) after the re-packing, as the groups are packed
             # one after another.
@@ -762,22 +758,36 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 arena = self._regroup_arena()
                 masters = {}
                 saved = self._read_all_states(sharded=True, masters=masters,
-                                              alloc=arena.take)
+                                              alloc=arena.take, steps=steps)
+            # The new engine counts on from here: not below any subgroup's
+            # count (a loaded state has its own), alike on every rank (one
+            # without subgroups has no engine to count them).
+            if self._engine is not None:
+                steps.append(self._engine.steps)
+            steps = max(steps)
+            if self._group is not None:
+                steps = self._max_over_ranks(steps)[0]
+        else:
+            steps = 0
         before = len(self.optimizer.param_groups)
-        self.optimizer.add_param_group(param_group)  # torch's checks change nothing
-        self.param_groups = self.optimizer.param_groups
+        rebuilt = False
         try:
             with self._together("add the parameter group"):
+                self.optimizer.add_param_group(param_group)  # torch's checks
+                self.param_groups = self.optimizer.param_groups
+                rebuilt = True
                 self._rebuild(saved, masters, steps)
         except BaseException as exc:
             # Refused here (another dtype, more state arrays than the
             # optimizer has) or failed (a full tier), on this rank or
             # another: the optimizer goes back to the groups it had, with
-            # their state.
+            # their state (a rank whose torch refused the group has nothing
+            # to undo, but joins the others' agreement).
             del self.optimizer.param_groups[before:]
             try:
                 with self._together("restore its parameter groups"):
-                    self._rebuild(saved, masters, steps)
+                    if rebuilt:
+                        self._rebuild(saved, masters, steps)
             except Exception as again:
                 raise OffloadError(
                     f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
@@ -804,13 +814,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             except OSError as e:
                 _log.warning("add_param_group: cannot stat tier %s: %s", tier["path"], e)
         best = max(room, key=room.get, default=None)
-        if best is None or room[best] < need + _SPILL_HEADROOM_BYTES:
+        # The node's ranks may all choose that tier.
+        if best is None or room[best] // self._local_world < need + _SPILL_HEADROOM_BYTES:
             raise TierFullError(
                 f"add_param_group holds this rank's state ({need} bytes) while it rebuilds "
                 f"the engine: that is over {_REGROUP_MEMORY_FRACTION:.0%} of the {avail} "
                 f"bytes of memory available to this rank (MemAvailable / "
                 f"LOCAL_WORLD_SIZE {self._local_world}), and no tier has room for it and "
-                f"{_SPILL_HEADROOM_BYTES} bytes to spare (free: "
+                f"{_SPILL_HEADROOM_BYTES} bytes to spare for each of the node's ranks (free: "
                 f"{ {p: b for p, b in room.items()} }); nothing was changed")
         _log.info("add_param_group: this rank's state (%d bytes) is held in a file on %s "
                   "while the engine is rebuilt", need, best)
@@ -1511,13 +1522,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _owned_param_ids(self):
         return sorted(pid for g in self._owned for pid in self._subgroups[g].param_ids)
 
-    def _read_all_states(self, sharded=False, masters=None, alloc=None):
+    def _read_all_states(self, sharded=False, masters=None, alloc=None, steps=None):
         """{param index: torch-format state} for every parameter (all ranks),
         or with `sharded` for the parameters of this rank's subgroups only
         (no communication). A dict `masters` receives {param index: fp32
         master values, flat} of the same parameters. With `alloc` (sharded
         only), the subgroups are read into memory from alloc(n) and the
-        tensors are views of it (no other copy is made)."""
+        tensors are views of it (no other copy is made). A list `steps`
+        receives each subgroup's step count."""
         if alloc is not None and not sharded:
             raise ValueError("alloc is for a sharded read")
         self._refresh_hyperparams()
@@ -1537,6 +1549,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 master, arrays, step = self._read_subgroup(sg.index, alloc)
             else:
                 master, arrays, step = self._subgroup_record(sg.index)
+            if steps is not None:
+                steps.append(step)
             for p, pid, off, n in sg.slices():
                 if masters is not None:
                     piece = master[off:off + n]
