@@ -628,6 +628,34 @@ def test_a_refused_add_param_group_changes_nothing(tmp_path, monkeypatch, case, 
     opt.close()
 
 
+def test_an_add_param_group_that_cannot_restore_refuses_to_step(tmp_path, monkeypatch):
+    # The rebuild fails, and so does going back to the previous groups: the
+    # engine holds no state now, so step() and saves refuse until a load
+    # (instead of starting from fresh moments).
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model[0].parameters(), lr=1e-2), tmp_path)
+    loss_of(model, 0).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    build = optimizer_module.MLPOffloadOptimizer._build
+
+    def failing_build(self):
+        build(self)
+        raise errors.TierFullError("injected: no room")
+    monkeypatch.setattr(optimizer_module.MLPOffloadOptimizer, "_build", failing_build)
+    with pytest.raises(errors.OffloadError, match="and so did restoring"):
+        opt.add_param_group({"params": model[2].parameters()})
+    monkeypatch.undo()
+    for refused in (opt.step, opt.state_dict):
+        with pytest.raises(errors.StateMismatchError, match="add_param_group failed"):
+            refused()
+    opt.load_state_dict(sd)
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    opt.step()
+    opt.close()
+
+
 @pytest.mark.parametrize("mode", ["mlp", "baseline"])
 def test_parameters_changed_after_wrapping_are_refused(tmp_path, mode):
     # The engine reads and writes the parameters in place: model.to(dtype),

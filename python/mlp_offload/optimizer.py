@@ -740,10 +740,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return super().add_param_group(param_group)
         self._check_open()
         self._check_state_whole()  # a committed run commits what it reads below
-        if self._failed_step is not None:
+        pending = self._failed_step is not None
+        if self._group is not None:
+            pending = self._any_rank(pending)  # every rank refuses, none waits
+        if pending:
             raise OffloadError(
-                "a step failed part-way and is pending: call step() again to complete it "
-                "(or load a checkpoint or state dict) before add_param_group")
+                "a step failed part-way and is pending (on this rank or another): call "
+                "step() again to complete it (or load a checkpoint or state dict) before "
+                "add_param_group")
         # Keep the state of the existing subgroups across the re-packing, and
         # their fp32 master copy (for bf16/fp16 parameters, more precise than
         # the parameters themselves).
@@ -789,6 +793,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     if rebuilt:
                         self._rebuild(saved, masters, steps)
             except Exception as again:
+                # No state to step from: step() and saves refuse until a load.
+                self._incomplete_load = (
+                    f"add_param_group failed and so did restoring the previous groups "
+                    f"({type(again).__name__}: {again})")
                 raise OffloadError(
                     f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
