@@ -96,16 +96,41 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeEmulatedDevice(double c,
   return r;
 }
 
+// Sanitized builds run the engines several times slower, on a CI machine
+// whose two cores run two tests at once: there the engines' CPU time, not
+// the emulated device, can bound the streams.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 TEST(BandwidthProbeTest, ConcurrencyProbeMeasuresTheDevicesContention) {
+  double measured[2] = {0, 0};
+  int k = 0;
   for (double c : {0.0, 0.5}) {
     absl::StatusOr<ConcurrencyBandwidth> r = ProbeEmulatedDevice(c, 3);
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->streams, 3);
+    measured[k++] = r->contention;
+    if (kSanitized) continue;
     // One engine reads and writes at once: both caps, 40 MB/s (less the
-    // engines' overhead: TSan's made it 35 MB/s).
+    // engines' overhead).
     EXPECT_NEAR(r->one, 40e6, 10e6) << c;
     EXPECT_NEAR(r->many, 40e6 / (1 + 2 * c), 10e6) << c;
-    EXPECT_NEAR(r->contention, c, 0.2);  // 0.43 at c = 0.5 under TSan
+    EXPECT_NEAR(r->contention, c, 0.2);
+  }
+  if (kSanitized) {
+    // Only the direction is dependable there (TSan measured 0.29 and 0.43
+    // at c = 0.5; at c = 0 it stayed within 0.2 of 0).
+    EXPECT_NEAR(measured[0], 0.0, 0.2);
+    EXPECT_GT(measured[1], measured[0] + 0.15);
   }
 }
 
