@@ -334,9 +334,16 @@ struct Engine::Impl {
 
   int64_t steps_done = 0;
   int64_t committed = -1;
+  // The sequence number of the last commit every tier holds (0: none, or the
+  // first format's record of step 0); the next commit is numbered one more,
+  // and so is a commit retried after it reached only some tiers.
+  int64_t committed_seq = 0;
   // Per tier, the commit record its COMMIT file holds (empty: none yet);
-  // the next commit moves it to COMMIT.prev.
+  // the next commit moves it to COMMIT.prev, unless `commit_partial`: the
+  // record is an attempt that did not reach every tier, which COMMIT.prev
+  // (the last commit every tier holds) must outlive.
   std::vector<std::string> commit_bytes;
+  std::vector<bool> commit_partial;
   bool resumed = false;
 
   // The step in progress.
@@ -794,8 +801,10 @@ absl::Status Engine::Impl::WriteCommit() {
   // did not touch (writes go to the slots no commit record names). The
   // ranks of a process group use the same to agree on one step.
   commit_bytes.resize(tiers.size());
+  commit_partial.resize(tiers.size(), false);
   for (size_t t = 0; t < tiers.size(); ++t) {
     CommitRecord c;
+    c.seq = committed_seq + 1;
     c.step = steps_done;
     c.subgroup_step.assign(n(), -1);
     c.subgroup_slot.assign(n(), 0);
@@ -806,15 +815,18 @@ absl::Status Engine::Impl::WriteCommit() {
     }
     std::string encoded = EncodeCommitRecord(c);
     if (encoded == commit_bytes[t]) continue;  // written by a failed attempt
-    if (!commit_bytes[t].empty()) {
+    if (!commit_bytes[t].empty() && !commit_partial[t]) {
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tiers[t].dir + "/COMMIT.prev", commit_bytes[t]));
     }
     MLP_RETURN_IF_ERROR(WriteFileAtomically(tiers[t].dir + "/COMMIT", encoded));
     commit_bytes[t] = std::move(encoded);
+    commit_partial[t] = true;
   }
   for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
   committed = steps_done;
+  ++committed_seq;
+  commit_partial.assign(tiers.size(), false);
   return absl::OkStatus();
 }
 
@@ -1003,27 +1015,33 @@ absl::Status Engine::Impl::LoadCommitted() {
     }
     commits.push_back(std::move(tc));
   }
-  // The newest step every tier can give, or the one asked for.
-  int64_t step = config.resume_step;
-  if (step < 0) {
-    step = commits[0].latest.record.step;
+  // The newest commit every tier can give, or the one asked for. Commits
+  // are matched by sequence number: two commits of one step count (one
+  // before, one after a load of an older checkpoint) are different states.
+  int64_t seq = config.resume_seq;
+  if (seq < 0) {
+    seq = commits[0].latest.record.seq;
     for (const TierCommits& c : commits)
-      step = std::min(step, c.latest.record.step);
+      seq = std::min(seq, c.latest.record.seq);
   }
+  auto describe = [](const CommitRecord& r) {
+    return absl::StrCat("commit ", r.seq, " (step ", r.step, ")");
+  };
   commit_bytes.assign(tiers.size(), "");
+  int64_t step = -1;
   for (size_t t = 0; t < tiers.size(); ++t) {
     TierCommits& tc = commits[t];
     const Committed* use = nullptr;
-    if (tc.latest.record.step == step) {
+    if (tc.latest.record.seq == seq) {
       use = &tc.latest;
-    } else if (tc.previous.has_value() && tc.previous->record.step == step) {
+    } else if (tc.previous.has_value() && tc.previous->record.seq == seq) {
       use = &*tc.previous;
     } else {
       return absl::DataLossError(absl::StrCat(
-          tiers[t].dir, " cannot give committed step ", step, ": it has step ",
-          tc.latest.record.step,
+          tiers[t].dir, " cannot give commit ", seq, ": it has ",
+          describe(tc.latest.record),
           tc.previous.has_value()
-              ? absl::StrCat(" and step ", tc.previous->record.step)
+              ? absl::StrCat(" and ", describe(tc.previous->record))
               : std::string(tc.prev_status.ok()
                                 ? " only"
                                 : absl::StrCat(" only (COMMIT.prev: ",
@@ -1031,6 +1049,14 @@ absl::Status Engine::Impl::LoadCommitted() {
                                                ")"))));
     }
     const CommitRecord& c = use->record;
+    if (t == 0) {
+      step = c.step;
+    } else if (c.step != step) {
+      return absl::DataLossError(
+          absl::StrCat(tiers[t].dir, " labels commit ", seq, " step ", c.step,
+                       " and ", tiers[0].dir, " step ", step,
+                       ": the tiers' records are of different runs"));
+    }
     for (int i = 0; i < n(); ++i) {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
       current_slot[i] = committed_slot[i] = c.subgroup_slot[i];
@@ -1042,11 +1068,13 @@ absl::Status Engine::Impl::LoadCommitted() {
   // Rolled back tiers (all checked first): their COMMIT must not name slots
   // that this run will now rewrite.
   for (size_t t = 0; t < tiers.size(); ++t) {
-    if (commits[t].latest.record.step != step) {
+    if (commits[t].latest.record.seq != seq) {
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tiers[t].dir + "/COMMIT", commit_bytes[t]));
     }
   }
+  commit_partial.assign(tiers.size(), false);
+  committed_seq = seq;
   steps_done = committed = step;
   resumed = true;
   return absl::OkStatus();
@@ -1228,18 +1256,14 @@ absl::Status Engine::Commit() {
   }
   MutexLock l(&e.mu);
   if (e.committed == e.steps_done) {
-    // Two commit records of one step would defeat the recovery from a crash
-    // between two tiers' records (it matches the tiers by step).
+    // Nothing changed since the last commit: nothing to write. (A changed
+    // state of a committed step count is committed under the next number.)
     bool changed = false;
     for (int i = 0; i < e.n(); ++i) {
       changed = changed || e.current_slot[i] != e.committed_slot[i] ||
                 e.disk_step[i] != e.sg_step[i] || e.rewritten[i];
     }
     if (!changed) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "Commit: step ", e.steps_done,
-        " is committed already and the state changed since: SetStep to a "
-        "later count first"));
   }
   MLP_RETURN_IF_ERROR(e.FlushCached());
   return Annotate(e.WriteCommit(),
@@ -1260,6 +1284,7 @@ absl::Status Engine::RetryCommit() {
 bool Engine::step_incomplete() const { return impl_->step_failed; }
 bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed; }
+int64_t Engine::committed_seq() const { return impl_->committed_seq; }
 FaultInjectingEngine* Engine::fault_injector(int tier) const {
   if (tier < 0 || tier >= static_cast<int>(impl_->tiers.size())) return nullptr;
   return impl_->tiers[tier].faults;

@@ -73,12 +73,13 @@ struct EngineConfig {
   // Reuse the state already on the tiers (the last committed step) instead
   // of starting fresh. See Engine::Create.
   bool resume = false;
-  // With resume: the committed step to resume (-1: the newest one every
-  // tier holds). Each tier keeps its last two commit records, so this may
-  // be the one before the newest as long as no step ran after that commit:
-  // how the ranks of a process group that crashed part-way through a
-  // commit agree on one step.
-  int64_t resume_step = -1;
+  // With resume: the commit to resume, by sequence number (committed_seq;
+  // -1: the newest one every tier holds). Each tier keeps its last two
+  // commit records, so this may be the one before the newest as long as no
+  // step ran after that commit: how the ranks of a process group that
+  // crashed part-way through a commit agree on one state. (Not a step
+  // count: a load of an older checkpoint makes a step count repeat.)
+  int64_t resume_seq = -1;
   // Make the live state durable every this many steps (0: never): the
   // records kept in host memory are written too, and a commit record names
   // the slot of every subgroup, so a crash resumes from that step.
@@ -262,14 +263,18 @@ class Engine {
   FaultInjectingEngine* fault_injector(int tier) const;
   // The step that the state on the tiers can be resumed from (-1: none).
   int64_t committed_step() const;
-  // Commits the state as it is now, labelled with the current step count:
-  // every record held in memory is written to its tier first (the slots the
-  // last commit names stay untouched until the new record lands). For
-  // state written with WriteSubgroup outside a step (a re-packed or loaded
-  // state) that must survive a crash. FailedPrecondition during a step, with
-  // a failed step pending, with commit_every 0, with a subgroup never
-  // initialised, or when the current step count is committed already and
-  // the state changed since (one step, one commit: SetStep first).
+  // The sequence number of that commit (a run's commits count 1, 2, ...;
+  // 0: none yet). The next commit, or a retry of one that reached only
+  // some tiers, is numbered committed_seq() + 1.
+  int64_t committed_seq() const;
+  // Commits the state as it is now, labelled with the current step count
+  // and numbered committed_seq() + 1: every record held in memory is written
+  // to its tier first (the slots the last commit names stay untouched until
+  // the new record lands). For state written with WriteSubgroup outside a
+  // step (a re-packed or loaded state) that must survive a crash. OK with
+  // nothing to write if nothing changed since the last commit of this step
+  // count. FailedPrecondition during a step, with a failed step pending,
+  // with commit_every 0, or with a subgroup never initialised.
   absl::Status Commit();
   // Writes the commit record of the last step if that step was due one
   // (commit_every) and its commit failed after the step itself completed

@@ -19,7 +19,9 @@ namespace mlp_offload {
 namespace {
 
 constexpr uint64_t kHeaderMagic = 0x54534f504c4d0a31ull;  // "1\nMLPOST" (LE)
-constexpr uint64_t kCommitMagic = 0x54494d4d4f434c4dull;  // "MLCOMMIT"
+// Commit records before sequence numbers (parsed, seq = step), and now.
+constexpr uint64_t kCommitMagicV1 = 0x54494d4d4f434c4dull;  // "MLCOMMIT"
+constexpr uint64_t kCommitMagic = 0x3254494d4f434c4dull;    // "MLCOMIT2"
 constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ull;
 constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4Full;
 constexpr uint64_t kPrime3 = 0x165667B19E3779F9ull;
@@ -265,6 +267,7 @@ std::string EncodeCommitRecord(const CommitRecord& c) {
   };
   uint64_t magic = kCommitMagic, count = c.subgroup_step.size();
   put(&magic, 8);
+  put(&c.seq, 8);
   put(&c.step, 8);
   put(&count, 8);
   put(c.subgroup_step.data(), count * 8);
@@ -285,20 +288,32 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
   uint64_t magic, count, sum;
   CommitRecord c;
   std::memcpy(&magic, bytes.data(), 8);
-  std::memcpy(&c.step, bytes.data() + 8, 8);
-  std::memcpy(&count, bytes.data() + 16, 8);
-  if (magic != kCommitMagic) return bad("bad magic");
-  if (count > (bytes.size() - 32) / 9 || bytes.size() != 32 + count * 9)
+  if (magic != kCommitMagic && magic != kCommitMagicV1) return bad("bad magic");
+  // The first format had no sequence number: its records count as seq = step
+  // (a run that never loaded an older step labelled each commit uniquely).
+  const size_t fixed = magic == kCommitMagic ? 40 : 32;
+  if (bytes.size() < fixed) return bad("truncated");
+  const char* p = bytes.data() + 8;
+  if (magic == kCommitMagic) {
+    std::memcpy(&c.seq, p, 8);
+    p += 8;
+  }
+  std::memcpy(&c.step, p, 8);
+  std::memcpy(&count, p + 8, 8);
+  p += 16;
+  if (magic == kCommitMagicV1) c.seq = c.step;
+  if (count > (bytes.size() - fixed) / 9 || bytes.size() != fixed + count * 9)
     return bad("bad size");
   std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
   if (HashChunk(reinterpret_cast<const unsigned char*>(bytes.data()),
                 bytes.size() - 8, 1) != sum) {
     return bad("checksum mismatch");
   }
+  if (c.seq < 0 || c.step < 0) return bad("negative step or sequence number");
   c.subgroup_step.resize(count);
   c.subgroup_slot.resize(count);
-  std::memcpy(c.subgroup_step.data(), bytes.data() + 24, count * 8);
-  std::memcpy(c.subgroup_slot.data(), bytes.data() + 24 + count * 8, count);
+  std::memcpy(c.subgroup_step.data(), p, count * 8);
+  std::memcpy(c.subgroup_slot.data(), p + count * 8, count);
   for (uint8_t s : c.subgroup_slot) {
     if (s > 1) return bad("slot out of range");
   }

@@ -88,12 +88,14 @@ TEST(StateStoreTest, ManifestRoundTripAndMismatchMessages) {
 
 TEST(StateStoreTest, CommitRecordRoundTrip) {
   CommitRecord c;
+  c.seq = 12;
   c.step = 9;
   c.subgroup_step = {9, -1, 8};
   c.subgroup_slot = {1, 0, 0};
   std::string bytes = EncodeCommitRecord(c);
   auto back = ParseCommitRecord(bytes, "COMMIT");
   ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->seq, 12);
   EXPECT_EQ(back->step, 9);
   EXPECT_EQ(back->subgroup_step, c.subgroup_step);
   EXPECT_EQ(back->subgroup_slot, c.subgroup_slot);
@@ -103,6 +105,27 @@ TEST(StateStoreTest, CommitRecordRoundTrip) {
     EXPECT_FALSE(ParseCommitRecord(copy, "COMMIT").ok()) << i;
   }
   EXPECT_FALSE(ParseCommitRecord(bytes.substr(0, 20), "COMMIT").ok());
+  EXPECT_FALSE(ParseCommitRecord(bytes.substr(0, 36), "COMMIT").ok());
+}
+
+// The record of step 9 above as the first format (no sequence number) wrote
+// it: still read, as seq = step.
+TEST(StateStoreTest, CommitRecordOfTheFirstFormat) {
+  const std::string v1(
+      "MLCOMMIT\x09\x00\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x00\x00"
+      "\x00\x00\x09\x00\x00\x00\x00\x00\x00\x00\xff\xff\xff\xff\xff\xff"
+      "\xff\xff\x08\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\xaf\x0c\xf4"
+      "\xfa\x50\x74\x88\xf9",
+      59);
+  auto back = ParseCommitRecord(v1, "COMMIT");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->seq, 9);
+  EXPECT_EQ(back->step, 9);
+  EXPECT_EQ(back->subgroup_step, (std::vector<int64_t>{9, -1, 8}));
+  EXPECT_EQ(back->subgroup_slot, (std::vector<uint8_t>{1, 0, 0}));
+  std::string damaged = v1;
+  damaged[20] ^= 1;
+  EXPECT_FALSE(ParseCommitRecord(damaged, "COMMIT").ok());
 }
 
 TEST(StateStoreTest, AtomicWriteReplacesWholeFile) {

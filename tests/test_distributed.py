@@ -5,6 +5,7 @@ test_distributed_checkpoint.py)."""
 
 import copy
 import errno
+import functools
 import os
 
 import pytest
@@ -160,6 +161,59 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
         MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
                             subgroup_numel=200, compute_threads=1, run_name="dist",
                             commit_every=2, resume="auto")
+
+
+def repeated_step_worker(rank, tiers, out_dir, phase):
+    """Phase 1: commit 4 is of step 3; a checkpoint of step 2 is loaded and
+    step 3 taken again on other batches (commit 5, of step 3 too), and rank
+    1 dies before writing commit 5 (its records of commit 4 are put back).
+    Phase 2: both ranks resume commit 4. (Matched by step count, rank 0's new
+    step 3 and rank 1's old one made a mix.)"""
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="again", commit_every=1)
+    opt = wrap(OPTIMIZERS["adamw"](model.parameters()),
+               resume="require" if phase == 2 else "never")
+    want_path = os.path.join(out_dir, "params_at_commit4.pt")
+    if phase == 2:
+        assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 3), \
+            (rank, opt.resumed_from, opt.resumed_step)
+        assert opt.engine.committed_seq == 4, (rank, opt.engine.committed_seq)
+        want = torch.load(want_path, weights_only=True)
+        for p, q in zip(model.parameters(), want):
+            assert torch.equal(p, q), rank
+        opt.close()
+        return
+    pairs = ((opt, model),)
+    train_same_batches(range(2), pairs)
+    ckpt = os.path.join(out_dir, "ckpt")
+    opt.save_checkpoint(ckpt)
+    train_same_batches(range(2, 3), pairs)
+    assert opt.engine.committed_seq == 4
+    if rank == 0:
+        torch.save([p.detach().clone() for p in model.parameters()], want_path)
+    kept = {}
+    for t in tiers:
+        run_dir = os.path.join(t, "again.r1")
+        for n in ("COMMIT", "COMMIT.prev"):
+            with open(os.path.join(run_dir, n), "rb") as f:
+                kept[os.path.join(run_dir, n)] = f.read()
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert opt.engine.steps == 2
+    train_same_batches(range(10, 11), pairs)
+    assert (opt.engine.committed_step, opt.engine.committed_seq) == (3, 5)
+    opt.close()
+    dist.barrier()
+    if rank == 1:
+        for path, data in kept.items():
+            with open(path, "wb") as f:
+                f.write(data)
+
+
+def test_ranks_resume_one_commit_when_a_load_made_a_step_count_repeat(tmp_path):
+    tiers = tier_dirs(tmp_path)
+    spawn(repeated_step_worker, tiers, str(tmp_path), 1)
+    spawn(repeated_step_worker, tiers, str(tmp_path), 2)
 
 
 def failing_resume_worker(rank, tiers):

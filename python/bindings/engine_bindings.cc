@@ -468,7 +468,7 @@ void RegisterEngineBindings(py::module_& parent) {
              int tier_lock_slots, const std::string& tier_lock_mode,
              const std::string& tier_lock_dir, bool verify_checksums,
              bool fault_injection, bool resume, int commit_every,
-             int64_t resume_step) {
+             int64_t resume_seq) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -495,7 +495,7 @@ void RegisterEngineBindings(py::module_& parent) {
             config.fault_injection = fault_injection;
             config.resume = resume;
             config.commit_every = commit_every;
-            config.resume_step = resume_step;
+            config.resume_seq = resume_seq;
             absl::StatusOr<std::unique_ptr<Engine>> engine;
             {
               py::gil_scoped_release release;
@@ -512,7 +512,7 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("tier_lock_mode") = "exclusive",
           py::arg("tier_lock_dir") = "", py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
-          py::arg("commit_every") = 0, py::arg("resume_step") = -1,
+          py::arg("commit_every") = 0, py::arg("resume_seq") = -1,
           "Validates the config, plans, opens the tiers, creates the run "
           "directories.")
       .def("close", &PyEngine::Close,
@@ -538,6 +538,11 @@ void RegisterEngineBindings(py::module_& parent) {
           "committed_step",
           [](PyEngine& e) { return e.get().committed_step(); },
           "The step the state on the tiers resumes from (-1: none).")
+      .def_property_readonly(
+          "committed_seq", [](PyEngine& e) { return e.get().committed_seq(); },
+          "The sequence number of that commit (1, 2, ...; 0: none yet): the "
+          "next commit is committed_seq + 1. Ranks and tiers match commits "
+          "by it (a step count repeats after a load of an older step).")
       .def(
           "retry_commit",
           [](PyEngine& e) {

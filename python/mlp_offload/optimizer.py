@@ -53,8 +53,8 @@ _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
-# A rank with no subgroups puts no limit on the step the ranks resume.
-_ANY_STEP = 2 ** 62
+# A rank with no subgroups puts no limit on the commit the ranks resume.
+_ANY_COMMIT = 2 ** 62
 # add_param_group holds a copy of this rank's state while it rebuilds the
 # engine: in host memory while that copy takes at most this fraction of the
 # memory available, else in a file on the tier with the most room (see
@@ -454,16 +454,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._finalizer is not None:
             self._finalizer()
         self._engine = None
-        # The ranks of a resumed run must all resume the same committed step.
+        # The ranks of a resumed run must all resume the same commit.
         agree = self._persistent and self._want_resume and self._group is not None
-        self._agreed_step = -1
+        self._agreed_seq = self._agreed_step = -1
         if not self._owned:
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
                          self._rank, len(self._subgroups), self._world)
             if agree:
                 self._raise_together(None, "open its committed state")
-                self._agreed_step = self._agree_on_step(_ANY_STEP)
-                self._check_require(self._agreed_step)
+                self._agreed_seq = self._agree_on_commit(_ANY_COMMIT)
+                self._check_require(self._agreed_seq)
+                if self._agreed_seq >= 0:
+                    self._raise_together(None, f"open commit {self._agreed_seq}")
+                    self._agreed_step = self._agree_on_committed_step(None)
             return
         numel = [self._subgroups[g].numel for g in self._owned]
         arrays = 1 + self._num_arrays
@@ -477,7 +480,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         engine = None
         if self._persistent:
             self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
-            mine, failure = -1, None
+            mine, failure = -1, None  # the commit this rank can resume
             if not self._want_resume and any(
                     os.path.isfile(os.path.join(d, "COMMIT"))
                     for d in _recovery.run_dirs(self._tiers, self._run_name)):
@@ -487,7 +490,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if self._want_resume and _recovery.has_committed_state(
                         _recovery.run_dirs(self._tiers, self._run_name)):
                     engine = self._new_engine(budget, numel, resume=True)
-                    mine = engine.committed_step
+                    mine = engine.committed_seq
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = self._explain_other_world(e)
             if agree:
@@ -500,8 +503,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     raise
             elif failure is not None:
                 raise failure
-            agreed = self._agree_on_step(mine) if agree else mine
-            self._agreed_step = agreed
+            agreed = self._agree_on_commit(mine) if agree else mine
+            self._agreed_seq = agreed
             try:
                 self._check_require(agreed)
             except StateMismatchError:
@@ -509,17 +512,33 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     engine.close()
                 raise
             if engine is not None and agreed != mine:
-                # Another rank died before committing step `mine`: every rank
-                # goes back to the step all of them committed (the engine
-                # keeps the commit before the last), or starts afresh.
+                # Another rank died before writing commit `mine`: every rank
+                # goes back to the commit all of them wrote (the engine keeps
+                # the commit before the last), or starts afresh.
                 engine.close()
                 engine = None
-                _log.warning("rank %d: committed step %d is not on every rank; %s",
+                _log.warning("rank %d: commit %d is not on every rank; %s",
                              self._rank, mine,
-                             f"resuming step {agreed}" if agreed >= 0
+                             f"resuming commit {agreed}" if agreed >= 0
                              else "another rank has none, starting afresh")
                 if agreed >= 0:
-                    engine = self._new_engine(budget, numel, resume=True, resume_step=agreed)
+                    try:
+                        engine = self._new_engine(budget, numel, resume=True,
+                                                  resume_seq=agreed)
+                    except Exception as e:  # noqa: BLE001 - raised on every rank below
+                        failure = e
+            if agreed >= 0:
+                try:
+                    if agree:
+                        self._raise_together(failure, f"open commit {agreed}")
+                        self._agreed_step = self._agree_on_committed_step(
+                            engine.committed_step)
+                    else:
+                        self._agreed_step = engine.committed_step
+                except OffloadError:
+                    if engine is not None:
+                        engine.close()
+                    raise
         else:
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                               f"-g{self._generation}-r{self._rank}")
@@ -549,7 +568,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"ranks and save_checkpoint(), then load that checkpoint here (load_checkpoint, "
             f"or resume='auto' with checkpoint_dir and a new run_name)")
 
-    def _new_engine(self, budget, numel, resume, resume_step=-1):
+    def _new_engine(self, budget, numel, resume, resume_seq=-1):
         return _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
@@ -561,7 +580,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             tier_lock_mode=self._engine_settings["tier_lock_mode"],
             tier_lock_dir=self._engine_settings["tier_lock_dir"],
             fault_injection=self._engine_settings["fault_injection"],
-            resume=resume, commit_every=self._commit_every, resume_step=resume_step)
+            resume=resume, commit_every=self._commit_every, resume_seq=resume_seq)
 
     def _check_require(self, agreed):
         """resume='require' with no committed step on every rank: a checkpoint
@@ -603,11 +622,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             failure = exc
         self._raise_together(failure, what, note)
 
-    def _agree_on_step(self, step):
-        """The smallest committed step over the ranks (-1: some rank has none)."""
-        t = torch.tensor([step], dtype=torch.int64, device=self._comm_device)
+    def _agree_on_commit(self, seq):
+        """The oldest newest commit over the ranks (-1: some rank has none).
+        Ranks commit together, so their commits' sequence numbers match."""
+        t = torch.tensor([seq], dtype=torch.int64, device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
         return int(t.item())
+
+    def _agree_on_committed_step(self, step):
+        """Collective: the step of the agreed commit, which every rank that
+        resumes it (`step`; None for a rank with no subgroup) must have alike;
+        StateMismatchError on every rank if they differ."""
+        most, least = self._max_over_ranks(-1 if step is None else step,
+                                           -_ANY_COMMIT if step is None else -step)
+        if most != -least:
+            raise StateMismatchError(
+                f"run {self._run_prefix!r}: the ranks' commit {self._agreed_seq} is of "
+                f"steps {-least} to {most}: their committed states are not of one run "
+                f"(resume='never' starts afresh)")
+        return most
 
     def _install_grad_hooks(self):
         for h in self._grad_hooks:
@@ -850,6 +883,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if self._commit_every > 0:
                 self._write_pystate(steps)
                 self._engine.commit()
+                # The new engine numbers its commits from 1: the old run's
+                # files of higher numbers go.
+                _recovery.prune_pystate(self._pystate_dir(), self._engine.committed_seq)
 
     # ----------------------------------------------------------------- step
 
@@ -1180,7 +1216,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise err from exc
         if self._commit_every > 0 and engine.steps > start \
                 and engine.committed_step == engine.steps:
-            _recovery.prune_pystate(self._pystate_dir(), engine.steps)
+            _recovery.prune_pystate(self._pystate_dir(), engine.committed_seq)
         return stats, before
 
     def _owned_params(self):
@@ -1237,13 +1273,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return os.path.join(self._tiers[0]["path"], self._run_name)
 
     def _write_pystate(self, step, stepping=False):
-        """Writes the Python-side state for committed step `step` (see
-        recovery.py); `stepping`: as it will be after the step about to run."""
+        """Writes the Python-side state for the engine's next commit, of step
+        `step` (see recovery.py); `stepping`: as it will be after the step
+        about to run."""
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
         has_state = {pid: v for pid, v in self._has_state.items() if pid in own}
         if stepping and self._family is not None:
             has_state.update(self._keys_after_step())  # this rank's parameters only
-        _recovery.write_pystate(self._pystate_dir(), step, {
+        _recovery.write_pystate(self._pystate_dir(), self._engine.committed_seq + 1, step, {
             "param_groups": self.optimizer.state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": has_state,
@@ -1287,14 +1324,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._want_resume = False
         engine = self._engine
         # The same answer on every rank (_create_engine agreed on the step).
-        if self._agreed_step >= 0:
-            step = self._agreed_step
+        if self._agreed_seq >= 0:
+            seq, step = self._agreed_seq, self._agreed_step
             # Every rank raises if one cannot (none waits in the broadcast).
             with self._together(f"read its committed state of step {step}"):
                 if engine is not None:
                     run_dir = self._pystate_dir()
-                    state = _recovery.read_pystate(run_dir, step)
-                    self._check_layout(state["layout"], _recovery.pystate_path(run_dir, step))
+                    state = _recovery.read_pystate(run_dir, seq, step)
+                    self._check_layout(state["layout"], _recovery.pystate_path(run_dir, seq))
             if engine is not None:
                 self.optimizer.load_state_dict({"state": {},
                                                 "param_groups": state["param_groups"]})
@@ -1307,7 +1344,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._pending_state = None
             self._params_from_masters()
             if engine is not None:
-                _recovery.prune_pystate(run_dir, step)
+                _recovery.prune_pystate(run_dir, seq)
             self.resumed_from, self.resumed_step = "committed_step", step
         elif self._checkpoint_somewhere():
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)

@@ -5,18 +5,20 @@ slots per subgroup and a COMMIT record per tier naming the slots of the last
 committed step (mlp_offload/engine.h). What the engine does not hold is the
 small Python-side state: the param_groups' hyperparameters as last used and,
 for the generic path, the wrapped optimizer's per-parameter scalars. This
-module stores that state as one small file per committed step in the run
-directory of tier 0, and finds the run's committed state when it restarts.
+module stores that state as one small file per commit in the run directory
+of tier 0, and finds the run's committed state when it restarts. Files are
+named by the commit's sequence number (Engine.committed_seq), not its step:
+a load of an older checkpoint makes a step count repeat.
 
 Ordering, so that a crash at any moment leaves a consistent pair: the file
-for step N is written (atomically: a temporary name, fsync, rename, fsync of
-the directory) *before* the engine commits step N, once everything it holds
-is final. A crash before the commit leaves the engine at step N-1, whose file
-is still there (older files are removed only after a commit); a crash after
-it finds the file for N. On resume the file matching the engine's committed
-step is read; the files of older steps but the newest one before it are
-removed (the engine keeps the commit before the last too, see
-EngineConfig.resume_step).
+for commit K is written (atomically: a temporary name, fsync, rename, fsync
+of the directory) *before* the engine writes commit K, once everything it
+holds is final. A crash before the commit leaves the engine at commit K-1,
+whose file is still there (older files are removed only after a commit); a
+crash after it finds the file for K. On resume the file matching the
+engine's commit is read; the files of older commits but the newest one
+before it are removed (the engine keeps the commit before the last too, see
+EngineConfig.resume_seq).
 
 Also here: the per-run directory names of a persistent run, and the mapping
 of an engine error to the tier it happened on, so that every error raised
@@ -107,17 +109,19 @@ def os_error_to_tier_error(err, operation, path, tier=None):
     return cls(f"{where}{operation} {path}: {getattr(err, 'strerror', None) or err}")
 
 
-def pystate_path(run_dir, step):
-    return os.path.join(run_dir, f"pystate-{int(step):012d}.pt")
+def pystate_path(run_dir, seq):
+    """The file of commit `seq` (commits of the first format: seq = step)."""
+    return os.path.join(run_dir, f"pystate-{int(seq):012d}.pt")
 
 
-def write_pystate(run_dir, step, state, tier_label="tier 0"):
-    """Writes `state` (torch.save-able) for committed step `step`, atomically, 0600."""
+def write_pystate(run_dir, seq, step, state, tier_label="tier 0"):
+    """Writes `state` (torch.save-able) for commit `seq`, of step `step`,
+    atomically, 0600."""
     buf = io.BytesIO()
-    torch.save(dict(state, format=_PYSTATE_FORMAT, step=int(step)), buf)
+    torch.save(dict(state, format=_PYSTATE_FORMAT, step=int(step), seq=int(seq)), buf)
     payload = buf.getvalue()
     data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-    path = pystate_path(run_dir, step)
+    path = pystate_path(run_dir, seq)
     try:
         write_file_atomically(path, data)
     except OSError as e:
@@ -125,15 +129,16 @@ def write_pystate(run_dir, step, state, tier_label="tier 0"):
                                         f"{step} to", path, tier=tier_label) from e
 
 
-def read_pystate(run_dir, step):
-    """The state written for `step`; CorruptStateError if missing or damaged."""
-    path = pystate_path(run_dir, step)
+def read_pystate(run_dir, seq, step=None):
+    """The state written for commit `seq` (of step `step`, unless None);
+    CorruptStateError if missing, damaged, or of another commit."""
+    path = pystate_path(run_dir, seq)
+    what = f"commit {seq}" + ("" if step is None else f" (step {step})")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CorruptStateError(
-            f"{path} is missing: the Python-side state (param_groups) of committed step "
-            f"{step}") from None
+            f"{path} is missing: the Python-side state (param_groups) of {what}") from None
     except OSError as e:
         raise os_error_to_tier_error(e, "opening", path) from e
     with os.fdopen(fd, "rb") as f:
@@ -142,14 +147,16 @@ def read_pystate(run_dir, step):
     if len(data) <= _DIGEST_BYTES or data[_DIGEST_BYTES:_DIGEST_BYTES + 1] != b"\n" \
             or hashlib.sha256(payload).hexdigest().encode() != digest:
         raise CorruptStateError(f"{path}: checksum mismatch (the Python-side state of "
-                                f"committed step {step} is corrupt)")
+                                f"{what} is corrupt)")
     try:
         state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # a valid checksum over an unreadable payload
         raise CorruptStateError(f"{path}: unreadable ({e})") from e
+    # Files written before sequence numbers have none: there seq = step.
     if not isinstance(state, dict) or state.get("format") != _PYSTATE_FORMAT \
-            or state.get("step") != int(step):
-        raise CorruptStateError(f"{path}: not the Python-side state of step {step}")
+            or (step is not None and state.get("step") != int(step)) \
+            or state.get("seq", state.get("step")) != int(seq):
+        raise CorruptStateError(f"{path}: not the Python-side state of {what}")
     return state
 
 
@@ -157,31 +164,31 @@ def committed_world_size(run_dir):
     """The rank count of the run whose newest readable Python-side state is
     in `run_dir` (its layout says), or None."""
     try:
-        steps = sorted((int(m.group(1)) for m in map(_PYSTATE_RE.match, os.listdir(run_dir))
-                        if m), reverse=True)
+        seqs = sorted((int(m.group(1)) for m in map(_PYSTATE_RE.match, os.listdir(run_dir))
+                       if m), reverse=True)
     except OSError:
         return None
-    for step in steps:
+    for seq in seqs:
         try:
-            return read_pystate(run_dir, step).get("layout", {}).get("world_size")
+            return read_pystate(run_dir, seq).get("layout", {}).get("world_size")
         except Exception:  # noqa: BLE001 - damaged: try an older one
             continue
     return None
 
 
-def prune_pystate(run_dir, keep_step):
-    """Removes the Python-side state files but those of `keep_step` and of
-    the newest step before it: the engine keeps the commit before the last
-    too (COMMIT.prev), which the ranks of a process group may have to go
-    back to."""
+def prune_pystate(run_dir, keep_seq):
+    """Removes the Python-side state files but those of commit `keep_seq`
+    and of the newest commit before it: the engine keeps the commit before
+    the last too (COMMIT.prev), which the ranks of a process group may have
+    to go back to."""
     try:
         names = os.listdir(run_dir)
     except OSError:
         return
-    steps = [int(m.group(1)) for m in map(_PYSTATE_RE.match, names) if m]
-    older = [s for s in steps if s < keep_step]
+    seqs = [int(m.group(1)) for m in map(_PYSTATE_RE.match, names) if m]
+    older = [s for s in seqs if s < keep_seq]
     keep = {os.path.basename(pystate_path(run_dir, s))
-            for s in [keep_step] + ([max(older)] if older else [])}
+            for s in [keep_seq] + ([max(older)] if older else [])}
     for name in names:
         if name in keep:
             continue
