@@ -344,6 +344,9 @@ struct Engine::Impl {
   // (the last commit every tier holds) must outlive.
   std::vector<std::string> commit_bytes;
   std::vector<bool> commit_partial;
+  // The last commit attempt failed (RetryCommit writes it). Not implied by
+  // committed < steps_done: a load can make a committed step count repeat.
+  bool commit_failed = false;
   bool resumed = false;
 
   // The step in progress.
@@ -765,6 +768,7 @@ absl::Status Engine::Impl::CheckManifestUnchanged(size_t t) const {
 }
 
 absl::Status Engine::Impl::WriteCommit() {
+  commit_failed = true;  // until every tier holds the record
   // Per tier: the slot of each of its subgroups. Every subgroup must have
   // its latest version on disk (the caller flushed the cached ones), and
   // durably so before a commit record names it.
@@ -797,9 +801,9 @@ absl::Status Engine::Impl::WriteCommit() {
   }
   // Each tier's previous record moves to COMMIT.prev first. A crash between
   // two tiers' records leaves them one commit apart; Create then resumes
-  // the older step from the newer tier's COMMIT.prev, whose slots this step
-  // did not touch (writes go to the slots no commit record names). The
-  // ranks of a process group use the same to agree on one step.
+  // the older commit from the newer tier's COMMIT.prev, whose slots this
+  // step did not touch (writes go to the slots no commit record names). The
+  // ranks of a process group use the same to agree on one commit.
   commit_bytes.resize(tiers.size());
   commit_partial.resize(tiers.size(), false);
   for (size_t t = 0; t < tiers.size(); ++t) {
@@ -827,6 +831,7 @@ absl::Status Engine::Impl::WriteCommit() {
   committed = steps_done;
   ++committed_seq;
   commit_partial.assign(tiers.size(), false);
+  commit_failed = false;
   return absl::OkStatus();
 }
 
@@ -1273,11 +1278,9 @@ absl::Status Engine::Commit() {
 absl::Status Engine::RetryCommit() {
   Impl& e = *impl_;
   if (e.in_step) return absl::FailedPreconditionError("RetryCommit in a step");
-  if (e.config.commit_every <= 0 || e.steps_done % e.config.commit_every != 0 ||
-      e.committed == e.steps_done) {
-    return absl::OkStatus();
-  }
+  if (!e.commit_failed) return absl::OkStatus();
   MutexLock l(&e.mu);
+  MLP_RETURN_IF_ERROR(e.FlushCached());
   return Annotate(e.WriteCommit(),
                   absl::StrCat("commit of step ", e.steps_done));
 }

@@ -276,11 +276,11 @@ class Engine {
   // count. FailedPrecondition during a step, with a failed step pending,
   // with commit_every 0, or with a subgroup never initialised.
   absl::Status Commit();
-  // Writes the commit record of the last step if that step was due one
-  // (commit_every) and its commit failed after the step itself completed
-  // (a full tier, say); OK with nothing to do. Tiers whose record was
-  // written before the failure are not written again, so their previous
-  // record (the last common step, if a crash comes now) stays.
+  // Writes the commit record whose last attempt failed (after the step
+  // itself completed: a full tier, say), as it is now; OK with nothing to
+  // do. Tiers whose record was written before the failure are not written
+  // again, so their previous record (the last commit every tier holds, if a
+  // crash comes now) stays.
   absl::Status RetryCommit();
 
  private:

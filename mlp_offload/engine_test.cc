@@ -1008,6 +1008,49 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
 }
 
+TEST(EngineTest, RetryCommitWritesAFailedCommitOfARepeatedStepCount) {
+  // Step 3 committed, a load of step 2, step 3 again: its commit fails on
+  // tier 1. RetryCommit writes it (before, it took the step count, already
+  // committed, for the failed commit's and did nothing).
+  Model model({1000, 2000, 3000, 1500}, 26);
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 1;
+  cfg.run_name = "retry_repeated";
+  cfg.techniques = Only(true, false, true, false);
+  const std::string ckpt = TempDir("retry_repeated_ckpt");
+  Snapshot second;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
+    ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 3));
+    ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
+    const std::string blocker =
+        absl::StrCat(RunDir(cfg, 1), "/COMMIT.tmp.", getpid());
+    ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    model.NewGrads(1003);
+    ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
+    EXPECT_EQ(e.committed_seq(), 4);
+    EXPECT_FALSE(e.RetryCommit().ok());  // still blocked
+    ASSERT_EQ(rmdir(blocker.c_str()), 0);
+    absl::Status s = e.RetryCommit();
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(e.committed_step(), 3);
+    EXPECT_EQ(e.committed_seq(), 5);
+    EXPECT_TRUE(e.RetryCommit().ok());  // nothing more to do
+    EXPECT_EQ(e.committed_seq(), 5);
+    second = Take(e, cfg.subgroup_numel);
+  }
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->committed_seq(), 5);
+  EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == second);
+}
+
 TEST(EngineTest, LoadsAreCommittedByCommitNeverHalfWay) {
   // State written outside a step (a load, a re-packed state) is committed by
   // Commit(), records rewritten in the host cache at their own step count

@@ -73,9 +73,9 @@ absl::Status CheckManifestMatches(const Manifest& expected,
 
 // Which slot holds each subgroup's durable version, as of `step`. `seq`
 // numbers a run's commits 1, 2, ... (records of the first format count as
-// seq = step): the step count alone can repeat (a load
-// of an older checkpoint sets it back), so a resume matches the tiers' (and
-// the ranks') records by seq.
+// seq = step): the step count alone can repeat (a load of an older
+// checkpoint sets it back), so a resume matches the tiers' (and the ranks')
+// records by seq.
 struct CommitRecord {
   int64_t seq = 0;
   int64_t step = 0;

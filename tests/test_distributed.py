@@ -216,6 +216,48 @@ def test_ranks_resume_one_commit_when_a_load_made_a_step_count_repeat(tmp_path):
     spawn(repeated_step_worker, tiers, str(tmp_path), 2)
 
 
+def failed_commit_then_load_worker(rank, tiers, out_dir):
+    """Rank 0's commit of step 3 fails (tier 1's COMMIT cannot be written),
+    rank 1's lands. A load_checkpoint then writes rank 0's first, so the
+    ranks' commits stay numbered alike (before, rank 0 numbered every later
+    commit one less than rank 1, and a resume matched different states)."""
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1, run_name="drift",
+                              commit_every=1)
+    pairs = ((opt, model),)
+
+    def seqs():
+        out = [None] * WORLD
+        dist.all_gather_object(out, opt.engine.committed_seq)
+        return out
+    train_same_batches(range(2), pairs)
+    ckpt = os.path.join(out_dir, "ckpt")
+    opt.save_checkpoint(ckpt)
+    blocker = os.path.join(tiers[1], "drift.r0", f"COMMIT.tmp.{os.getpid()}")
+    if rank == 0:
+        os.mkdir(blocker)
+    with pytest.raises(OffloadError):
+        train_same_batches(range(2, 3), pairs)
+    assert seqs() == [3, 4]
+    # Still blocked: the load is refused on every rank, nothing loaded.
+    with pytest.raises(OffloadError) as err:
+        opt.load_checkpoint(ckpt, restore_params=True)
+    if rank == 0:
+        assert "must be written first" in str(err.value), str(err.value)
+        os.rmdir(blocker)
+    assert opt.engine.steps == 3
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert seqs() == [4, 4] and opt.engine.steps == 2
+    train_same_batches(range(10, 11), pairs)
+    assert seqs() == [5, 5]
+    opt.close()
+
+
+def test_a_load_after_a_commit_failed_on_one_rank_keeps_the_ranks_commits_alike(tmp_path):
+    spawn(failed_commit_then_load_worker, tier_dirs(tmp_path), str(tmp_path))
+
+
 def failing_resume_worker(rank, tiers):
     model = make_model()
 

@@ -299,6 +299,23 @@ class PyEngine {
   }
   bool closed() const { return engine_ == nullptr; }
 
+  // Returns call(engine), made without the GIL (the engine's I/O and compute
+  // threads run while Python goes on): an absl::Status raises unless OK, a
+  // StatusOr gives its value or raises.
+  template <typename Call>
+  auto WithoutGil(Call call) {
+    Engine& engine = get();
+    auto result = [&] {
+      py::gil_scoped_release release;
+      return call(engine);
+    }();
+    if constexpr (std::is_same_v<decltype(result), absl::Status>) {
+      ThrowIfError(result);
+    } else {
+      return ValueOrThrow(std::move(result));
+    }
+  }
+
  private:
   std::unique_ptr<Engine> engine_;
 };
@@ -546,29 +563,19 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "retry_commit",
           [](PyEngine& e) {
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.RetryCommit();
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) { return engine.RetryCommit(); });
           },
           "Writes the last step's commit record if it was due and failed "
           "after the step completed; nothing otherwise.")
       .def(
           "commit",
           [](PyEngine& e) {
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.Commit();
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) { return engine.Commit(); });
           },
           "Commits the state as it is now, labelled with the current step "
-          "count (records held in memory are written first).")
+          "count and numbered committed_seq + 1 (records held in memory are "
+          "written first); nothing if nothing changed since the last commit "
+          "of this step count.")
       .def_property_readonly(
           "step_incomplete",
           [](PyEngine& e) { return e.get().step_incomplete(); },
@@ -643,15 +650,11 @@ void RegisterEngineBindings(py::module_& parent) {
             OptimizerHyperparams hp;
             const bool has_init = !state_init.is_none();
             if (has_init) hp = HyperparamsFromDict(state_init);
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.InitializeSubgroup(
+            e.WithoutGil([&](Engine& engine) {
+              return engine.InitializeSubgroup(
                   i, reinterpret_cast<const void*>(params), dt,
                   has_init ? &hp : nullptr, commit_initial);
-            }
-            ThrowIfError(status);
+            });
           },
           py::arg("i"), py::arg("params"), py::arg("dtype"),
           py::arg("state_init") = py::none(), py::arg("commit_initial") = true,
@@ -664,13 +667,9 @@ void RegisterEngineBindings(py::module_& parent) {
           "offload_gradients",
           [](PyEngine& e, int i, const py::list& segments) {
             std::vector<Segment> segs = SegmentsFromList(segments);
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.OffloadGradients(i, segs);
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) {
+              return engine.OffloadGradients(i, segs);
+            });
           },
           py::arg("i"), py::arg("segments"),
           "Baseline: converts subgroup i's gradients to fp32 and writes them "
@@ -679,14 +678,9 @@ void RegisterEngineBindings(py::module_& parent) {
           "gradient_fingerprint",
           [](PyEngine& e, int i, const py::list& segments) {
             std::vector<Segment> segs = SegmentsFromList(segments);
-            Engine& engine = e.get();
-            absl::StatusOr<uint64_t> fingerprint;
-            {
-              py::gil_scoped_release release;
-              fingerprint = engine.GradientFingerprint(i, segs);
-            }
-            ThrowIfError(fingerprint.status());
-            return *fingerprint;
+            return e.WithoutGil([&](Engine& engine) {
+              return engine.GradientFingerprint(i, segs);
+            });
           },
           py::arg("i"), py::arg("segments"),
           "A 64-bit hash of subgroup i's gradients (training dtype): the "
@@ -703,13 +697,8 @@ void RegisterEngineBindings(py::module_& parent) {
             options.param_out_dtype = DTypeFromName(param_out_dtype);
             options.grad_scale = grad_scale;
             options.skip_if_nonfinite = skip_if_nonfinite;
-            Engine& engine = e.get();
-            absl::StatusOr<StepStats> stats;
-            {
-              py::gil_scoped_release release;
-              stats = engine.Step(in, options);
-            }
-            return StatsToDict(ValueOrThrow(std::move(stats)));
+            return StatsToDict(e.WithoutGil(
+                [&](Engine& engine) { return engine.Step(in, options); }));
           },
           py::arg("hyperparams"), py::arg("inputs"), py::arg("param_out_dtype"),
           py::arg("grad_scale") = 1.0f, py::arg("skip_if_nonfinite") = false,
@@ -723,13 +712,9 @@ void RegisterEngineBindings(py::module_& parent) {
              float grad_scale) {
             std::vector<SubgroupStepInput> in =
                 StepInputsFromLists(hyperparams, inputs);
-            Engine& engine = e.get();
-            absl::StatusOr<bool> bad;
-            {
-              py::gil_scoped_release release;
-              bad = engine.GradientsNonfinite(in, grad_scale);
-            }
-            return ValueOrThrow(std::move(bad));
+            return e.WithoutGil([&](Engine& engine) {
+              return engine.GradientsNonfinite(in, grad_scale);
+            });
           },
           py::arg("hyperparams"), py::arg("inputs"),
           py::arg("grad_scale") = 1.0f,
@@ -743,38 +728,20 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "begin_step",
           [](PyEngine& e) {
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.BeginStep();
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) { return engine.BeginStep(); });
           },
           "Starts a generic step.")
       .def(
           "next",
           [](PyEngine& e) {
-            Engine& engine = e.get();
-            absl::StatusOr<SubgroupView> view;
-            {
-              py::gil_scoped_release release;
-              view = engine.Next();
-            }
-            return ValueOrThrow(std::move(view));
+            return e.WithoutGil([&](Engine& engine) { return engine.Next(); });
           },
           "The next resident record of a generic step (subgroup -1 after the "
           "last).")
       .def(
           "done",
           [](PyEngine& e, bool updated) {
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.Done(updated);
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) { return engine.Done(updated); });
           },
           py::arg("updated") = true,
           "The record returned by next() is finished (updated=False: left as "
@@ -783,13 +750,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "end_step",
           [](PyEngine& e) {
-            Engine& engine = e.get();
-            absl::StatusOr<StepStats> stats;
-            {
-              py::gil_scoped_release release;
-              stats = engine.EndStep();
-            }
-            return StatsToDict(ValueOrThrow(std::move(stats)));
+            return StatsToDict(
+                e.WithoutGil([&](Engine& engine) { return engine.EndStep(); }));
           },
           "Finishes a generic step; returns its stats dict.")
       .def(
@@ -805,15 +767,11 @@ void RegisterEngineBindings(py::module_& parent) {
           [](PyEngine& e, int i, uintptr_t master,
              const std::vector<uintptr_t>& state) {
             std::vector<float*> st = FloatPointers(state);
-            Engine& engine = e.get();
             int64_t step = 0;
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.ReadSubgroup(i, reinterpret_cast<float*>(master),
-                                           st, &step);
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) {
+              return engine.ReadSubgroup(i, reinterpret_cast<float*>(master),
+                                         st, &step);
+            });
             return step;
           },
           py::arg("i"), py::arg("master"), py::arg("state"),
@@ -826,57 +784,39 @@ void RegisterEngineBindings(py::module_& parent) {
             std::vector<const float*> st;
             for (uintptr_t p : state)
               st.push_back(reinterpret_cast<const float*>(p));
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.WriteSubgroup(
+            e.WithoutGil([&](Engine& engine) {
+              return engine.WriteSubgroup(
                   i, reinterpret_cast<const float*>(master), st, step);
-            }
-            ThrowIfError(status);
+            });
           },
           py::arg("i"), py::arg("master"), py::arg("state"), py::arg("step"),
           "Replaces subgroup i's master, state arrays and step count.")
       .def(
           "save_checkpoint",
           [](PyEngine& e, const std::string& dir) {
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.SaveCheckpoint(dir);
-            }
-            ThrowIfError(status);
+            e.WithoutGil(
+                [&](Engine& engine) { return engine.SaveCheckpoint(dir); });
           },
           py::arg("dir"), "Writes the whole state to `dir` atomically.")
       .def(
           "load_checkpoint",
           [](PyEngine& e, const std::string& dir) {
-            Engine& engine = e.get();
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.LoadCheckpoint(dir);
-            }
-            ThrowIfError(status);
+            e.WithoutGil(
+                [&](Engine& engine) { return engine.LoadCheckpoint(dir); });
           },
           py::arg("dir"), "Loads a checkpoint written by save_checkpoint.")
       .def(
           "load_checkpoint_records",
           [](PyEngine& e,
              const std::vector<std::pair<std::string, int>>& records) {
-            Engine& engine = e.get();
             std::vector<Engine::CheckpointRecord> sources;
             sources.reserve(records.size());
             for (const auto& [dir, subgroup] : records) {
               sources.push_back({dir, subgroup});
             }
-            absl::Status status;
-            {
-              py::gil_scoped_release release;
-              status = engine.LoadCheckpointRecords(sources);
-            }
-            ThrowIfError(status);
+            e.WithoutGil([&](Engine& engine) {
+              return engine.LoadCheckpointRecords(sources);
+            });
           },
           py::arg("records"),
           "Loads subgroup i from records[i] = (engine checkpoint dir, that "

@@ -624,7 +624,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _agree_on_commit(self, seq):
         """The oldest newest commit over the ranks (-1: some rank has none).
-        Ranks commit together, so their commits' sequence numbers match."""
+        Ranks commit together and number their commits alike: a commit that
+        failed on some ranks is written again before the next step (step())
+        or load (_commit_completed_step), and add_param_group refuses while
+        one is pending."""
         t = torch.tensor([seq], dtype=torch.int64, device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
         return int(t.item())
@@ -702,6 +705,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"others not): call step() again with the same gradients to finish it first")
         if pending:
             self._settle_completed_step(what, broadcast=collective)
+
+    def _commit_completed_step(self, what):
+        """In a process group, before a load replaces a pending step that
+        completed on this rank but whose commit record could not be written:
+        that commit is written now (raising if it still cannot be). The
+        ranks whose commit succeeded hold it, and the ranks' commits must
+        stay numbered alike (see _agree_on_commit): else the next commit
+        would be numbered one less here than there."""
+        failed = self._failed_step
+        if self._group is None or self._engine is None or failed is None \
+                or not failed["completed"]:
+            return
+        try:
+            self._engine.retry_commit()
+        except OffloadError as e:
+            raise type(e)(
+                f"{what}: the commit record of step {self._engine.steps} (which completed) "
+                f"must be written first in a process group, and it failed again: {e}. "
+                f"Make room on the tier and load again, or restart (resume goes back "
+                f"to the last commit every rank holds)") from e
 
     def _settle_completed_step(self, what, broadcast):
         """A pending step that completed, whose commit record alone could not
@@ -1323,7 +1346,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """resume='auto'/'require': the committed step, else the checkpoint."""
         self._want_resume = False
         engine = self._engine
-        # The same answer on every rank (_create_engine agreed on the step).
+        # The same answer on every rank (_create_engine agreed on the commit).
         if self._agreed_seq >= 0:
             seq, step = self._agreed_seq, self._agreed_step
             # Every rank raises if one cannot (none waits in the broadcast).
@@ -1754,6 +1777,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         replaced = False
         failure = None
         try:
+            self._commit_completed_step("load_state_dict")
             states, saved_groups = self._checked_states(state_dict)
             # Hyperparameters through the wrapped optimizer (torch's own
             # rules); its param_groups list is replaced, so re-share it.
@@ -2097,6 +2121,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         directory = os.fspath(directory)
         with self._together(f"read the checkpoint manifest in {directory}"):
+            self._commit_completed_step("load_checkpoint")
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
         # The same decisions on every rank, from what every rank sees.
         views = self._gather(view)
