@@ -333,20 +333,18 @@ struct Engine::Impl {
   int peak_in_use ABSL_GUARDED_BY(mu) = 0;
 
   int64_t steps_done = 0;
-  int64_t committed = -1;
-  // The sequence number of the last commit every tier holds (0: none, or the
-  // first format's record of step 0); the next commit is numbered one more,
-  // and so is a commit retried after it reached only some tiers.
-  int64_t committed_seq = 0;
+  int64_t epoch = 0;  // SetEpoch: the epoch of the commits made from now
+  // The last commit every tier holds (step -1: none yet).
+  CommitId committed;
   // Per tier, the commit record its COMMIT file holds (empty: none yet);
   // the next commit moves it to COMMIT.prev, unless `commit_partial`: the
   // record is an attempt that did not reach every tier, which COMMIT.prev
   // (the last commit every tier holds) must outlive.
   std::vector<std::string> commit_bytes;
   std::vector<bool> commit_partial;
-  // The last commit attempt failed (RetryCommit writes it). Not implied by
-  // committed < steps_done: a load can make a committed step count repeat.
-  bool commit_failed = false;
+  // The commit whose last attempt failed, if any: RetryCommit writes it
+  // while the state is still that commit's (same epoch and step count).
+  std::optional<CommitId> failed_commit;
   bool resumed = false;
 
   // The step in progress.
@@ -768,7 +766,15 @@ absl::Status Engine::Impl::CheckManifestUnchanged(size_t t) const {
 }
 
 absl::Status Engine::Impl::WriteCommit() {
-  commit_failed = true;  // until every tier holds the record
+  const CommitId id{epoch, steps_done};
+  if (committed.step >= 0 && !(committed < id)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "commit of ", DescribeCommit(id),
+        " would not be newer than the last commit, of ",
+        DescribeCommit(committed),
+        ": a load set the step count back (SetEpoch to a later epoch first)"));
+  }
+  failed_commit = id;  // until every tier holds the record
   // Per tier: the slot of each of its subgroups. Every subgroup must have
   // its latest version on disk (the caller flushed the cached ones), and
   // durably so before a commit record names it.
@@ -808,8 +814,7 @@ absl::Status Engine::Impl::WriteCommit() {
   commit_partial.resize(tiers.size(), false);
   for (size_t t = 0; t < tiers.size(); ++t) {
     CommitRecord c;
-    c.seq = committed_seq + 1;
-    c.step = steps_done;
+    c.id = id;
     c.subgroup_step.assign(n(), -1);
     c.subgroup_slot.assign(n(), 0);
     for (int i = 0; i < n(); ++i) {
@@ -828,10 +833,9 @@ absl::Status Engine::Impl::WriteCommit() {
     commit_partial[t] = true;
   }
   for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
-  committed = steps_done;
-  ++committed_seq;
+  committed = id;
+  failed_commit.reset();
   commit_partial.assign(tiers.size(), false);
-  commit_failed = false;
   return absl::OkStatus();
 }
 
@@ -1021,32 +1025,28 @@ absl::Status Engine::Impl::LoadCommitted() {
     commits.push_back(std::move(tc));
   }
   // The newest commit every tier can give, or the one asked for. Commits
-  // are matched by sequence number: two commits of one step count (one
+  // are matched by epoch and step: two commits of one step count (one
   // before, one after a load of an older checkpoint) are different states.
-  int64_t seq = config.resume_seq;
-  if (seq < 0) {
-    seq = commits[0].latest.record.seq;
+  CommitId want{config.resume_epoch, config.resume_step};
+  if (config.resume_step < 0) {
+    want = commits[0].latest.record.id;
     for (const TierCommits& c : commits)
-      seq = std::min(seq, c.latest.record.seq);
+      want = std::min(want, c.latest.record.id);
   }
-  auto describe = [](const CommitRecord& r) {
-    return absl::StrCat("commit ", r.seq, " (step ", r.step, ")");
-  };
   commit_bytes.assign(tiers.size(), "");
-  int64_t step = -1;
   for (size_t t = 0; t < tiers.size(); ++t) {
     TierCommits& tc = commits[t];
     const Committed* use = nullptr;
-    if (tc.latest.record.seq == seq) {
+    if (tc.latest.record.id == want) {
       use = &tc.latest;
-    } else if (tc.previous.has_value() && tc.previous->record.seq == seq) {
+    } else if (tc.previous.has_value() && tc.previous->record.id == want) {
       use = &*tc.previous;
     } else {
       return absl::DataLossError(absl::StrCat(
-          tiers[t].dir, " cannot give commit ", seq, ": it has ",
-          describe(tc.latest.record),
+          tiers[t].dir, " cannot give the commit of ", DescribeCommit(want),
+          ": it has ", DescribeCommit(tc.latest.record.id),
           tc.previous.has_value()
-              ? absl::StrCat(" and ", describe(tc.previous->record))
+              ? absl::StrCat(" and ", DescribeCommit(tc.previous->record.id))
               : std::string(tc.prev_status.ok()
                                 ? " only"
                                 : absl::StrCat(" only (COMMIT.prev: ",
@@ -1054,14 +1054,6 @@ absl::Status Engine::Impl::LoadCommitted() {
                                                ")"))));
     }
     const CommitRecord& c = use->record;
-    if (t == 0) {
-      step = c.step;
-    } else if (c.step != step) {
-      return absl::DataLossError(
-          absl::StrCat(tiers[t].dir, " labels commit ", seq, " step ", c.step,
-                       " and ", tiers[0].dir, " step ", step,
-                       ": the tiers' records are of different runs"));
-    }
     for (int i = 0; i < n(); ++i) {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
       current_slot[i] = committed_slot[i] = c.subgroup_slot[i];
@@ -1073,14 +1065,15 @@ absl::Status Engine::Impl::LoadCommitted() {
   // Rolled back tiers (all checked first): their COMMIT must not name slots
   // that this run will now rewrite.
   for (size_t t = 0; t < tiers.size(); ++t) {
-    if (commits[t].latest.record.seq != seq) {
+    if (commits[t].latest.record.id != want) {
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tiers[t].dir + "/COMMIT", commit_bytes[t]));
     }
   }
   commit_partial.assign(tiers.size(), false);
-  committed_seq = seq;
-  steps_done = committed = step;
+  committed = want;
+  epoch = want.epoch;
+  steps_done = want.step;
   resumed = true;
   return absl::OkStatus();
 }
@@ -1260,15 +1253,18 @@ absl::Status Engine::Commit() {
     }
   }
   MutexLock l(&e.mu);
-  if (e.committed == e.steps_done) {
-    // Nothing changed since the last commit: nothing to write. (A changed
-    // state of a committed step count is committed under the next number.)
+  if (e.committed == CommitId{e.epoch, e.steps_done}) {
+    // One commit, one state: nothing to write if nothing changed since.
     bool changed = false;
     for (int i = 0; i < e.n(); ++i) {
       changed = changed || e.current_slot[i] != e.committed_slot[i] ||
                 e.disk_step[i] != e.sg_step[i] || e.rewritten[i];
     }
     if (!changed) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Commit: ", DescribeCommit(e.committed),
+        " is committed already and the state changed since: SetEpoch to a "
+        "later epoch first"));
   }
   MLP_RETURN_IF_ERROR(e.FlushCached());
   return Annotate(e.WriteCommit(),
@@ -1278,7 +1274,15 @@ absl::Status Engine::Commit() {
 absl::Status Engine::RetryCommit() {
   Impl& e = *impl_;
   if (e.in_step) return absl::FailedPreconditionError("RetryCommit in a step");
-  if (!e.commit_failed) return absl::OkStatus();
+  if (!e.failed_commit.has_value() ||
+      *e.failed_commit != CommitId{e.epoch, e.steps_done}) {
+    return absl::OkStatus();  // none failed, or the state moved on since
+  }
+  if (e.step_failed) {
+    return absl::FailedPreconditionError(
+        "RetryCommit: a step that failed part-way is pending (retry it "
+        "first)");
+  }
   MutexLock l(&e.mu);
   MLP_RETURN_IF_ERROR(e.FlushCached());
   return Annotate(e.WriteCommit(),
@@ -1286,8 +1290,21 @@ absl::Status Engine::RetryCommit() {
 }
 bool Engine::step_incomplete() const { return impl_->step_failed; }
 bool Engine::resumed() const { return impl_->resumed; }
-int64_t Engine::committed_step() const { return impl_->committed; }
-int64_t Engine::committed_seq() const { return impl_->committed_seq; }
+int64_t Engine::committed_step() const { return impl_->committed.step; }
+int64_t Engine::committed_epoch() const { return impl_->committed.epoch; }
+int64_t Engine::epoch() const { return impl_->epoch; }
+
+absl::Status Engine::SetEpoch(int64_t epoch) {
+  Impl& e = *impl_;
+  if (e.in_step) return absl::FailedPreconditionError("SetEpoch during a step");
+  if (epoch < e.epoch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetEpoch(", epoch, "): the engine is at epoch ", e.epoch,
+                     " already (epochs only go forward)"));
+  }
+  e.epoch = epoch;
+  return absl::OkStatus();
+}
 FaultInjectingEngine* Engine::fault_injector(int tier) const {
   if (tier < 0 || tier >= static_cast<int>(impl_->tiers.size())) return nullptr;
   return impl_->tiers[tier].faults;
@@ -1328,7 +1345,7 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   e.SupersedeIncompleteStep(i);
   absl::Status s = e.WriteNow(i, b);
   if (s.ok() && commit_initial && e.config.commit_every > 0 &&
-      e.committed < 0 &&
+      e.committed.step < 0 &&
       std::all_of(e.initialized.begin(), e.initialized.end(),
                   [](bool x) { return x; })) {
     // The initial state is resumable too (records another call left in
@@ -1462,6 +1479,18 @@ absl::Status Engine::BeginStep() {
       return absl::FailedPreconditionError(absl::StrCat(
           "subgroup ", i, " was never initialised (InitializeSubgroup)"));
     }
+  }
+  if (e.config.commit_every > 0 &&
+      (e.steps_done + 1) % e.config.commit_every == 0 &&
+      e.committed.step >= 0 &&
+      !(e.committed < CommitId{e.epoch, e.steps_done + 1})) {
+    // Refused before anything changes: the step's commit would be refused.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "BeginStep: the commit of ",
+        DescribeCommit({e.epoch, e.steps_done + 1}),
+        " would not be newer than the last commit, of ",
+        DescribeCommit(e.committed),
+        ": a load set the step count back (SetEpoch to a later epoch first)"));
   }
   MutexLock l(&e.mu);
   // The baseline's gradient writes must have landed before they are read.

@@ -73,13 +73,13 @@ struct EngineConfig {
   // Reuse the state already on the tiers (the last committed step) instead
   // of starting fresh. See Engine::Create.
   bool resume = false;
-  // With resume: the commit to resume, by sequence number (committed_seq;
-  // -1: the newest one every tier holds). Each tier keeps its last two
-  // commit records, so this may be the one before the newest as long as no
-  // step ran after that commit: how the ranks of a process group that
-  // crashed part-way through a commit agree on one state. (Not a step
-  // count: a load of an older checkpoint makes a step count repeat.)
-  int64_t resume_seq = -1;
+  // With resume: the commit to resume, (resume_epoch, resume_step)
+  // (resume_step -1: the newest one every tier holds). Each tier keeps its
+  // last two commit records, so this may be the one before the newest as
+  // long as no step ran after that commit: how the ranks of a process group
+  // that crashed part-way through a commit agree on one state.
+  int64_t resume_epoch = 0;
+  int64_t resume_step = -1;
   // Make the live state durable every this many steps (0: never): the
   // records kept in host memory are written too, and a commit record names
   // the slot of every subgroup, so a crash resumes from that step.
@@ -263,24 +263,34 @@ class Engine {
   FaultInjectingEngine* fault_injector(int tier) const;
   // The step that the state on the tiers can be resumed from (-1: none).
   int64_t committed_step() const;
-  // The sequence number of that commit (a run's commits count 1, 2, ...;
-  // 0: none yet). The next commit, or a retry of one that reached only
-  // some tiers, is numbered committed_seq() + 1.
-  int64_t committed_seq() const;
-  // Commits the state as it is now, labelled with the current step count
-  // and numbered committed_seq() + 1: every record held in memory is written
-  // to its tier first (the slots the last commit names stay untouched until
-  // the new record lands). For state written with WriteSubgroup outside a
-  // step (a re-packed or loaded state) that must survive a crash. OK with
-  // nothing to write if nothing changed since the last commit of this step
-  // count. FailedPrecondition during a step, with a failed step pending,
-  // with commit_every 0, or with a subgroup never initialised.
+  // The epoch of that commit (see CommitId in state_store.h).
+  int64_t committed_epoch() const;
+  // The epoch of the commits made from now (0 in a fresh run; a resumed
+  // engine's is its commit's). A commit is identified by (epoch, step
+  // count), and each must be newer than the last: after a load that sets
+  // the step count back (or a re-packed state), the caller starts a later
+  // epoch, the same on every rank of a group. InvalidArgument to go back,
+  // FailedPrecondition during a step.
+  int64_t epoch() const;
+  absl::Status SetEpoch(int64_t epoch);
+  // Commits the state as it is now, as (epoch(), step()): every record held
+  // in memory is written to its tier first (the slots the last commit names
+  // stay untouched until the new record lands). For state written with
+  // WriteSubgroup outside a step (a re-packed or loaded state) that must
+  // survive a crash. OK with nothing to write if that commit is the last
+  // one and nothing changed since. FailedPrecondition during a step, with a
+  // failed step pending, with commit_every 0, with a subgroup never
+  // initialised, or when the commit would not be newer than the last one
+  // (or is the last one and the state changed since): SetEpoch first.
   absl::Status Commit();
-  // Writes the commit record whose last attempt failed (after the step
-  // itself completed: a full tier, say), as it is now; OK with nothing to
-  // do. Tiers whose record was written before the failure are not written
-  // again, so their previous record (the last commit every tier holds, if a
-  // crash comes now) stays.
+  // Writes the commit whose last attempt failed (after the step itself
+  // completed: a full tier, say), if the state is still that commit's (same
+  // epoch and step count); OK with nothing to do. Tiers whose record was
+  // written before the failure and is unchanged are not written again, so
+  // their previous record (the last commit every tier holds, if a crash
+  // comes now) stays; a tier that holds a failed attempt's record has it
+  // replaced, never moved to COMMIT.prev. FailedPrecondition during a step
+  // or with a step that failed part-way pending.
   absl::Status RetryCommit();
 
  private:

@@ -908,10 +908,10 @@ TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
 }
 
 TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
-  // Commit 4 is of step 3; a load of step 2's checkpoint and another step 3
-  // make commit 5, of step 3 too. A crash between the tiers' records of
-  // commit 5 resumes commit 4 from both. (Matched by step count, tier 0's
-  // new step 3 and tier 1's old one made a mix.)
+  // Step 3 is committed; a load of step 2's checkpoint, a new epoch, and
+  // another step 3: commit (epoch 1, step 3). A crash between the tiers'
+  // records of it resumes (epoch 0, step 3) from both. (Matched by step
+  // count alone, tier 0's new step 3 and tier 1's old one made a mix.)
   Model model({1000, 2000, 3000, 1500}, 24);
   EngineConfig cfg = SmallConfig(2);
   cfg.commit_every = 1;
@@ -929,43 +929,57 @@ TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
     ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 3));
     first = Take(e, cfg.subgroup_numel);
-    EXPECT_EQ(e.committed_seq(), 4);
     commit = ReadSmallFile(RunDir(cfg, 1) + "/COMMIT");
     prev = ReadSmallFile(RunDir(cfg, 1) + "/COMMIT.prev");
     ASSERT_TRUE(commit.ok() && prev.ok());
     ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
     ASSERT_EQ(e.step(), 2);
     model.NewGrads(1003);  // another branch
+    // Without a new epoch its commit would repeat (epoch 0, step 3): the
+    // step is refused before it changes anything.
+    auto refused = e.Step(AdamWInputs(model), StepOptions());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find(
+                  "the commit of step 3 (epoch 0) would not be newer than "
+                  "the last commit, of step 3 (epoch 0)"),
+              std::string::npos)
+        << refused.status();
+    EXPECT_EQ(e.step(), 2);
+    EXPECT_FALSE(e.SetEpoch(-1).ok());
+    ASSERT_TRUE(e.SetEpoch(1).ok());
     ASSERT_TRUE(e.Step(AdamWInputs(model), StepOptions()).ok());
     EXPECT_EQ(e.committed_step(), 3);
-    EXPECT_EQ(e.committed_seq(), 5);
+    EXPECT_EQ(e.committed_epoch(), 1);
     second = Take(e, cfg.subgroup_numel);
     ASSERT_FALSE(second == first);
   }
-  // The crash: tier 1's record of commit 5 never landed.
+  // The crash: tier 1's record of (1, 3) never landed.
   ASSERT_TRUE(WriteFileAtomically(RunDir(cfg, 1) + "/COMMIT", *commit).ok());
   ASSERT_TRUE(WriteFileAtomically(RunDir(cfg, 1) + "/COMMIT.prev", *prev).ok());
   cfg.resume = true;
-  cfg.resume_seq = 5;  // asked for by number: not on tier 1
+  cfg.resume_epoch = 1;  // asked for: not on tier 1
+  cfg.resume_step = 3;
   auto refused = Engine::Create(cfg);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find(
-                "cannot give commit 5: it has commit 4 (step 3) and commit 3 "
-                "(step 2)"),
+                "cannot give the commit of step 3 (epoch 1): it has step 3 "
+                "(epoch 0) and step 2 (epoch 0)"),
             std::string::npos)
       << refused.status();
-  cfg.resume_seq = -1;
+  cfg.resume_epoch = 0;
+  cfg.resume_step = -1;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->step(), 3);
-  EXPECT_EQ((*engine)->committed_seq(), 4);
+  EXPECT_EQ((*engine)->committed_epoch(), 0);
+  EXPECT_EQ((*engine)->epoch(), 0);
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == first);
 }
 
 TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
   // Step 3's commit reaches tier 0 only, and so does step 4's (not retried
-  // in between). Tier 0 must still hold commit 3 (step 2), the last one on
-  // every tier: its COMMIT.prev is not replaced by the partial attempt.
+  // in between). Tier 0 must still hold step 2's commit, the last one on
+  // every tier: its COMMIT.prev is not replaced by the failed attempt's.
   Model model({1000, 2000, 3000, 1500}, 25);
   EngineConfig cfg = SmallConfig(2);
   cfg.commit_every = 1;
@@ -979,7 +993,6 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
     ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
     at2 = Take(e, cfg.subgroup_numel);
-    ASSERT_EQ(e.committed_seq(), 3);
     // Tier 1's COMMIT cannot be written: its temporary name is taken.
     const std::string blocker =
         absl::StrCat(RunDir(cfg, 1), "/COMMIT.tmp.", getpid());
@@ -990,28 +1003,27 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
       ASSERT_FALSE(r.ok()) << "step " << step;
       EXPECT_NE(r.status().message().find("COMMIT.tmp"), std::string::npos)
           << r.status();
-      EXPECT_EQ(e.committed_seq(), 3);
+      EXPECT_EQ(e.committed_step(), 2);
     }
     absl::StatusOr<std::string> on0 = ReadSmallFile(RunDir(cfg, 0) + "/COMMIT");
     ASSERT_TRUE(on0.ok());
     auto record = ParseCommitRecord(*on0, "COMMIT");
     ASSERT_TRUE(record.ok()) << record.status();
-    EXPECT_EQ(record->seq, 4);
-    EXPECT_EQ(record->step, 4);
+    EXPECT_EQ(record->id, (CommitId{0, 4}));
     ASSERT_EQ(rmdir(blocker.c_str()), 0);
   }
   cfg.resume = true;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->step(), 2);
-  EXPECT_EQ((*engine)->committed_seq(), 3);
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
 }
 
-TEST(EngineTest, RetryCommitWritesAFailedCommitOfARepeatedStepCount) {
-  // Step 3 committed, a load of step 2, step 3 again: its commit fails on
-  // tier 1. RetryCommit writes it (before, it took the step count, already
-  // committed, for the failed commit's and did nothing).
+TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
+  // Step 3 committed, a load of step 2, a new epoch, step 3 again: its
+  // commit fails on tier 1. RetryCommit writes it (before, it took the
+  // step count, already committed, for the failed commit's and did
+  // nothing); once the state moved on (a later epoch), it writes nothing.
   Model model({1000, 2000, 3000, 1500}, 26);
   EngineConfig cfg = SmallConfig(2);
   cfg.commit_every = 1;
@@ -1028,26 +1040,35 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitOfARepeatedStepCount) {
     ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 3));
     ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
+    ASSERT_TRUE(e.SetEpoch(1).ok());
     const std::string blocker =
         absl::StrCat(RunDir(cfg, 1), "/COMMIT.tmp.", getpid());
     ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
     model.NewGrads(1003);
     ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
-    EXPECT_EQ(e.committed_seq(), 4);
+    EXPECT_EQ(e.committed_epoch(), 0);
     EXPECT_FALSE(e.RetryCommit().ok());  // still blocked
     ASSERT_EQ(rmdir(blocker.c_str()), 0);
     absl::Status s = e.RetryCommit();
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(e.committed_step(), 3);
-    EXPECT_EQ(e.committed_seq(), 5);
-    EXPECT_TRUE(e.RetryCommit().ok());  // nothing more to do
-    EXPECT_EQ(e.committed_seq(), 5);
+    EXPECT_EQ(e.committed_epoch(), 1);
     second = Take(e, cfg.subgroup_numel);
+    // A failed commit, then a later epoch: nothing for RetryCommit.
+    ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    model.NewGrads(1004);
+    ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
+    ASSERT_EQ(rmdir(blocker.c_str()), 0);
+    ASSERT_TRUE(e.SetEpoch(2).ok());
+    EXPECT_TRUE(e.RetryCommit().ok());
+    EXPECT_EQ(e.committed_step(), 3);
+    EXPECT_EQ(e.committed_epoch(), 1);
   }
   cfg.resume = true;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  EXPECT_EQ((*engine)->committed_seq(), 5);
+  EXPECT_EQ((*engine)->committed_epoch(), 1);
+  EXPECT_EQ((*engine)->epoch(), 1);
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == second);
 }
 
@@ -1089,21 +1110,25 @@ TEST(EngineTest, LoadsAreCommittedByCommitNeverHalfWay) {
       EXPECT_EQ(e.committed_step(), 2);
       loaded = Take(e, cfg.subgroup_numel);
       if (commit) {
-        // Step 2 is committed already: this is another commit of it (told
-        // apart by number, not by step).
-        const int64_t seq = e.committed_seq();
+        // Step 2 of epoch 0 is committed already: one commit, one state.
         absl::Status s = e.Commit();
+        EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+        EXPECT_NE(s.message().find("SetEpoch to a later epoch first"),
+                  std::string::npos)
+            << s;
+        ASSERT_TRUE(e.SetEpoch(1).ok());
+        s = e.Commit();
         ASSERT_TRUE(s.ok()) << s;
         EXPECT_EQ(e.committed_step(), 2);
-        EXPECT_EQ(e.committed_seq(), seq + 1);
+        EXPECT_EQ(e.committed_epoch(), 1);
         EXPECT_TRUE(e.Commit().ok());  // nothing changed since: nothing to do
-        EXPECT_EQ(e.committed_seq(), seq + 1);
       }
     }
     cfg.resume = true;
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     EXPECT_EQ((*engine)->step(), 2);
+    EXPECT_EQ((*engine)->committed_epoch(), commit ? 1 : 0);
     EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == (commit ? loaded : at2));
   }
   // Refused where it cannot be a whole state.
@@ -1163,35 +1188,32 @@ TEST(EngineTest, CommitWritesWhatACheckpointLoadPutInTheCache) {
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == saved);
 }
 
-TEST(EngineTest, ResumeSeqGoesBackOneCommitAndNoFurther) {
+TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {
   Model model({1000, 2000, 3000, 1500}, 22);
   Snapshot at2, at4;
-  // Commits 1, 2, 3: the initial state, steps 2 and 4.
   EngineConfig cfg = CommittedEveryTwo("go_back", model, &at2, &at4);
   cfg.resume = true;
-  cfg.resume_seq = 1;
+  cfg.resume_step = 3;
   auto refused = Engine::Create(cfg);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(refused.status().message().find(
-                "cannot give commit 1: it has commit 3 (step 4) and commit 2 "
-                "(step 2)"),
+                "cannot give the commit of step 3 (epoch 0): it has step 4 "
+                "(epoch 0) and step 2 (epoch 0)"),
             std::string::npos)
       << refused.status();
-  cfg.resume_seq = 2;
+  cfg.resume_step = 2;
   {
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     EXPECT_EQ((*engine)->step(), 2);
-    EXPECT_EQ((*engine)->committed_seq(), 2);
     EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
   }
   // Going back rewrote the commit records: step 4 is gone for good.
-  cfg.resume_seq = -1;
+  cfg.resume_step = -1;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->step(), 2);
-  EXPECT_EQ((*engine)->committed_seq(), 2);
 }
 
 TEST(EngineTest, SlotsRewrittenAfterACommitAreNeverResumedSilently) {
@@ -1201,7 +1223,7 @@ TEST(EngineTest, SlotsRewrittenAfterACommitAreNeverResumedSilently) {
   EngineConfig cfg =
       CommittedEveryTwo("rewritten", model, &at2, &at4, /*last=*/5);
   cfg.resume = true;
-  cfg.resume_seq = 2;
+  cfg.resume_step = 2;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<float> master(3000), m(3000), v(3000);

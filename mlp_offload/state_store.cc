@@ -19,7 +19,7 @@ namespace mlp_offload {
 namespace {
 
 constexpr uint64_t kHeaderMagic = 0x54534f504c4d0a31ull;  // "1\nMLPOST" (LE)
-// Commit records before sequence numbers (parsed, seq = step), and now.
+// Commit records before epochs (parsed as epoch 0), and now.
 constexpr uint64_t kCommitMagicV1 = 0x54494d4d4f434c4dull;  // "MLCOMMIT"
 constexpr uint64_t kCommitMagic = 0x3254494d4f434c4dull;    // "MLCOMIT2"
 constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ull;
@@ -260,6 +260,10 @@ absl::Status CheckManifestMatches(const Manifest& expected,
   return absl::OkStatus();
 }
 
+std::string DescribeCommit(const CommitId& id) {
+  return absl::StrCat("step ", id.step, " (epoch ", id.epoch, ")");
+}
+
 std::string EncodeCommitRecord(const CommitRecord& c) {
   std::string out;
   auto put = [&out](const void* p, size_t n) {
@@ -267,8 +271,8 @@ std::string EncodeCommitRecord(const CommitRecord& c) {
   };
   uint64_t magic = kCommitMagic, count = c.subgroup_step.size();
   put(&magic, 8);
-  put(&c.seq, 8);
-  put(&c.step, 8);
+  put(&c.id.epoch, 8);
+  put(&c.id.step, 8);
   put(&count, 8);
   put(c.subgroup_step.data(), count * 8);
   put(c.subgroup_slot.data(), count);
@@ -289,19 +293,17 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
   CommitRecord c;
   std::memcpy(&magic, bytes.data(), 8);
   if (magic != kCommitMagic && magic != kCommitMagicV1) return bad("bad magic");
-  // The first format had no sequence number: its records count as seq = step
-  // (a run that never loaded an older step labelled each commit uniquely).
+  // The first format had no epoch: its records are of epoch 0.
   const size_t fixed = magic == kCommitMagic ? 40 : 32;
   if (bytes.size() < fixed) return bad("truncated");
   const char* p = bytes.data() + 8;
   if (magic == kCommitMagic) {
-    std::memcpy(&c.seq, p, 8);
+    std::memcpy(&c.id.epoch, p, 8);
     p += 8;
   }
-  std::memcpy(&c.step, p, 8);
+  std::memcpy(&c.id.step, p, 8);
   std::memcpy(&count, p + 8, 8);
   p += 16;
-  if (magic == kCommitMagicV1) c.seq = c.step;
   if (count > (bytes.size() - fixed) / 9 || bytes.size() != fixed + count * 9)
     return bad("bad size");
   std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
@@ -309,7 +311,7 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
                 bytes.size() - 8, 1) != sum) {
     return bad("checksum mismatch");
   }
-  if (c.seq < 0 || c.step < 0) return bad("negative step or sequence number");
+  if (c.id.epoch < 0 || c.id.step < 0) return bad("negative step or epoch");
   c.subgroup_step.resize(count);
   c.subgroup_slot.resize(count);
   std::memcpy(c.subgroup_step.data(), p, count * 8);

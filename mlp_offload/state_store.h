@@ -71,14 +71,31 @@ absl::Status CheckManifestMatches(const Manifest& expected,
                                   const Manifest& found,
                                   absl::string_view where);
 
-// Which slot holds each subgroup's durable version, as of `step`. `seq`
-// numbers a run's commits 1, 2, ... (records of the first format count as
-// seq = step): the step count alone can repeat (a load of an older
-// checkpoint sets it back), so a resume matches the tiers' (and the ranks')
-// records by seq.
+// A commit's identity: its step count and the epoch it was made in. The
+// caller starts a new epoch (Engine::SetEpoch) at each load or re-packing of
+// the state: a load of an older checkpoint sets the step count back, so a
+// step count alone can name two commits (two branches of the run). Commits
+// are ordered by (epoch, step) and tiers and ranks matched by both.
+struct CommitId {
+  int64_t epoch = 0;
+  int64_t step = -1;
+  friend bool operator==(const CommitId& a, const CommitId& b) {
+    return a.epoch == b.epoch && a.step == b.step;
+  }
+  friend bool operator!=(const CommitId& a, const CommitId& b) {
+    return !(a == b);
+  }
+  friend bool operator<(const CommitId& a, const CommitId& b) {
+    return a.epoch != b.epoch ? a.epoch < b.epoch : a.step < b.step;
+  }
+};
+// "step S (epoch E)", for errors.
+std::string DescribeCommit(const CommitId& id);
+
+// Which slot holds each subgroup's durable version, as of commit `id`.
+// Records of the first format (before epochs) read as epoch 0.
 struct CommitRecord {
-  int64_t seq = 0;
-  int64_t step = 0;
+  CommitId id;
   std::vector<int64_t> subgroup_step;  // -1: not on this tier
   std::vector<uint8_t> subgroup_slot;
 };

@@ -30,8 +30,7 @@ int main(int argc, char** argv) {
   m.subgroup_numel = {10, 20, 30};
   m.tier_of_subgroup = {0, 1, 0};
   CommitRecord c;
-  c.seq = 5;
-  c.step = 4;
+  c.id = {5, 4};
   c.subgroup_step = {4, -1, 4};
   c.subgroup_slot = {0, 0, 1};
   bool ok = put("header", page.substr(0, 128)) &&

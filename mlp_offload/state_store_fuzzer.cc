@@ -30,7 +30,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto c = ParseCommitRecord(text, "fuzz"); c.ok()) {
     auto again = ParseCommitRecord(EncodeCommitRecord(*c), "fuzz");
     if (!again.ok() || again->subgroup_slot != c->subgroup_slot ||
-        again->seq != c->seq || again->step != c->step) {
+        again->id != c->id) {
       std::abort();
     }
   }

@@ -88,15 +88,13 @@ TEST(StateStoreTest, ManifestRoundTripAndMismatchMessages) {
 
 TEST(StateStoreTest, CommitRecordRoundTrip) {
   CommitRecord c;
-  c.seq = 12;
-  c.step = 9;
+  c.id = {12, 9};
   c.subgroup_step = {9, -1, 8};
   c.subgroup_slot = {1, 0, 0};
   std::string bytes = EncodeCommitRecord(c);
   auto back = ParseCommitRecord(bytes, "COMMIT");
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->seq, 12);
-  EXPECT_EQ(back->step, 9);
+  EXPECT_EQ(back->id, (CommitId{12, 9}));
   EXPECT_EQ(back->subgroup_step, c.subgroup_step);
   EXPECT_EQ(back->subgroup_slot, c.subgroup_slot);
   for (size_t i = 0; i < bytes.size(); ++i) {
@@ -108,8 +106,19 @@ TEST(StateStoreTest, CommitRecordRoundTrip) {
   EXPECT_FALSE(ParseCommitRecord(bytes.substr(0, 36), "COMMIT").ok());
 }
 
-// The record of step 9 above as the first format (no sequence number) wrote
-// it: still read, as seq = step.
+// The record of step 9 above as the first format (no epoch) wrote it: still
+// read, as epoch 0.
+TEST(StateStoreTest, CommitsAreOrderedByEpochThenStep) {
+  // Epoch 1 began with a load of an older step: its step 3 is newer than
+  // epoch 0's step 9.
+  EXPECT_TRUE((CommitId{0, 9}) < (CommitId{1, 3}));
+  EXPECT_FALSE((CommitId{1, 3}) < (CommitId{0, 9}));
+  EXPECT_TRUE((CommitId{1, 3}) < (CommitId{1, 4}));
+  EXPECT_FALSE((CommitId{1, 3}) < (CommitId{1, 3}));
+  EXPECT_NE((CommitId{0, 3}), (CommitId{1, 3}));
+  EXPECT_EQ(DescribeCommit({2, 7}), "step 7 (epoch 2)");
+}
+
 TEST(StateStoreTest, CommitRecordOfTheFirstFormat) {
   const std::string v1(
       "MLCOMMIT\x09\x00\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x00\x00"
@@ -119,8 +128,7 @@ TEST(StateStoreTest, CommitRecordOfTheFirstFormat) {
       59);
   auto back = ParseCommitRecord(v1, "COMMIT");
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->seq, 9);
-  EXPECT_EQ(back->step, 9);
+  EXPECT_EQ(back->id, (CommitId{0, 9}));
   EXPECT_EQ(back->subgroup_step, (std::vector<int64_t>{9, -1, 8}));
   EXPECT_EQ(back->subgroup_slot, (std::vector<uint8_t>{1, 0, 0}));
   std::string damaged = v1;

@@ -7,6 +7,7 @@ import copy
 import errno
 import functools
 import os
+import shutil
 
 import pytest
 import torch
@@ -164,21 +165,21 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
 
 
 def repeated_step_worker(rank, tiers, out_dir, phase):
-    """Phase 1: commit 4 is of step 3; a checkpoint of step 2 is loaded and
-    step 3 taken again on other batches (commit 5, of step 3 too), and rank
-    1 dies before writing commit 5 (its records of commit 4 are put back).
-    Phase 2: both ranks resume commit 4. (Matched by step count, rank 0's new
-    step 3 and rank 1's old one made a mix.)"""
+    """Phase 1: step 3 is committed; a checkpoint of step 2 is loaded (a new
+    epoch) and step 3 taken again on other batches, commit (epoch 1, step
+    3), and rank 1 dies before writing it (its records of (0, 3) are put
+    back). Phase 2: both ranks resume (0, 3). (Matched by step count, rank
+    0's new step 3 and rank 1's old one made a mix.)"""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
                              compute_threads=1, run_name="again", commit_every=1)
     opt = wrap(OPTIMIZERS["adamw"](model.parameters()),
                resume="require" if phase == 2 else "never")
-    want_path = os.path.join(out_dir, "params_at_commit4.pt")
+    want_path = os.path.join(out_dir, "params_at_step3.pt")
     if phase == 2:
         assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 3), \
             (rank, opt.resumed_from, opt.resumed_step)
-        assert opt.engine.committed_seq == 4, (rank, opt.engine.committed_seq)
+        assert opt.engine.committed_epoch == 0, (rank, opt.engine.committed_epoch)
         want = torch.load(want_path, weights_only=True)
         for p, q in zip(model.parameters(), want):
             assert torch.equal(p, q), rank
@@ -189,7 +190,6 @@ def repeated_step_worker(rank, tiers, out_dir, phase):
     ckpt = os.path.join(out_dir, "ckpt")
     opt.save_checkpoint(ckpt)
     train_same_batches(range(2, 3), pairs)
-    assert opt.engine.committed_seq == 4
     if rank == 0:
         torch.save([p.detach().clone() for p in model.parameters()], want_path)
     kept = {}
@@ -199,9 +199,9 @@ def repeated_step_worker(rank, tiers, out_dir, phase):
             with open(os.path.join(run_dir, n), "rb") as f:
                 kept[os.path.join(run_dir, n)] = f.read()
     opt.load_checkpoint(ckpt, restore_params=True)
-    assert opt.engine.steps == 2
+    assert (opt.engine.steps, opt.engine.epoch) == (2, 1)
     train_same_batches(range(10, 11), pairs)
-    assert (opt.engine.committed_step, opt.engine.committed_seq) == (3, 5)
+    assert (opt.engine.committed_step, opt.engine.committed_epoch) == (3, 1)
     opt.close()
     dist.barrier()
     if rank == 1:
@@ -217,19 +217,19 @@ def test_ranks_resume_one_commit_when_a_load_made_a_step_count_repeat(tmp_path):
 
 
 def failed_commit_then_load_worker(rank, tiers, out_dir):
-    """Rank 0's commit of step 3 fails (tier 1's COMMIT cannot be written),
-    rank 1's lands. A load_checkpoint then writes rank 0's first, so the
-    ranks' commits stay numbered alike (before, rank 0 numbered every later
-    commit one less than rank 1, and a resume matched different states)."""
+    """Rank 0's commit of step 3 fails (tier 1's COMMIT cannot be written:
+    tier 0 holds it, tier 1 does not), rank 1's lands. A load_checkpoint of
+    step 2 instead of the retry, and a step: every rank commits (epoch 1,
+    step 3), whatever failed where, and resumes it."""
     model = make_model()
-    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
-                              subgroup_numel=200, compute_threads=1, run_name="drift",
-                              commit_every=1)
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="drift", commit_every=1)
+    opt = wrap(OPTIMIZERS["adamw"](model.parameters()))
     pairs = ((opt, model),)
 
-    def seqs():
+    def commits():
         out = [None] * WORLD
-        dist.all_gather_object(out, opt.engine.committed_seq)
+        dist.all_gather_object(out, (opt.engine.committed_epoch, opt.engine.committed_step))
         return out
     train_same_batches(range(2), pairs)
     ckpt = os.path.join(out_dir, "ckpt")
@@ -239,23 +239,79 @@ def failed_commit_then_load_worker(rank, tiers, out_dir):
         os.mkdir(blocker)
     with pytest.raises(OffloadError):
         train_same_batches(range(2, 3), pairs)
-    assert seqs() == [3, 4]
-    # Still blocked: the load is refused on every rank, nothing loaded.
-    with pytest.raises(OffloadError) as err:
-        opt.load_checkpoint(ckpt, restore_params=True)
-    if rank == 0:
-        assert "must be written first" in str(err.value), str(err.value)
-        os.rmdir(blocker)
-    assert opt.engine.steps == 3
+    assert commits() == [(0, 2), (0, 3)]
     opt.load_checkpoint(ckpt, restore_params=True)
-    assert seqs() == [4, 4] and opt.engine.steps == 2
+    if rank == 0:
+        os.rmdir(blocker)
     train_same_batches(range(10, 11), pairs)
-    assert seqs() == [5, 5]
+    assert commits() == [(1, 3), (1, 3)]
+    want = [p.detach().clone() for p in model.parameters()]
     opt.close()
+    again = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")
+    assert again.resumed_step == 3 and again.engine.committed_epoch == 1
+    for p, q in zip(model.parameters(), want):
+        assert torch.equal(p, q), rank
+    again.close()
 
 
 def test_a_load_after_a_commit_failed_on_one_rank_keeps_the_ranks_commits_alike(tmp_path):
     spawn(failed_commit_then_load_worker, tier_dirs(tmp_path), str(tmp_path))
+
+
+def mixed_runs_worker(rank, tiers, out_dir, phase):
+    """Phase "a": step 3 is committed, epoch 0. Phase "b" (other tiers): a
+    load of step 1, then step 2: commit (epoch 1, step 2). Rank 1's
+    directories of run b then replace run a's: phase "resume" finds no
+    commit on both ranks, and every rank refuses before any rank changes
+    its records."""
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="mix", commit_every=1)
+    if phase == "resume":
+        with pytest.raises(OffloadError) as err:
+            wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")
+        if rank == 1:
+            assert "cannot give the commit of step 3 (epoch 0)" in str(err.value), \
+                str(err.value)
+        else:
+            assert "another rank could not open the commit every rank has" in \
+                str(err.value), str(err.value)
+        return
+    opt = wrap(OPTIMIZERS["adamw"](model.parameters()))
+    pairs = ((opt, model),)
+    if phase == "a":
+        train_same_batches(range(3), pairs)
+    else:
+        ckpt = os.path.join(out_dir, "ckpt_b")
+        train_same_batches(range(1), pairs)
+        opt.save_checkpoint(ckpt)
+        train_same_batches(range(1, 2), pairs)
+        opt.load_checkpoint(ckpt, restore_params=True)
+        train_same_batches(range(5, 6), pairs)
+    want = (0, 3) if phase == "a" else (1, 2)
+    assert (opt.engine.committed_epoch, opt.engine.committed_step) == want
+    opt.close()
+
+
+def test_ranks_without_a_common_commit_refuse_and_change_nothing(tmp_path):
+    tiers_a, tiers_b = tier_dirs(tmp_path, prefix="a"), tier_dirs(tmp_path, prefix="b")
+    spawn(mixed_runs_worker, tiers_a, str(tmp_path), "a")
+    spawn(mixed_runs_worker, tiers_b, str(tmp_path), "b")
+    for a, b in zip(tiers_a, tiers_b):
+        shutil.rmtree(os.path.join(a, "mix.r1"))
+        shutil.copytree(os.path.join(b, "mix.r1"), os.path.join(a, "mix.r1"))
+
+    def records():
+        out = {}
+        for a in tiers_a:
+            for r in ("mix.r0", "mix.r1"):
+                for n in ("COMMIT", "COMMIT.prev"):
+                    with open(os.path.join(a, r, n), "rb") as f:
+                        out[(a, r, n)] = f.read()
+        return out
+    before = records()
+    spawn(mixed_runs_worker, tiers_a, str(tmp_path), "resume")
+    assert records() == before
 
 
 def failing_resume_worker(rank, tiers):

@@ -668,11 +668,11 @@ def test_a_load_in_a_committed_run_with_a_host_cache_is_committed_by_the_next_st
 
 
 def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
-    # Step 3 is committed (commit 4); a checkpoint of step 2 is loaded and
-    # step 3 taken again on other data with another lr (commit 5, of step 3
-    # too). A crash between the two tiers' records of commit 5 resumes
-    # commit 4 from both tiers with its own param_groups. Before, commits
-    # were matched by step count: tier 0's new step 3 with tier 1's old one.
+    # Step 3 is committed; a checkpoint of step 2 is loaded (a new epoch)
+    # and step 3 taken again on other data with another lr: commit (epoch 1,
+    # step 3). A crash between the two tiers' records of it resumes (epoch 0,
+    # step 3) from both tiers with its own param_groups. Before, commits were
+    # matched by step count: tier 0's new step 3 with tier 1's old one.
     tiers = tier_dirs(tmp_path)
     model = make_model()
     opt = wrap(model, tiers, run_name="r", commit_every=1)
@@ -683,7 +683,7 @@ def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
         backward(model, k)
         opt.step()
         opt.zero_grad()
-    assert (opt.engine.committed_step, opt.engine.committed_seq) == (3, 4)
+    assert (opt.engine.committed_step, opt.engine.committed_epoch) == (3, 0)
     first, first_sd = params_of(model), copy.deepcopy(opt.state_dict())
     run1 = os.path.join(tiers[1], "r.r0")
     kept = {n: open(os.path.join(run1, n), "rb").read() for n in ("COMMIT", "COMMIT.prev")}
@@ -692,16 +692,16 @@ def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
     opt.param_groups[0]["lr"] = 5e-3
     backward(model, 50)
     opt.step()
-    assert (opt.engine.committed_step, opt.engine.committed_seq) == (3, 5)
+    assert (opt.engine.committed_step, opt.engine.committed_epoch) == (3, 1)
     assert not torch.equal(params_of(model)[0], first[0])
-    opt.close()  # as a crash, after tier 0's record of commit 5 only:
+    opt.close()  # as a crash, after tier 0's record of (1, 3) only:
     for n, data in kept.items():
         with open(os.path.join(run1, n), "wb") as f:
             f.write(data)
     resumed = make_model()
     again = wrap(resumed, tiers, run_name="r", commit_every=1, resume="require")
     assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
-    assert again.engine.committed_seq == 4
+    assert (again.engine.committed_epoch, again.engine.epoch) == (0, 0)
     assert again.param_groups[0]["lr"] == 1e-2
     assert_equal(params_of(resumed), first, "resumed")
     for pid, st in first_sd["state"].items():
@@ -710,7 +710,7 @@ def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
     # And it goes on from there as the run that never loaded.
     backward(resumed, 3)
     again.step()
-    assert (again.engine.committed_step, again.engine.committed_seq) == (4, 5)
+    assert (again.engine.committed_step, again.engine.committed_epoch) == (4, 0)
     want, _ = reference(tmp_path, 4)
     assert_equal(params_of(resumed), want, "step 4 after the resume")
     again.close()

@@ -8,6 +8,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -485,7 +486,7 @@ void RegisterEngineBindings(py::module_& parent) {
              int tier_lock_slots, const std::string& tier_lock_mode,
              const std::string& tier_lock_dir, bool verify_checksums,
              bool fault_injection, bool resume, int commit_every,
-             int64_t resume_seq) {
+             int64_t resume_epoch, int64_t resume_step) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -512,7 +513,8 @@ void RegisterEngineBindings(py::module_& parent) {
             config.fault_injection = fault_injection;
             config.resume = resume;
             config.commit_every = commit_every;
-            config.resume_seq = resume_seq;
+            config.resume_epoch = resume_epoch;
+            config.resume_step = resume_step;
             absl::StatusOr<std::unique_ptr<Engine>> engine;
             {
               py::gil_scoped_release release;
@@ -529,7 +531,8 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("tier_lock_mode") = "exclusive",
           py::arg("tier_lock_dir") = "", py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
-          py::arg("commit_every") = 0, py::arg("resume_seq") = -1,
+          py::arg("commit_every") = 0, py::arg("resume_epoch") = 0,
+          py::arg("resume_step") = -1,
           "Validates the config, plans, opens the tiers, creates the run "
           "directories.")
       .def("close", &PyEngine::Close,
@@ -556,26 +559,37 @@ void RegisterEngineBindings(py::module_& parent) {
           [](PyEngine& e) { return e.get().committed_step(); },
           "The step the state on the tiers resumes from (-1: none).")
       .def_property_readonly(
-          "committed_seq", [](PyEngine& e) { return e.get().committed_seq(); },
-          "The sequence number of that commit (1, 2, ...; 0: none yet): the "
-          "next commit is committed_seq + 1. Ranks and tiers match commits "
-          "by it (a step count repeats after a load of an older step).")
+          "committed_epoch",
+          [](PyEngine& e) { return e.get().committed_epoch(); },
+          "The epoch of that commit: commits are (epoch, step), ordered and "
+          "matched by both (a step count repeats after a load of an older "
+          "step).")
+      .def_property_readonly(
+          "epoch", [](PyEngine& e) { return e.get().epoch(); },
+          "The epoch of the commits made from now.")
+      .def(
+          "set_epoch",
+          [](PyEngine& e, int64_t epoch) {
+            ThrowIfError(e.get().SetEpoch(epoch));
+          },
+          py::arg("epoch"),
+          "Starts a later epoch (after a load or a re-packing; the same on "
+          "every rank).")
       .def(
           "retry_commit",
           [](PyEngine& e) {
             e.WithoutGil([&](Engine& engine) { return engine.RetryCommit(); });
           },
-          "Writes the last step's commit record if it was due and failed "
-          "after the step completed; nothing otherwise.")
+          "Writes the commit whose last attempt failed if the state is still "
+          "that commit's (same epoch and step count); nothing otherwise.")
       .def(
           "commit",
           [](PyEngine& e) {
             e.WithoutGil([&](Engine& engine) { return engine.Commit(); });
           },
-          "Commits the state as it is now, labelled with the current step "
-          "count and numbered committed_seq + 1 (records held in memory are "
-          "written first); nothing if nothing changed since the last commit "
-          "of this step count.")
+          "Commits the state as it is now as (epoch, steps) (records held in "
+          "memory are written first); nothing if that is the last commit and "
+          "nothing changed since.")
       .def_property_readonly(
           "step_incomplete",
           [](PyEngine& e) { return e.get().step_incomplete(); },

@@ -281,6 +281,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self.resumed_from = None
             self.resumed_step = None
             self._generation = 0
+            self._epoch = 0  # of the commits made from now (see _next_epoch)
             self._generic_state_keys = generic_state_keys
         except Exception as exc:
             if self._group is None:
@@ -456,17 +457,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._engine = None
         # The ranks of a resumed run must all resume the same commit.
         agree = self._persistent and self._want_resume and self._group is not None
-        self._agreed_seq = self._agreed_step = -1
+        self._agreed_key = self._agreed_step = -1
         if not self._owned:
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
                          self._rank, len(self._subgroups), self._world)
             if agree:
                 self._raise_together(None, "open its committed state")
-                self._agreed_seq = self._agree_on_commit(_ANY_COMMIT)
-                self._check_require(self._agreed_seq)
-                if self._agreed_seq >= 0:
-                    self._raise_together(None, f"open commit {self._agreed_seq}")
-                    self._agreed_step = self._agree_on_committed_step(None)
+                self._agreed_key = self._agree_on_commit(_ANY_COMMIT)
+                self._check_require(self._agreed_key)
+                self._raise_together(None, "open the commit every rank has")
+                if self._agreed_key >= 0:
+                    self._epoch, self._agreed_step = _recovery.split_commit_key(
+                        self._agreed_key)
             return
         numel = [self._subgroups[g].numel for g in self._owned]
         arrays = 1 + self._num_arrays
@@ -480,7 +482,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         engine = None
         if self._persistent:
             self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
-            mine, failure = -1, None  # the commit this rank can resume
+            mine, failure = -1, None  # the commit this rank can resume (commit_key)
             if not self._want_resume and any(
                     os.path.isfile(os.path.join(d, "COMMIT"))
                     for d in _recovery.run_dirs(self._tiers, self._run_name)):
@@ -490,7 +492,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if self._want_resume and _recovery.has_committed_state(
                         _recovery.run_dirs(self._tiers, self._run_name)):
                     engine = self._new_engine(budget, numel, resume=True)
-                    mine = engine.committed_seq
+                    mine = _recovery.commit_key(engine.committed_epoch, engine.committed_step)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = self._explain_other_world(e)
             if agree:
@@ -504,7 +506,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             elif failure is not None:
                 raise failure
             agreed = self._agree_on_commit(mine) if agree else mine
-            self._agreed_seq = agreed
+            self._agreed_key = agreed
             try:
                 self._check_require(agreed)
             except StateMismatchError:
@@ -517,33 +519,34 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # the commit before the last), or starts afresh.
                 engine.close()
                 engine = None
-                _log.warning("rank %d: commit %d is not on every rank; %s",
-                             self._rank, mine,
-                             f"resuming commit {agreed}" if agreed >= 0
+                _log.warning("rank %d: the commit of %s is not on every rank; %s",
+                             self._rank, _recovery.describe_commit(mine),
+                             f"resuming {_recovery.describe_commit(agreed)}" if agreed >= 0
                              else "another rank has none, starting afresh")
                 if agreed >= 0:
+                    epoch, step = _recovery.split_commit_key(agreed)
                     try:
                         engine = self._new_engine(budget, numel, resume=True,
-                                                  resume_seq=agreed)
+                                                  resume_epoch=epoch, resume_step=step)
                     except Exception as e:  # noqa: BLE001 - raised on every rank below
                         failure = e
-            if agreed >= 0:
+            if agree:
                 try:
-                    if agree:
-                        self._raise_together(failure, f"open commit {agreed}")
-                        self._agreed_step = self._agree_on_committed_step(
-                            engine.committed_step)
-                    else:
-                        self._agreed_step = engine.committed_step
+                    self._raise_together(failure, "open the commit every rank has")
                 except OffloadError:
                     if engine is not None:
                         engine.close()
                     raise
+            elif failure is not None:
+                raise failure
+            if agreed >= 0:
+                self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
         else:
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                               f"-g{self._generation}-r{self._rank}")
         if engine is None:
             engine = self._new_engine(budget, numel, resume=False)
+            engine.set_epoch(self._epoch)  # a re-packed state's (see _rebuild)
         self._engine = engine
         run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
         # A persistent run's directories outlive the process (that is the
@@ -568,7 +571,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"ranks and save_checkpoint(), then load that checkpoint here (load_checkpoint, "
             f"or resume='auto' with checkpoint_dir and a new run_name)")
 
-    def _new_engine(self, budget, numel, resume, resume_seq=-1):
+    def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1):
         return _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
@@ -580,7 +583,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             tier_lock_mode=self._engine_settings["tier_lock_mode"],
             tier_lock_dir=self._engine_settings["tier_lock_dir"],
             fault_injection=self._engine_settings["fault_injection"],
-            resume=resume, commit_every=self._commit_every, resume_seq=resume_seq)
+            resume=resume, commit_every=self._commit_every, resume_epoch=resume_epoch,
+            resume_step=resume_step)
 
     def _check_require(self, agreed):
         """resume='require' with no committed step on every rank: a checkpoint
@@ -622,28 +626,23 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             failure = exc
         self._raise_together(failure, what, note)
 
-    def _agree_on_commit(self, seq):
-        """The oldest newest commit over the ranks (-1: some rank has none).
-        Ranks commit together and number their commits alike: a commit that
-        failed on some ranks is written again before the next step (step())
-        or load (_commit_completed_step), and add_param_group refuses while
-        one is pending."""
-        t = torch.tensor([seq], dtype=torch.int64, device=self._comm_device)
+    def _agree_on_commit(self, key):
+        """The oldest newest commit over the ranks, as commit_key (-1: some
+        rank has none). A commit is (epoch, step): the ranks count steps
+        alike and start each epoch together (_next_epoch), so one commit has
+        one key on every rank, whatever failed where."""
+        t = torch.tensor([key], dtype=torch.int64, device=self._comm_device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
         return int(t.item())
 
-    def _agree_on_committed_step(self, step):
-        """Collective: the step of the agreed commit, which every rank that
-        resumes it (`step`; None for a rank with no subgroup) must have alike;
-        StateMismatchError on every rank if they differ."""
-        most, least = self._max_over_ranks(-1 if step is None else step,
-                                           -_ANY_COMMIT if step is None else -step)
-        if most != -least:
-            raise StateMismatchError(
-                f"run {self._run_prefix!r}: the ranks' commit {self._agreed_seq} is of "
-                f"steps {-least} to {most}: their committed states are not of one run "
-                f"(resume='never' starts afresh)")
-        return most
+    def _next_epoch(self):
+        """A load or a re-packing replaces the state outside a step: its
+        commits are of a new epoch (a load of an older checkpoint sets the
+        step count back, and (epoch, step) must name one state). Called at
+        the same points on every rank, failures or not."""
+        self._epoch += 1
+        if self._engine is not None:
+            self._engine.set_epoch(self._epoch)
 
     def _install_grad_hooks(self):
         for h in self._grad_hooks:
@@ -705,26 +704,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"others not): call step() again with the same gradients to finish it first")
         if pending:
             self._settle_completed_step(what, broadcast=collective)
-
-    def _commit_completed_step(self, what):
-        """In a process group, before a load replaces a pending step that
-        completed on this rank but whose commit record could not be written:
-        that commit is written now (raising if it still cannot be). The
-        ranks whose commit succeeded hold it, and the ranks' commits must
-        stay numbered alike (see _agree_on_commit): else the next commit
-        would be numbered one less here than there."""
-        failed = self._failed_step
-        if self._group is None or self._engine is None or failed is None \
-                or not failed["completed"]:
-            return
-        try:
-            self._engine.retry_commit()
-        except OffloadError as e:
-            raise type(e)(
-                f"{what}: the commit record of step {self._engine.steps} (which completed) "
-                f"must be written first in a process group, and it failed again: {e}. "
-                f"Make room on the tier and load again, or restart (resume goes back "
-                f"to the last commit every rank holds)") from e
 
     def _settle_completed_step(self, what, broadcast):
         """A pending step that completed, whose commit record alone could not
@@ -895,7 +874,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Packs the groups and creates the engine again, then writes the
         state `saved` (None: not initialised) back, `steps` steps taken. A
         persistent run commits it at once: the new engine's files replaced
-        the run's, and its commit records with them."""
+        the run's, and its commit records with them, in a new epoch (the
+        step count may be one that the run committed already)."""
+        self._epoch += 1  # the new engine takes it (_create_engine)
         self._build()
         if saved is None:
             return
@@ -906,9 +887,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if self._commit_every > 0:
                 self._write_pystate(steps)
                 self._engine.commit()
-                # The new engine numbers its commits from 1: the old run's
-                # files of higher numbers go.
-                _recovery.prune_pystate(self._pystate_dir(), self._engine.committed_seq)
+                _recovery.prune_pystate(self._pystate_dir(), _recovery.commit_key(
+                    self._engine.committed_epoch, self._engine.committed_step))
 
     # ----------------------------------------------------------------- step
 
@@ -1239,7 +1219,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise err from exc
         if self._commit_every > 0 and engine.steps > start \
                 and engine.committed_step == engine.steps:
-            _recovery.prune_pystate(self._pystate_dir(), engine.committed_seq)
+            _recovery.prune_pystate(self._pystate_dir(), _recovery.commit_key(
+                engine.committed_epoch, engine.committed_step))
         return stats, before
 
     def _owned_params(self):
@@ -1303,7 +1284,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         has_state = {pid: v for pid, v in self._has_state.items() if pid in own}
         if stepping and self._family is not None:
             has_state.update(self._keys_after_step())  # this rank's parameters only
-        _recovery.write_pystate(self._pystate_dir(), self._engine.committed_seq + 1, step, {
+        _recovery.write_pystate(self._pystate_dir(), self._engine.epoch, step, {
             "param_groups": self.optimizer.state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": has_state,
@@ -1347,14 +1328,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._want_resume = False
         engine = self._engine
         # The same answer on every rank (_create_engine agreed on the commit).
-        if self._agreed_seq >= 0:
-            seq, step = self._agreed_seq, self._agreed_step
+        if self._agreed_key >= 0:
+            key, step = self._agreed_key, self._agreed_step
             # Every rank raises if one cannot (none waits in the broadcast).
             with self._together(f"read its committed state of step {step}"):
                 if engine is not None:
                     run_dir = self._pystate_dir()
-                    state = _recovery.read_pystate(run_dir, seq, step)
-                    self._check_layout(state["layout"], _recovery.pystate_path(run_dir, seq))
+                    state = _recovery.read_pystate(run_dir, key)
+                    self._check_layout(state["layout"], _recovery.pystate_path(run_dir, key))
             if engine is not None:
                 self.optimizer.load_state_dict({"state": {},
                                                 "param_groups": state["param_groups"]})
@@ -1367,7 +1348,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._pending_state = None
             self._params_from_masters()
             if engine is not None:
-                _recovery.prune_pystate(run_dir, seq)
+                _recovery.prune_pystate(run_dir, key)
             self.resumed_from, self.resumed_step = "committed_step", step
         elif self._checkpoint_somewhere():
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)
@@ -1773,11 +1754,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         copy is taken from the parameters' current values.
         """
         self._check_open()
+        self._next_epoch()
         previous = self.optimizer.param_groups
         replaced = False
         failure = None
         try:
-            self._commit_completed_step("load_state_dict")
             states, saved_groups = self._checked_states(state_dict)
             # Hyperparameters through the wrapped optimizer (torch's own
             # rules); its param_groups list is replaced, so re-share it.
@@ -2119,9 +2100,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         checkpoint's master copy.
         """
         self._check_open()
+        self._next_epoch()
         directory = os.fspath(directory)
         with self._together(f"read the checkpoint manifest in {directory}"):
-            self._commit_completed_step("load_checkpoint")
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
         # The same decisions on every rank, from what every rank sees.
         views = self._gather(view)

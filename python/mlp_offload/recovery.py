@@ -6,19 +6,20 @@ committed step (mlp_offload/engine.h). What the engine does not hold is the
 small Python-side state: the param_groups' hyperparameters as last used and,
 for the generic path, the wrapped optimizer's per-parameter scalars. This
 module stores that state as one small file per commit in the run directory
-of tier 0, and finds the run's committed state when it restarts. Files are
-named by the commit's sequence number (Engine.committed_seq), not its step:
-a load of an older checkpoint makes a step count repeat.
+of tier 0, and finds the run's committed state when it restarts. A commit
+is (epoch, step) and files are named by both (commit_key): the wrapper
+starts a new epoch at each load and re-packing, since a load of an older
+checkpoint makes a step count repeat.
 
 Ordering, so that a crash at any moment leaves a consistent pair: the file
 for commit K is written (atomically: a temporary name, fsync, rename, fsync
 of the directory) *before* the engine writes commit K, once everything it
-holds is final. A crash before the commit leaves the engine at commit K-1,
-whose file is still there (older files are removed only after a commit); a
-crash after it finds the file for K. On resume the file matching the
-engine's commit is read; the files of older commits but the newest one
+holds is final. A crash before the commit leaves the engine at the commit
+before, whose file is still there (older files are removed only after a
+commit); a crash after it finds the file for K. On resume the file matching
+the engine's commit is read; the files of older commits but the newest one
 before it are removed (the engine keeps the commit before the last too, see
-EngineConfig.resume_seq).
+EngineConfig.resume_step).
 
 Also here: the per-run directory names of a persistent run, and the mapping
 of an engine error to the tier it happened on, so that every error raised
@@ -37,7 +38,7 @@ from mlp_offload.errors import (ConfigError, CorruptStateError, OffloadError, Ti
                                 TierFullError, TierIOError, TierNotFoundError,
                                 StateMismatchError, TierPermissionError)
 
-_PYSTATE_RE = re.compile(r"^pystate-(\d{12})\.pt$")
+_PYSTATE_RE = re.compile(r"^pystate-(\d{12,19})\.pt$")
 _PYSTATE_FORMAT = "mlp_offload.pystate"
 _DIGEST_BYTES = 64  # hex sha256, then a newline, then the torch.save payload
 RESUME_MODES = ("never", "auto", "require")
@@ -109,19 +110,44 @@ def os_error_to_tier_error(err, operation, path, tier=None):
     return cls(f"{where}{operation} {path}: {getattr(err, 'strerror', None) or err}")
 
 
-def pystate_path(run_dir, seq):
-    """The file of commit `seq` (commits of the first format: seq = step)."""
-    return os.path.join(run_dir, f"pystate-{int(seq):012d}.pt")
+# A commit is (epoch, step) (mlp_offload/state_store.h, CommitId); as one
+# integer, ordered the same way: the epoch above the step's 40 bits.
+_STEP_BITS = 40
 
 
-def write_pystate(run_dir, seq, step, state, tier_label="tier 0"):
-    """Writes `state` (torch.save-able) for commit `seq`, of step `step`,
+def commit_key(epoch, step):
+    """The commit (epoch, step) as one integer (-1 for step -1: none)."""
+    if step < 0:
+        return -1
+    if not 0 <= step < 1 << _STEP_BITS or not 0 <= epoch < 1 << (62 - _STEP_BITS):
+        raise OffloadError(f"commit of step {step}, epoch {epoch}: out of range")
+    return (int(epoch) << _STEP_BITS) | int(step)
+
+
+def split_commit_key(key):
+    """(epoch, step) of commit_key's integer."""
+    return key >> _STEP_BITS, key & ((1 << _STEP_BITS) - 1)
+
+
+def describe_commit(key):
+    epoch, step = split_commit_key(key)
+    return f"step {step} (epoch {epoch})"
+
+
+def pystate_path(run_dir, key):
+    """The file of the commit `key` (commit_key; files written before epochs,
+    of epoch 0, have the same name)."""
+    return os.path.join(run_dir, f"pystate-{int(key):012d}.pt")
+
+
+def write_pystate(run_dir, epoch, step, state, tier_label="tier 0"):
+    """Writes `state` (torch.save-able) for the commit (epoch, step),
     atomically, 0600."""
     buf = io.BytesIO()
-    torch.save(dict(state, format=_PYSTATE_FORMAT, step=int(step), seq=int(seq)), buf)
+    torch.save(dict(state, format=_PYSTATE_FORMAT, step=int(step), epoch=int(epoch)), buf)
     payload = buf.getvalue()
     data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-    path = pystate_path(run_dir, seq)
+    path = pystate_path(run_dir, commit_key(epoch, step))
     try:
         write_file_atomically(path, data)
     except OSError as e:
@@ -129,11 +155,11 @@ def write_pystate(run_dir, seq, step, state, tier_label="tier 0"):
                                         f"{step} to", path, tier=tier_label) from e
 
 
-def read_pystate(run_dir, seq, step=None):
-    """The state written for commit `seq` (of step `step`, unless None);
-    CorruptStateError if missing, damaged, or of another commit."""
-    path = pystate_path(run_dir, seq)
-    what = f"commit {seq}" + ("" if step is None else f" (step {step})")
+def read_pystate(run_dir, key):
+    """The state written for the commit `key` (commit_key); CorruptStateError
+    if missing, damaged, or of another commit."""
+    path = pystate_path(run_dir, key)
+    what = f"the commit of {describe_commit(key)}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -152,10 +178,10 @@ def read_pystate(run_dir, seq, step=None):
         state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # a valid checksum over an unreadable payload
         raise CorruptStateError(f"{path}: unreadable ({e})") from e
-    # Files written before sequence numbers have none: there seq = step.
+    # Files written before epochs have none: epoch 0.
     if not isinstance(state, dict) or state.get("format") != _PYSTATE_FORMAT \
-            or (step is not None and state.get("step") != int(step)) \
-            or state.get("seq", state.get("step")) != int(seq):
+            or not isinstance(state.get("step"), int) \
+            or commit_key(state.get("epoch", 0), state["step"]) != int(key):
         raise CorruptStateError(f"{path}: not the Python-side state of {what}")
     return state
 
@@ -164,31 +190,31 @@ def committed_world_size(run_dir):
     """The rank count of the run whose newest readable Python-side state is
     in `run_dir` (its layout says), or None."""
     try:
-        seqs = sorted((int(m.group(1)) for m in map(_PYSTATE_RE.match, os.listdir(run_dir))
+        keys = sorted((int(m.group(1)) for m in map(_PYSTATE_RE.match, os.listdir(run_dir))
                        if m), reverse=True)
     except OSError:
         return None
-    for seq in seqs:
+    for key in keys:
         try:
-            return read_pystate(run_dir, seq).get("layout", {}).get("world_size")
+            return read_pystate(run_dir, key).get("layout", {}).get("world_size")
         except Exception:  # noqa: BLE001 - damaged: try an older one
             continue
     return None
 
 
-def prune_pystate(run_dir, keep_seq):
-    """Removes the Python-side state files but those of commit `keep_seq`
-    and of the newest commit before it: the engine keeps the commit before
-    the last too (COMMIT.prev), which the ranks of a process group may have
-    to go back to."""
+def prune_pystate(run_dir, keep_key):
+    """Removes the Python-side state files but those of the commit
+    `keep_key` (commit_key) and of the newest commit before it: the engine
+    keeps the commit before the last too (COMMIT.prev), which the ranks of a
+    process group may have to go back to."""
     try:
         names = os.listdir(run_dir)
     except OSError:
         return
-    seqs = [int(m.group(1)) for m in map(_PYSTATE_RE.match, names) if m]
-    older = [s for s in seqs if s < keep_seq]
-    keep = {os.path.basename(pystate_path(run_dir, s))
-            for s in [keep_seq] + ([max(older)] if older else [])}
+    keys = [int(m.group(1)) for m in map(_PYSTATE_RE.match, names) if m]
+    older = [k for k in keys if k < keep_key]
+    keep = {os.path.basename(pystate_path(run_dir, k))
+            for k in [keep_key] + ([max(older)] if older else [])}
     for name in names:
         if name in keep:
             continue
