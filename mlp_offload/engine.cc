@@ -336,6 +336,9 @@ struct Engine::Impl {
   int64_t epoch = 0;  // SetEpoch: the epoch of the commits made from now
   // The last commit every tier holds (step -1: none yet).
   CommitId committed;
+  // The commits every tier holds (COMMIT or COMMIT.prev), newest first: the
+  // last one and, where every tier kept it, the one before.
+  std::vector<CommitId> kept;
   // Per tier, the commit record its COMMIT file holds (empty: none yet);
   // the next commit moves it to COMMIT.prev, unless `commit_partial`: the
   // record is an attempt that did not reach every tier, which COMMIT.prev
@@ -833,6 +836,10 @@ absl::Status Engine::Impl::WriteCommit() {
     commit_partial[t] = true;
   }
   for (int i = 0; i < n(); ++i) committed_slot[i] = current_slot[i];
+  // Every tier's COMMIT.prev is now the commit before (a tier that held a
+  // failed attempt kept it there).
+  kept = {id};
+  if (committed.step >= 0) kept.push_back(committed);
   committed = id;
   failed_commit.reset();
   commit_partial.assign(tiers.size(), false);
@@ -1074,6 +1081,21 @@ absl::Status Engine::Impl::LoadCommitted() {
   committed = want;
   epoch = want.epoch;
   steps_done = want.step;
+  // The commits every tier still holds: `want`, and the one before it where
+  // every tier has it (a tier rolled back kept its COMMIT.prev).
+  kept = {want};
+  if (commits[0].previous.has_value()) {
+    const CommitId older =
+        std::min(commits[0].latest.record.id, commits[0].previous->record.id);
+    bool everywhere = older < want;
+    for (const TierCommits& tc : commits) {
+      everywhere =
+          everywhere &&
+          (tc.latest.record.id == older ||
+           (tc.previous.has_value() && tc.previous->record.id == older));
+    }
+    if (everywhere) kept.push_back(older);
+  }
   resumed = true;
   return absl::OkStatus();
 }
@@ -1293,6 +1315,9 @@ bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed.step; }
 int64_t Engine::committed_epoch() const { return impl_->committed.epoch; }
 int64_t Engine::epoch() const { return impl_->epoch; }
+const std::vector<CommitId>& Engine::kept_commits() const {
+  return impl_->kept;
+}
 
 absl::Status Engine::SetEpoch(int64_t epoch) {
   Impl& e = *impl_;
@@ -1321,6 +1346,7 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   if (params == nullptr)
     return absl::InvalidArgumentError("InitializeSubgroup: null params");
   MutexLock l(&e.mu);
+  e.failed_commit.reset();  // the state is no longer that commit's
   int b = e.buffer_of[i];
   if (b >= 0) {
     MLP_RETURN_IF_ERROR(e.WaitIo(b));
@@ -1856,6 +1882,7 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
   if (step < 0)
     return absl::InvalidArgumentError("WriteSubgroup: negative step");
   MutexLock l(&e.mu);
+  e.failed_commit.reset();  // the state is no longer that commit's
   int b = e.buffer_of[i];
   bool cached = b >= 0;
   if (cached) {
@@ -2092,6 +2119,9 @@ absl::Status Engine::Impl::LoadRecords(
     const std::vector<CheckpointRecord>& records,
     std::map<std::string, Manifest> manifests) {
   Impl& e = *this;
+  // From here the state may change, even if the load fails: a commit that
+  // failed before is not the state's any more (RetryCommit writes nothing).
+  e.failed_commit.reset();
   if (records.size() != static_cast<size_t>(e.n())) {
     return absl::InvalidArgumentError(
         absl::StrCat("LoadCheckpointRecords: ", records.size(), " records for ",

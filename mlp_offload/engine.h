@@ -21,6 +21,7 @@
 #include "io/io_engine.h"
 #include "kernels/optimizer_kernels.h"
 #include "mlp_offload/planner.h"
+#include "mlp_offload/state_store.h"
 #include "mlp_offload/tier.h"
 
 namespace mlp_offload {
@@ -191,7 +192,9 @@ class Engine {
       int i, const std::vector<Segment>& segments);
 
   // The native path: one update of every subgroup with its kernel.
-  // inputs[i] belongs to subgroup i.
+  // inputs[i] belongs to subgroup i. Like BeginStep, FailedPrecondition
+  // before anything changes if the step is due a commit that would not be
+  // newer than the last one (a load set the step count back: SetEpoch).
   absl::StatusOr<StepStats> Step(const std::vector<SubgroupStepInput>& inputs,
                                  const StepOptions& options);
 
@@ -265,6 +268,13 @@ class Engine {
   int64_t committed_step() const;
   // The epoch of that commit (see CommitId in state_store.h).
   int64_t committed_epoch() const;
+  // The commits that every tier holds, newest first: the last one and,
+  // where every tier kept it (COMMIT.prev), the one before, as of the last
+  // commit or the resume. A resume may go back to either (config.
+  // resume_step) as long as no step wrote since (writes go to the slots of
+  // the one before; its records then fail the header check): what the
+  // ranks of a group compare to find the newest commit all of them hold.
+  const std::vector<CommitId>& kept_commits() const;
   // The epoch of the commits made from now (0 in a fresh run; a resumed
   // engine's is its commit's). A commit is identified by (epoch, step
   // count), and each must be newer than the last: after a load that sets
@@ -285,7 +295,8 @@ class Engine {
   absl::Status Commit();
   // Writes the commit whose last attempt failed (after the step itself
   // completed: a full tier, say), if the state is still that commit's (same
-  // epoch and step count); OK with nothing to do. Tiers whose record was
+  // epoch and step count, and no load, WriteSubgroup or InitializeSubgroup
+  // since, even one that failed); OK with nothing to do. Tiers whose record was
   // written before the failure and is unchanged are not written again, so
   // their previous record (the last commit every tier holds, if a crash
   // comes now) stays; a tier that holds a failed attempt's record has it

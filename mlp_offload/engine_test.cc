@@ -907,16 +907,28 @@ TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
   EXPECT_TRUE(Take(e, cfg.subgroup_numel) == at4);
 }
 
+// Two tiers, a commit every step, every record written every step.
+EngineConfig CommitEveryStep(const std::string& name) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 1;
+  cfg.run_name = name;
+  cfg.techniques = Only(true, false, true, false);
+  return cfg;
+}
+
+// A directory made there makes tier `tier`'s COMMIT of the run unwritable
+// (its temporary name is taken) until it is removed.
+std::string CommitBlocker(const EngineConfig& cfg, int tier) {
+  return absl::StrCat(RunDir(cfg, tier), "/COMMIT.tmp.", getpid());
+}
+
 TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
   // Step 3 is committed; a load of step 2's checkpoint, a new epoch, and
   // another step 3: commit (epoch 1, step 3). A crash between the tiers'
   // records of it resumes (epoch 0, step 3) from both. (Matched by step
   // count alone, tier 0's new step 3 and tier 1's old one made a mix.)
   Model model({1000, 2000, 3000, 1500}, 24);
-  EngineConfig cfg = SmallConfig(2);
-  cfg.commit_every = 1;
-  cfg.run_name = "repeated_step";
-  cfg.techniques = Only(true, false, true, false);
+  EngineConfig cfg = CommitEveryStep("repeated_step");
   const std::string ckpt = TempDir("repeated_step_ckpt");
   Snapshot first, second;
   absl::StatusOr<std::string> commit, prev;
@@ -973,6 +985,9 @@ TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
   EXPECT_EQ((*engine)->step(), 3);
   EXPECT_EQ((*engine)->committed_epoch(), 0);
   EXPECT_EQ((*engine)->epoch(), 0);
+  // Tier 0 rolled back to (0, 3), its COMMIT.prev: (0, 2) is on tier 1
+  // only, so (0, 3) is the one commit every tier holds.
+  EXPECT_EQ((*engine)->kept_commits(), (std::vector<CommitId>{{0, 3}}));
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == first);
 }
 
@@ -981,10 +996,7 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
   // in between). Tier 0 must still hold step 2's commit, the last one on
   // every tier: its COMMIT.prev is not replaced by the failed attempt's.
   Model model({1000, 2000, 3000, 1500}, 25);
-  EngineConfig cfg = SmallConfig(2);
-  cfg.commit_every = 1;
-  cfg.run_name = "partial_commit";
-  cfg.techniques = Only(true, false, true, false);
+  EngineConfig cfg = CommitEveryStep("partial_commit");
   Snapshot at2;
   {
     auto engine = Engine::Create(cfg);
@@ -994,8 +1006,7 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
     at2 = Take(e, cfg.subgroup_numel);
     // Tier 1's COMMIT cannot be written: its temporary name is taken.
-    const std::string blocker =
-        absl::StrCat(RunDir(cfg, 1), "/COMMIT.tmp.", getpid());
+    const std::string blocker = CommitBlocker(cfg, 1);
     ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
     for (int step = 3; step <= 4; ++step) {
       model.NewGrads(step);
@@ -1016,6 +1027,9 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->step(), 2);
+  // Tier 0's COMMIT.prev is still step 2's, the last commit on every tier:
+  // step 1's is on tier 1 only.
+  EXPECT_EQ((*engine)->kept_commits(), (std::vector<CommitId>{{0, 2}}));
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
 }
 
@@ -1025,10 +1039,7 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
   // step count, already committed, for the failed commit's and did
   // nothing); once the state moved on (a later epoch), it writes nothing.
   Model model({1000, 2000, 3000, 1500}, 26);
-  EngineConfig cfg = SmallConfig(2);
-  cfg.commit_every = 1;
-  cfg.run_name = "retry_repeated";
-  cfg.techniques = Only(true, false, true, false);
+  EngineConfig cfg = CommitEveryStep("retry_repeated");
   const std::string ckpt = TempDir("retry_repeated_ckpt");
   Snapshot second;
   {
@@ -1041,8 +1052,7 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 3));
     ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
     ASSERT_TRUE(e.SetEpoch(1).ok());
-    const std::string blocker =
-        absl::StrCat(RunDir(cfg, 1), "/COMMIT.tmp.", getpid());
+    const std::string blocker = CommitBlocker(cfg, 1);
     ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
     model.NewGrads(1003);
     ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
@@ -1053,6 +1063,7 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(e.committed_step(), 3);
     EXPECT_EQ(e.committed_epoch(), 1);
+    EXPECT_EQ(e.kept_commits(), (std::vector<CommitId>{{1, 3}, {0, 3}}));
     second = Take(e, cfg.subgroup_numel);
     // A failed commit, then a later epoch: nothing for RetryCommit.
     ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
@@ -1060,6 +1071,19 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
     ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
     ASSERT_EQ(rmdir(blocker.c_str()), 0);
     ASSERT_TRUE(e.SetEpoch(2).ok());
+    EXPECT_TRUE(e.RetryCommit().ok());
+    EXPECT_EQ(e.committed_step(), 3);
+    EXPECT_EQ(e.committed_epoch(), 1);
+    // A failed commit, then a record written (a load, even one that failed
+    // part-way): nothing for RetryCommit either.
+    ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    model.NewGrads(1005);
+    ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
+    ASSERT_EQ(rmdir(blocker.c_str()), 0);
+    Snapshot now = Take(e, cfg.subgroup_numel);
+    ASSERT_TRUE(e.WriteSubgroup(0, now.master[0].data(),
+                                {now.m[0].data(), now.v[0].data()}, now.step[0])
+                    .ok());
     EXPECT_TRUE(e.RetryCommit().ok());
     EXPECT_EQ(e.committed_step(), 3);
     EXPECT_EQ(e.committed_epoch(), 1);
@@ -1193,6 +1217,12 @@ TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {
   Snapshot at2, at4;
   EngineConfig cfg = CommittedEveryTwo("go_back", model, &at2, &at4);
   cfg.resume = true;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->kept_commits(),
+              (std::vector<CommitId>{{0, 4}, {0, 2}}));
+  }
   cfg.resume_step = 3;
   auto refused = Engine::Create(cfg);
   ASSERT_FALSE(refused.ok());
@@ -1207,6 +1237,7 @@ TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     EXPECT_EQ((*engine)->step(), 2);
+    EXPECT_EQ((*engine)->kept_commits(), (std::vector<CommitId>{{0, 2}}));
     EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
   }
   // Going back rewrote the commit records: step 4 is gone for good.

@@ -106,8 +106,6 @@ TEST(StateStoreTest, CommitRecordRoundTrip) {
   EXPECT_FALSE(ParseCommitRecord(bytes.substr(0, 36), "COMMIT").ok());
 }
 
-// The record of step 9 above as the first format (no epoch) wrote it: still
-// read, as epoch 0.
 TEST(StateStoreTest, CommitsAreOrderedByEpochThenStep) {
   // Epoch 1 began with a load of an older step: its step 3 is newer than
   // epoch 0's step 9.
@@ -119,6 +117,8 @@ TEST(StateStoreTest, CommitsAreOrderedByEpochThenStep) {
   EXPECT_EQ(DescribeCommit({2, 7}), "step 7 (epoch 2)");
 }
 
+// The record of step 9 above as the first format (no epoch) wrote it: still
+// read, as epoch 0.
 TEST(StateStoreTest, CommitRecordOfTheFirstFormat) {
   const std::string v1(
       "MLCOMMIT\x09\x00\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x00\x00"

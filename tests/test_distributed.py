@@ -218,64 +218,104 @@ def test_ranks_resume_one_commit_when_a_load_made_a_step_count_repeat(tmp_path):
 
 def failed_commit_then_load_worker(rank, tiers, out_dir):
     """Rank 0's commit of step 3 fails (tier 1's COMMIT cannot be written:
-    tier 0 holds it, tier 1 does not), rank 1's lands. A load_checkpoint of
-    step 2 instead of the retry, and a step: every rank commits (epoch 1,
-    step 3), whatever failed where, and resumes it."""
-    model = make_model()
+    tier 0 holds it, tier 1 does not), rank 1's lands. Then a
+    load_checkpoint of step 2 (no retry by step()): rank 0 writes its commit
+    of step 3 first, and the step after the load commits (epoch 1, step 3)
+    on every rank. Rank 1 dies before writing that: both ranks resume
+    (epoch 0, step 3), the newest commit both hold whole."""
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
                              compute_threads=1, run_name="drift", commit_every=1)
     opt = wrap(OPTIMIZERS["adamw"](model.parameters()))
-    pairs = ((opt, model),)
 
     def commits():
         out = [None] * WORLD
         dist.all_gather_object(out, (opt.engine.committed_epoch, opt.engine.committed_step))
         return out
-    train_same_batches(range(2), pairs)
+    train_same_batches(range(2), ((opt, model), (ref_opt, ref)))
     ckpt = os.path.join(out_dir, "ckpt")
     opt.save_checkpoint(ckpt)
     blocker = os.path.join(tiers[1], "drift.r0", f"COMMIT.tmp.{os.getpid()}")
     if rank == 0:
         os.mkdir(blocker)
     with pytest.raises(OffloadError):
-        train_same_batches(range(2, 3), pairs)
+        train_same_batches(range(2, 3), ((opt, model),))
+    train_same_batches(range(2, 3), ((ref_opt, ref),))
     assert commits() == [(0, 2), (0, 3)]
-    opt.load_checkpoint(ckpt, restore_params=True)
     if rank == 0:
         os.rmdir(blocker)
-    train_same_batches(range(10, 11), pairs)
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert commits() == [(0, 3), (0, 3)]
+    kept = {}  # what a crash before writing (1, 3) leaves: files as now
+    for t in tiers:
+        run_dir = os.path.join(t, f"drift.r{rank}")
+        for n in os.listdir(run_dir):
+            if n.startswith(("COMMIT", "pystate-")):
+                with open(os.path.join(run_dir, n), "rb") as f:
+                    kept[os.path.join(run_dir, n)] = f.read()
+    train_same_batches(range(10, 11), ((opt, model),))
     assert commits() == [(1, 3), (1, 3)]
-    want = [p.detach().clone() for p in model.parameters()]
     opt.close()
+    dist.barrier()
+    if rank == 1:  # died before writing (1, 3)
+        for path, data in kept.items():
+            with open(path, "wb") as f:
+                f.write(data)
+    dist.barrier()
     again = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")
-    assert again.resumed_step == 3 and again.engine.committed_epoch == 1
-    for p, q in zip(model.parameters(), want):
-        assert torch.equal(p, q), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == (3, 0), rank
+    assert_params_match(model, ref, rank)
     again.close()
 
 
-def test_a_load_after_a_commit_failed_on_one_rank_keeps_the_ranks_commits_alike(tmp_path):
+def test_a_load_after_a_commit_failed_on_one_rank_keeps_the_run_resumable(tmp_path):
     spawn(failed_commit_then_load_worker, tier_dirs(tmp_path), str(tmp_path))
 
 
+def refused_group_worker(rank, tiers):
+    """torch refuses a group on rank 0 only (a parameter already in a
+    group) in a committed run: every rank goes back to its groups and
+    commits them in a new epoch, rank 0 with the engine it kept, so that a
+    crash then resumes one commit on both ranks."""
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="grp", commit_every=1)
+    opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
+    pairs = ((opt, model),)
+    train_same_batches(range(2), pairs)
+    group = list(model[2].parameters()) + ([model[0].weight] if rank == 0 else [])
+    with pytest.raises(Exception):
+        opt.add_param_group({"params": group})
+    assert len(opt.param_groups) == 1
+    assert (opt.engine.committed_epoch, opt.engine.committed_step) == (2, 2)
+    want = [p.detach().clone() for p in model.parameters()]
+    opt.close()  # as a crash
+    again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
+    assert (again.resumed_step, again.engine.committed_epoch) == (2, 2), rank
+    for p, q in zip(model.parameters(), want):
+        assert torch.equal(p, q), rank
+    train_same_batches(range(2, 3), ((again, model),))
+    again.close()
+
+
+def test_a_group_refused_on_one_rank_leaves_one_commit_on_every_rank(tmp_path):
+    spawn(refused_group_worker, tier_dirs(tmp_path))
+
+
 def mixed_runs_worker(rank, tiers, out_dir, phase):
-    """Phase "a": step 3 is committed, epoch 0. Phase "b" (other tiers): a
-    load of step 1, then step 2: commit (epoch 1, step 2). Rank 1's
+    """Phase "a": steps 2 and 3 are committed, epoch 0. Phase "b" (other
+    tiers): a load of step 1, then steps 2 and 3: epoch 1. Rank 1's
     directories of run b then replace run a's: phase "resume" finds no
-    commit on both ranks, and every rank refuses before any rank changes
-    its records."""
+    commit that both ranks hold, and every rank refuses before any rank
+    changes its records."""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
                              compute_threads=1, run_name="mix", commit_every=1)
     if phase == "resume":
-        with pytest.raises(OffloadError) as err:
+        with pytest.raises(StateMismatchError, match="the ranks hold no commit in common"):
             wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")
-        if rank == 1:
-            assert "cannot give the commit of step 3 (epoch 0)" in str(err.value), \
-                str(err.value)
-        else:
-            assert "another rank could not open the commit every rank has" in \
-                str(err.value), str(err.value)
         return
     opt = wrap(OPTIMIZERS["adamw"](model.parameters()))
     pairs = ((opt, model),)
@@ -285,11 +325,11 @@ def mixed_runs_worker(rank, tiers, out_dir, phase):
         ckpt = os.path.join(out_dir, "ckpt_b")
         train_same_batches(range(1), pairs)
         opt.save_checkpoint(ckpt)
-        train_same_batches(range(1, 2), pairs)
+        train_same_batches(range(1, 3), pairs)
         opt.load_checkpoint(ckpt, restore_params=True)
-        train_same_batches(range(5, 6), pairs)
-    want = (0, 3) if phase == "a" else (1, 2)
-    assert (opt.engine.committed_epoch, opt.engine.committed_step) == want
+        train_same_batches(range(5, 7), pairs)
+    want = [(0, 3), (0, 2)] if phase == "a" else [(1, 3), (1, 2)]
+    assert opt.engine.kept_commits == want
     opt.close()
 
 

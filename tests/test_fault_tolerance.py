@@ -716,6 +716,22 @@ def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
     again.close()
 
 
+def test_a_group_torch_refuses_commits_nothing_and_the_run_goes_on(tmp_path):
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), run_name="r", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    before = (opt.engine.committed_epoch, opt.engine.committed_step)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[0].weight]})
+    assert (opt.engine.committed_epoch, opt.engine.committed_step) == before
+    opt.zero_grad()
+    backward(model, 1)
+    opt.step()
+    assert opt.engine.committed_step == 2 and opt.engine.committed_epoch > before[0]
+    opt.close()
+
+
 @pytest.mark.parametrize("wipe", ["files", "dir", "manifest"])
 def test_a_tier_wiped_under_the_run_is_never_committed_and_its_state_can_be_saved(
         tmp_path, wipe):

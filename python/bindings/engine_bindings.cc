@@ -565,6 +565,17 @@ void RegisterEngineBindings(py::module_& parent) {
           "matched by both (a step count repeats after a load of an older "
           "step).")
       .def_property_readonly(
+          "kept_commits",
+          [](PyEngine& e) {
+            std::vector<std::pair<int64_t, int64_t>> out;
+            for (const CommitId& id : e.get().kept_commits()) {
+              out.emplace_back(id.epoch, id.step);
+            }
+            return out;
+          },
+          "The commits every tier holds, newest first, as (epoch, step): "
+          "the last and, where every tier kept it, the one before.")
+      .def_property_readonly(
           "epoch", [](PyEngine& e) { return e.get().epoch(); },
           "The epoch of the commits made from now.")
       .def(

@@ -53,8 +53,6 @@ _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
-# A rank with no subgroups puts no limit on the commit the ranks resume.
-_ANY_COMMIT = 2 ** 62
 # add_param_group holds a copy of this rank's state while it rebuilds the
 # engine: in host memory while that copy takes at most this fraction of the
 # memory available, else in a file on the tier with the most room (see
@@ -463,7 +461,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                          self._rank, len(self._subgroups), self._world)
             if agree:
                 self._raise_together(None, "open its committed state")
-                self._agreed_key = self._agree_on_commit(_ANY_COMMIT)
+                self._agreed_key = self._agree_on_commit(None)
                 self._check_require(self._agreed_key)
                 self._raise_together(None, "open the commit every rank has")
                 if self._agreed_key >= 0:
@@ -482,7 +480,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         engine = None
         if self._persistent:
             self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
-            mine, failure = -1, None  # the commit this rank can resume (commit_key)
+            # The commits this rank can resume (commit_key; newest first).
+            mine, kept, failure = -1, [], None
             if not self._want_resume and any(
                     os.path.isfile(os.path.join(d, "COMMIT"))
                     for d in _recovery.run_dirs(self._tiers, self._run_name)):
@@ -493,21 +492,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         _recovery.run_dirs(self._tiers, self._run_name)):
                     engine = self._new_engine(budget, numel, resume=True)
                     mine = _recovery.commit_key(engine.committed_epoch, engine.committed_step)
+                    kept = [_recovery.commit_key(e, s) for e, s in engine.kept_commits]
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = self._explain_other_world(e)
-            if agree:
-                # Before the agreement, which would wait for a failed rank.
-                try:
-                    self._raise_together(failure, "open its committed state")
-                except OffloadError:
-                    if engine is not None:
-                        engine.close()
-                    raise
-            elif failure is not None:
-                raise failure
-            agreed = self._agree_on_commit(mine) if agree else mine
-            self._agreed_key = agreed
+            # Before the agreement, which would wait for a failed rank.
+            self._raise_opening(agree, engine, failure, "open its committed state")
             try:
+                agreed = self._agree_on_commit(kept) if agree else mine
+                self._agreed_key = agreed
                 self._check_require(agreed)
             except StateMismatchError:
                 if engine is not None:
@@ -530,15 +522,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                                   resume_epoch=epoch, resume_step=step)
                     except Exception as e:  # noqa: BLE001 - raised on every rank below
                         failure = e
-            if agree:
-                try:
-                    self._raise_together(failure, "open the commit every rank has")
-                except OffloadError:
-                    if engine is not None:
-                        engine.close()
-                    raise
-            elif failure is not None:
-                raise failure
+            self._raise_opening(agree, engine, failure, "open the commit every rank has")
             if agreed >= 0:
                 self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
         else:
@@ -555,6 +539,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            [] if self._persistent else run_dirs)
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+
+    def _raise_opening(self, agree, engine, failure, what):
+        """While opening a run's committed state: `failure` raised on every
+        rank (agree: _raise_together), or on this one; `engine` closed first."""
+        try:
+            if agree:
+                self._raise_together(failure, what)
+            elif failure is not None:
+                raise failure
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            raise
 
     def _explain_other_world(self, error):
         """`error` of resuming committed state, or, where that state was
@@ -626,14 +623,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             failure = exc
         self._raise_together(failure, what, note)
 
-    def _agree_on_commit(self, key):
-        """The oldest newest commit over the ranks, as commit_key (-1: some
-        rank has none). A commit is (epoch, step): the ranks count steps
-        alike and start each epoch together (_next_epoch), so one commit has
-        one key on every rank, whatever failed where."""
-        t = torch.tensor([key], dtype=torch.int64, device=self._comm_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._group)
-        return int(t.item())
+    def _agree_on_commit(self, kept):
+        """Collective: the newest commit that every rank holds, as
+        commit_key, from each rank's commits that all its tiers hold (`kept`;
+        None for a rank with no subgroup); -1 if some rank has none (a fresh
+        start). A commit is (epoch, step): the ranks count steps alike and
+        start each epoch together (_next_epoch), so one commit has one key on
+        every rank. StateMismatchError on every rank, before any rank
+        changes its records, if they hold none in common."""
+        gathered = self._gather(None if kept is None else sorted(kept))
+        held = [set(k) for k in gathered if k is not None]
+        if not held or any(not h for h in held):
+            return -1
+        common = set.intersection(*held)
+        if not common:
+            have = {r: [_recovery.describe_commit(k) for k in g]
+                    for r, g in enumerate(gathered) if g is not None}
+            raise StateMismatchError(
+                f"run {self._run_prefix!r}: the ranks hold no commit in common (by rank: "
+                f"{have}), so no state of one moment can be resumed; nothing was "
+                f"changed (resume='never' starts afresh, or load a checkpoint)")
+        return max(common)
 
     def _next_epoch(self):
         """A load or a re-packing replaces the state outside a step: its
@@ -704,6 +714,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"others not): call step() again with the same gradients to finish it first")
         if pending:
             self._settle_completed_step(what, broadcast=collective)
+
+    def _commit_completed_step(self, what):
+        """Before a load replaces a pending step that completed but whose
+        commit could not be written: that commit is written now if it can
+        be (a best effort; the load goes on either way). Otherwise, on the
+        ranks whose commit of that step landed, a step after the load writes
+        over the slots of the commit before, the last one this rank holds,
+        and a crash then may leave no commit that every rank holds whole.
+        Nothing is written once a load changed the state (the engine drops
+        the failed commit then)."""
+        failed = self._failed_step
+        if self._engine is None or failed is None or not failed["completed"] \
+                or self._incomplete_load is not None:
+            return
+        try:
+            self._engine.retry_commit()
+        except OffloadError as e:
+            _log.warning("%s: the commit of the completed step %d could not be written "
+                         "(%s); loading anyway", what, self._engine.steps, e)
 
     def _settle_completed_step(self, what, broadcast):
         """A pending step that completed, whose commit record alone could not
@@ -810,6 +839,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             steps = 0
         before = len(self.optimizer.param_groups)
         rebuilt = False
+        # A new epoch for the re-packed state's commit, on every rank (one
+        # whose torch refuses the group too: the epochs stay alike).
+        self._next_epoch()
         try:
             with self._together("add the parameter group"):
                 self.optimizer.add_param_group(param_group)  # torch's checks
@@ -823,8 +855,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # their state (a rank whose torch refused the group has nothing
             # to undo, but joins the others' agreement).
             del self.optimizer.param_groups[before:]
+            any_rebuilt = self._any_rank(rebuilt) if self._group is not None else rebuilt
             try:
                 with self._together("restore its parameter groups"):
+                    self._next_epoch()
                     if rebuilt:
                         self._rebuild(saved, masters, steps)
             except Exception as again:
@@ -836,7 +870,28 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
                     f"{again}); load a checkpoint or state dict") from exc
+            if any_rebuilt and not rebuilt:
+                self._commit_kept_engine(steps)
             raise
+
+    def _commit_kept_engine(self, steps):
+        """add_param_group refused on this rank only: the other ranks rebuilt
+        their engines and committed their restored state in the new epoch;
+        this rank commits its unchanged state in it too, so that every rank
+        holds that commit. A best effort: its state is whole either way (the
+        next step commits again; until then a crash finds no commit that
+        every rank holds, and resume refuses)."""
+        engine = self._engine
+        if not self._initialized or engine is None or self._commit_every <= 0:
+            return
+        try:
+            if engine.steps < steps:
+                engine.set_step(steps)
+            self._write_pystate(steps)
+            engine.commit()
+        except OffloadError as e:
+            _log.warning("add_param_group: rank %d could not commit its unchanged state "
+                         "in the new epoch (%s)", self._rank, e)
 
     def _regroup_arena(self):
         """A HostArena for this rank's state (master and arrays): in memory
@@ -876,8 +931,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         persistent run commits it at once: the new engine's files replaced
         the run's, and its commit records with them, in a new epoch (the
         step count may be one that the run committed already)."""
-        self._epoch += 1  # the new engine takes it (_create_engine)
-        self._build()
+        self._build()  # the new engine takes self._epoch (_create_engine)
         if saved is None:
             return
         self._write_states(saved, masters)  # every subgroup of this rank
@@ -887,8 +941,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if self._commit_every > 0:
                 self._write_pystate(steps)
                 self._engine.commit()
-                _recovery.prune_pystate(self._pystate_dir(), _recovery.commit_key(
-                    self._engine.committed_epoch, self._engine.committed_step))
+                self._prune_pystate()
 
     # ----------------------------------------------------------------- step
 
@@ -1219,8 +1272,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise err from exc
         if self._commit_every > 0 and engine.steps > start \
                 and engine.committed_step == engine.steps:
-            _recovery.prune_pystate(self._pystate_dir(), _recovery.commit_key(
-                engine.committed_epoch, engine.committed_step))
+            self._prune_pystate()
         return stats, before
 
     def _owned_params(self):
@@ -1284,12 +1336,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         has_state = {pid: v for pid, v in self._has_state.items() if pid in own}
         if stepping and self._family is not None:
             has_state.update(self._keys_after_step())  # this rank's parameters only
-        _recovery.write_pystate(self._pystate_dir(), self._engine.epoch, step, {
+        engine = self._engine
+        if _recovery.commit_key(engine.epoch, step) <= _recovery.commit_key(
+                engine.committed_epoch, engine.committed_step):
+            # It would replace the file of a commit the engine holds.
+            raise OffloadError(
+                f"internal: the commit of step {step} (epoch {engine.epoch}) would not be "
+                f"newer than the last, of step {engine.committed_step} (epoch "
+                f"{engine.committed_epoch})")
+        _recovery.write_pystate(self._pystate_dir(), engine.epoch, step, {
             "param_groups": self.optimizer.state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": has_state,
             "layout": self._layout_summary(),
         }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
+
+    def _prune_pystate(self):
+        """Removes the Python-side state files of commits the engine no
+        longer holds on every tier (and of attempts that never became one)."""
+        _recovery.prune_pystate(self._pystate_dir(), [
+            _recovery.commit_key(e, s) for e, s in self._engine.kept_commits])
 
     def _checkpoint_exists(self):
         return self._checkpoint_dir is not None and any(
@@ -1348,7 +1414,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._pending_state = None
             self._params_from_masters()
             if engine is not None:
-                _recovery.prune_pystate(run_dir, key)
+                self._prune_pystate()
             self.resumed_from, self.resumed_step = "committed_step", step
         elif self._checkpoint_somewhere():
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)
@@ -1754,7 +1820,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         copy is taken from the parameters' current values.
         """
         self._check_open()
-        self._next_epoch()
+        self._commit_completed_step("load_state_dict")
         previous = self.optimizer.param_groups
         replaced = False
         failure = None
@@ -1803,6 +1869,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise
         self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
+        self._next_epoch()  # every rank: the load went through on all of them
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -2100,7 +2167,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         checkpoint's master copy.
         """
         self._check_open()
-        self._next_epoch()
+        self._commit_completed_step("load_checkpoint")
         directory = os.fspath(directory)
         with self._together(f"read the checkpoint manifest in {directory}"):
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
@@ -2137,15 +2204,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             error = e
         # A failure after some rank's state was touched leaves every rank's
         # state incomplete (part old, part loaded, or loaded on some ranks).
-        touched = error is not None and self._load_started
+        # (A rank that failed before touching its state may see others that
+        # loaded theirs: that too leaves the ranks' state a mix.)
+        failed, touched = error is not None, self._load_started
         if self._group is not None:
-            touched = self._any_rank(touched)
-        if touched:
+            failed, touched = map(bool, self._max_over_ranks(failed, touched))
+        if failed and touched:
             why = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
             self._incomplete_load = f"load_checkpoint({directory!r}) failed part-way ({why})"
         # Before the parameter broadcast, which would wait for a failed rank.
         self._raise_together(error, f"load its checkpoint files in {directory}")
         self._incomplete_load = None
+        self._next_epoch()  # every rank: the load went through on all of them
         if self._group is not None:
             # Every rank counts the steps alike (older checkpoints, or a rank
             # whose subgroups all skipped a step): the largest count.

@@ -17,9 +17,9 @@ of the directory) *before* the engine writes commit K, once everything it
 holds is final. A crash before the commit leaves the engine at the commit
 before, whose file is still there (older files are removed only after a
 commit); a crash after it finds the file for K. On resume the file matching
-the engine's commit is read; the files of older commits but the newest one
-before it are removed (the engine keeps the commit before the last too, see
-EngineConfig.resume_step).
+the engine's commit is read; after it and after each step's commit, the
+files but those of the commits the engine holds on every tier are removed
+(the last one and the one before, see Engine::kept_commits).
 
 Also here: the per-run directory names of a persistent run, and the mapping
 of an engine error to the tier it happened on, so that every error raised
@@ -202,19 +202,17 @@ def committed_world_size(run_dir):
     return None
 
 
-def prune_pystate(run_dir, keep_key):
-    """Removes the Python-side state files but those of the commit
-    `keep_key` (commit_key) and of the newest commit before it: the engine
-    keeps the commit before the last too (COMMIT.prev), which the ranks of a
-    process group may have to go back to."""
+def prune_pystate(run_dir, keep_keys):
+    """Removes the Python-side state files but those of the commits
+    `keep_keys` (commit_key): the ones the engine holds on every tier
+    (Engine.kept_commits: the last commit and the one before, which the
+    ranks of a process group may have to go back to). Files of attempts
+    that never became a commit go too."""
     try:
         names = os.listdir(run_dir)
     except OSError:
         return
-    keys = [int(m.group(1)) for m in map(_PYSTATE_RE.match, names) if m]
-    older = [k for k in keys if k < keep_key]
-    keep = {os.path.basename(pystate_path(run_dir, k))
-            for k in [keep_key] + ([max(older)] if older else [])}
+    keep = {os.path.basename(pystate_path(run_dir, k)) for k in keep_keys}
     for name in names:
         if name in keep:
             continue
