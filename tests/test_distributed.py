@@ -274,6 +274,41 @@ def test_a_load_after_a_commit_failed_on_one_rank_keeps_the_run_resumable(tmp_pa
     spawn(failed_commit_then_load_worker, tier_dirs(tmp_path), str(tmp_path))
 
 
+def failed_everywhere_then_load_worker(rank, tiers, out_dir):
+    """The commit of step 3 fails on both ranks; rank 0's tier is free
+    again when a load_checkpoint comes, rank 1's is not. Rank 0 must not
+    write its commit of step 3 alone: step 2's is the one both ranks hold,
+    and with step 3's on rank 0 the load would write over step 2's slots
+    there (a crash then would leave no commit both ranks hold whole)."""
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1, run_name="both",
+                              commit_every=1)
+    pairs = ((opt, model),)
+    train_same_batches(range(2), pairs)
+    ckpt = os.path.join(out_dir, "ckpt")
+    opt.save_checkpoint(ckpt)
+    blocker = os.path.join(tiers[1], f"both.r{rank}", f"COMMIT.tmp.{os.getpid()}")
+    os.mkdir(blocker)
+    with pytest.raises(OffloadError):
+        train_same_batches(range(2, 3), pairs)
+    if rank == 0:
+        os.rmdir(blocker)
+    opt.load_checkpoint(ckpt, restore_params=True)
+    out = [None] * WORLD
+    dist.all_gather_object(out, (opt.engine.committed_epoch, opt.engine.committed_step))
+    assert out == [(0, 2), (0, 2)], out
+    if rank == 1:
+        os.rmdir(blocker)
+    train_same_batches(range(10, 11), pairs)
+    assert (opt.engine.committed_epoch, opt.engine.committed_step) == (1, 3)
+    opt.close()
+
+
+def test_a_commit_failed_on_every_rank_is_not_written_by_some_before_a_load(tmp_path):
+    spawn(failed_everywhere_then_load_worker, tier_dirs(tmp_path), str(tmp_path))
+
+
 def refused_group_worker(rank, tiers):
     """torch refuses a group on rank 0 only (a parameter already in a
     group) in a committed run: every rank goes back to its groups and

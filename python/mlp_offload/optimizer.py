@@ -717,16 +717,30 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _commit_completed_step(self, what):
         """Before a load replaces a pending step that completed but whose
-        commit could not be written: that commit is written now if it can
-        be (a best effort; the load goes on either way). Otherwise, on the
-        ranks whose commit of that step landed, a step after the load writes
-        over the slots of the commit before, the last one this rank holds,
-        and a crash then may leave no commit that every rank holds whole.
-        Nothing is written once a load changed the state (the engine drops
-        the failed commit then)."""
+        commit could not be written on this rank: that commit is written now
+        if it can be (a best effort; the load goes on either way), so that
+        the ranks whose commit of it landed still share a commit with this
+        one after the load writes over the slots of the commit before. In a
+        process group only if some rank's commit of that step landed
+        (collective): if none did, the commit before is the one every rank
+        holds, and a retry landing on some ranks only would let the load
+        write over its slots there. Nothing is written once a load changed
+        the state (the engine drops the failed commit then)."""
         failed = self._failed_step
-        if self._engine is None or failed is None or not failed["completed"] \
-                or self._incomplete_load is not None:
+        pending = self._engine is not None and failed is not None and failed["completed"] \
+            and self._incomplete_load is None
+        if self._group is not None:
+            # Collective, on every rank: only where some rank's commit of
+            # that step landed. If none did, every rank's last commit is the
+            # one before, which the load must not turn into slots that this
+            # rank's commit (alone) would let it write over.
+            engine = self._engine
+            landed = engine is not None and failed is not None and failed["completed"] \
+                and (engine.committed_epoch, engine.committed_step) == (engine.epoch,
+                                                                         engine.steps)
+            if not self._any_rank(landed):
+                return
+        if not pending:
             return
         try:
             self._engine.retry_commit()
@@ -855,7 +869,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # their state (a rank whose torch refused the group has nothing
             # to undo, but joins the others' agreement).
             del self.optimizer.param_groups[before:]
-            any_rebuilt = self._any_rank(rebuilt) if self._group is not None else rebuilt
+            # (An interrupt on this rank alone: no collective the others are
+            # not in; the restore below lines up with their agreement.)
+            any_rebuilt = self._any_rank(rebuilt) \
+                if self._group is not None and isinstance(exc, Exception) else rebuilt
             try:
                 with self._together("restore its parameter groups"):
                     self._next_epoch()
