@@ -256,12 +256,13 @@ struct Buffer {
   AlignedBuffer mem;
   int subgroup = -1;
   BufState state = BufState::kFree;
-  int pending = 0;          // I/O requests in flight on this buffer
-  absl::Status io_status;   // first error of those requests
-  bool from_disk = false;   // payload must be verified before use
-  int write_slot = -1;      // slot being written
-  bool grad_write = false;  // the baseline's gradient write is in flight
-  bool scratch = false;     // claimed for that write only: free when done
+  int pending = 0;              // I/O requests in flight on this buffer
+  absl::Status io_status;       // first error of those requests
+  bool from_disk = false;       // payload must be verified before use
+  int write_slot = -1;          // slot being written
+  uint64_t write_checksum = 0;  // that record's payload checksum
+  bool grad_write = false;      // the baseline's gradient write is in flight
+  bool scratch = false;         // claimed for that write only: free when done
 };
 
 }  // namespace
@@ -313,6 +314,9 @@ struct Engine::Impl {
   std::vector<int> current_slot;    // slot with the latest on-disk version
   std::vector<int> committed_slot;  // slot named by the last commit
   std::vector<int64_t> disk_step;   // step of the latest on-disk version
+  // Its payload checksum (0: not known, from a first-format commit record):
+  // tells it from another record of the same step count.
+  std::vector<uint64_t> disk_checksum;
   // A cached record replaced outside a step (WriteSubgroup, a checkpoint
   // load) whose step may equal disk_step.
   std::vector<bool> rewritten;   // under mu, as the vectors above
@@ -531,6 +535,7 @@ struct Engine::Impl {
     h.payload_checksum = checksum;
     EncodeRecordHeader(h, buf.mem.data());
     buf.write_slot = WriteSlotFor(i);
+    buf.write_checksum = checksum;
     IoRequest req;
     req.op = IoOp::kWrite;
     req.file = state_files[i].get();
@@ -558,6 +563,7 @@ struct Engine::Impl {
     int i = buffers[b].subgroup;
     current_slot[i] = buffers[b].write_slot;
     disk_step[i] = sg_step[i];
+    disk_checksum[i] = buffers[b].write_checksum;
     rewritten[i] = false;
     buffers[b].write_slot = -1;
   }
@@ -603,6 +609,12 @@ struct Engine::Impl {
       return absl::DataLossError(
           absl::StrCat(w, ": record holds step ", h.step, ", expected step ",
                        disk_step[i], " (overwritten after its commit)"));
+    }
+    if (disk_checksum[i] != 0 && h.payload_checksum != disk_checksum[i]) {
+      // The same step count, another state (a load set the count back).
+      return absl::DataLossError(absl::StrCat(
+          w, ": record holds another state of step ", h.step,
+          " than the one its commit names (overwritten after its commit)"));
     }
     if (config.verify_checksums) {
       // The buffer belongs to this thread until it is handed on, so the
@@ -819,10 +831,12 @@ absl::Status Engine::Impl::WriteCommit() {
     CommitRecord c;
     c.id = id;
     c.subgroup_step.assign(n(), -1);
+    c.subgroup_checksum.assign(n(), 0);
     c.subgroup_slot.assign(n(), 0);
     for (int i = 0; i < n(); ++i) {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
       c.subgroup_step[i] = disk_step[i];
+      c.subgroup_checksum[i] = disk_checksum[i];
       c.subgroup_slot[i] = static_cast<uint8_t>(current_slot[i]);
     }
     std::string encoded = EncodeCommitRecord(c);
@@ -1065,6 +1079,7 @@ absl::Status Engine::Impl::LoadCommitted() {
       if (plan.tier_of_subgroup[i] != static_cast<int>(t)) continue;
       current_slot[i] = committed_slot[i] = c.subgroup_slot[i];
       disk_step[i] = sg_step[i] = c.subgroup_step[i];
+      disk_checksum[i] = c.subgroup_checksum[i];
       initialized[i] = true;
     }
     commit_bytes[t] = use->bytes;
@@ -1174,6 +1189,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   e.current_slot.assign(n, -1);
   e.committed_slot.assign(n, -1);
   e.disk_step.assign(n, 0);
+  e.disk_checksum.assign(n, 0);
   e.rewritten.assign(n, false);
   e.sg_step.assign(n, 0);
   e.initialized.assign(n, false);

@@ -991,6 +991,50 @@ TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == first);
 }
 
+TEST(EngineTest, ARecordRewrittenAtItsCommitsStepCountIsNeverResumed) {
+  // Commits of steps 3 and 4; a load of step 2, a new epoch and another
+  // step 3 write over the slots of (0, 3) with records of step 3 too; their
+  // commit fails. Going back to (0, 3) (as the ranks of a group may) finds
+  // records whose header step matches but whose payload is not the one the
+  // commit names: DataLoss, never that state resumed as (0, 3).
+  Model model({1000, 2000, 3000, 1500}, 27);
+  EngineConfig cfg = CommitEveryStep("same_step");
+  const std::string ckpt = TempDir("same_step_ckpt");
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
+    ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 4));
+    ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
+    ASSERT_TRUE(e.SetEpoch(1).ok());
+    // Tier 0's COMMIT.prev cannot be written: the commit fails before any
+    // tier's records change.
+    const std::string blocker =
+        absl::StrCat(RunDir(cfg, 0), "/COMMIT.prev.tmp.", getpid());
+    ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    model.NewGrads(1003);
+    ASSERT_FALSE(e.Step(AdamWInputs(model), StepOptions()).ok());
+    ASSERT_EQ(rmdir(blocker.c_str()), 0);
+    EXPECT_EQ(e.committed_step(), 4);
+  }
+  cfg.resume = true;
+  cfg.resume_step = 3;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<float> master(3000), m(3000), v(3000);
+  for (int i = 0; i < 4; ++i) {
+    absl::Status r = (*engine)->ReadSubgroup(i, master.data(),
+                                             {m.data(), v.data()}, nullptr);
+    ASSERT_FALSE(r.ok()) << "subgroup " << i;
+    EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(r.message().find("another state of step 3"), std::string::npos)
+        << r;
+  }
+}
+
 TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
   // Step 3's commit reaches tier 0 only, and so does step 4's (not retried
   // in between). Tier 0 must still hold step 2's commit, the last one on

@@ -270,11 +270,14 @@ std::string EncodeCommitRecord(const CommitRecord& c) {
     out.append(static_cast<const char*>(p), n);
   };
   uint64_t magic = kCommitMagic, count = c.subgroup_step.size();
+  std::vector<uint64_t> sums = c.subgroup_checksum;
+  sums.resize(count, 0);
   put(&magic, 8);
   put(&c.id.epoch, 8);
   put(&c.id.step, 8);
   put(&count, 8);
   put(c.subgroup_step.data(), count * 8);
+  put(sums.data(), count * 8);
   put(c.subgroup_slot.data(), count);
   uint64_t sum = HashChunk(reinterpret_cast<const unsigned char*>(out.data()),
                            out.size(), 1);
@@ -293,18 +296,21 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
   CommitRecord c;
   std::memcpy(&magic, bytes.data(), 8);
   if (magic != kCommitMagic && magic != kCommitMagicV1) return bad("bad magic");
-  // The first format had no epoch: its records are of epoch 0.
-  const size_t fixed = magic == kCommitMagic ? 40 : 32;
+  // The first format had no epoch (its records are of epoch 0) and no
+  // checksums (0: not known).
+  const bool v1 = magic == kCommitMagicV1;
+  const size_t fixed = v1 ? 32 : 40, per = v1 ? 9 : 17;
   if (bytes.size() < fixed) return bad("truncated");
   const char* p = bytes.data() + 8;
-  if (magic == kCommitMagic) {
+  if (!v1) {
     std::memcpy(&c.id.epoch, p, 8);
     p += 8;
   }
   std::memcpy(&c.id.step, p, 8);
   std::memcpy(&count, p + 8, 8);
   p += 16;
-  if (count > (bytes.size() - fixed) / 9 || bytes.size() != fixed + count * 9)
+  if (count > (bytes.size() - fixed) / per ||
+      bytes.size() != fixed + count * per)
     return bad("bad size");
   std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
   if (HashChunk(reinterpret_cast<const unsigned char*>(bytes.data()),
@@ -313,9 +319,15 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
   }
   if (c.id.epoch < 0 || c.id.step < 0) return bad("negative step or epoch");
   c.subgroup_step.resize(count);
+  c.subgroup_checksum.assign(count, 0);
   c.subgroup_slot.resize(count);
   std::memcpy(c.subgroup_step.data(), p, count * 8);
-  std::memcpy(c.subgroup_slot.data(), p + count * 8, count);
+  p += count * 8;
+  if (!v1) {
+    std::memcpy(c.subgroup_checksum.data(), p, count * 8);
+    p += count * 8;
+  }
+  std::memcpy(c.subgroup_slot.data(), p, count);
   for (uint8_t s : c.subgroup_slot) {
     if (s > 1) return bad("slot out of range");
   }

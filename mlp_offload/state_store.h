@@ -92,11 +92,14 @@ struct CommitId {
 // "step S (epoch E)", for errors.
 std::string DescribeCommit(const CommitId& id);
 
-// Which slot holds each subgroup's durable version, as of commit `id`.
-// Records of the first format (before epochs) read as epoch 0.
+// Which slot holds each subgroup's durable version, as of commit `id`, and
+// that record's payload checksum (its header's): a slot rewritten after the
+// commit at the same step count is told apart. Records of the first format
+// (before epochs) read as epoch 0, checksums 0 (not known).
 struct CommitRecord {
   CommitId id;
   std::vector<int64_t> subgroup_step;  // -1: not on this tier
+  std::vector<uint64_t> subgroup_checksum;
   std::vector<uint8_t> subgroup_slot;
 };
 std::string EncodeCommitRecord(const CommitRecord& commit);

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   m.tier_of_subgroup = {0, 1, 0};
   CommitRecord c;
   c.id = {5, 4};
+  c.subgroup_checksum = {7, 0, 9};
   c.subgroup_step = {4, -1, 4};
   c.subgroup_slot = {0, 0, 1};
   bool ok = put("header", page.substr(0, 128)) &&

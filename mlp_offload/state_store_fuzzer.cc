@@ -30,7 +30,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto c = ParseCommitRecord(text, "fuzz"); c.ok()) {
     auto again = ParseCommitRecord(EncodeCommitRecord(*c), "fuzz");
     if (!again.ok() || again->subgroup_slot != c->subgroup_slot ||
-        again->id != c->id) {
+        again->id != c->id ||
+        again->subgroup_checksum != c->subgroup_checksum) {
       std::abort();
     }
   }

@@ -90,11 +90,13 @@ TEST(StateStoreTest, CommitRecordRoundTrip) {
   CommitRecord c;
   c.id = {12, 9};
   c.subgroup_step = {9, -1, 8};
+  c.subgroup_checksum = {0x1234567890abcdefull, 0, 42};
   c.subgroup_slot = {1, 0, 0};
   std::string bytes = EncodeCommitRecord(c);
   auto back = ParseCommitRecord(bytes, "COMMIT");
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->id, (CommitId{12, 9}));
+  EXPECT_EQ(back->subgroup_checksum, c.subgroup_checksum);
   EXPECT_EQ(back->subgroup_step, c.subgroup_step);
   EXPECT_EQ(back->subgroup_slot, c.subgroup_slot);
   for (size_t i = 0; i < bytes.size(); ++i) {
@@ -129,6 +131,7 @@ TEST(StateStoreTest, CommitRecordOfTheFirstFormat) {
   auto back = ParseCommitRecord(v1, "COMMIT");
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->id, (CommitId{0, 9}));
+  EXPECT_EQ(back->subgroup_checksum, (std::vector<uint64_t>{0, 0, 0}));
   EXPECT_EQ(back->subgroup_step, (std::vector<int64_t>{9, -1, 8}));
   EXPECT_EQ(back->subgroup_slot, (std::vector<uint8_t>{1, 0, 0}));
   std::string damaged = v1;
