@@ -702,6 +702,8 @@ struct Engine::Impl {
   }
 
   absl::Status WriteCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // FailedPrecondition unless commit `id` would be newer than the last one.
+  absl::Status CheckNewerThanCommitted(const CommitId& id) const;
   // Writes every cached record whose latest version is not on disk (it
   // stays cached), so that a commit record can name them all.
   absl::Status FlushCached() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -780,15 +782,18 @@ absl::Status Engine::Impl::CheckManifestUnchanged(size_t t) const {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Impl::CheckNewerThanCommitted(const CommitId& id) const {
+  if (committed.step < 0 || committed < id) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the commit of ", DescribeCommit(id),
+      " would not be newer than the last commit, of ",
+      DescribeCommit(committed),
+      ": a load set the step count back (SetEpoch to a later epoch first)"));
+}
+
 absl::Status Engine::Impl::WriteCommit() {
   const CommitId id{epoch, steps_done};
-  if (committed.step >= 0 && !(committed < id)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "commit of ", DescribeCommit(id),
-        " would not be newer than the last commit, of ",
-        DescribeCommit(committed),
-        ": a load set the step count back (SetEpoch to a later epoch first)"));
-  }
+  MLP_RETURN_IF_ERROR(CheckNewerThanCommitted(id));
   failed_commit = id;  // until every tier holds the record
   // Per tier: the slot of each of its subgroups. Every subgroup must have
   // its latest version on disk (the caller flushed the cached ones), and
@@ -1523,16 +1528,10 @@ absl::Status Engine::BeginStep() {
     }
   }
   if (e.config.commit_every > 0 &&
-      (e.steps_done + 1) % e.config.commit_every == 0 &&
-      e.committed.step >= 0 &&
-      !(e.committed < CommitId{e.epoch, e.steps_done + 1})) {
+      (e.steps_done + 1) % e.config.commit_every == 0) {
     // Refused before anything changes: the step's commit would be refused.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "BeginStep: the commit of ",
-        DescribeCommit({e.epoch, e.steps_done + 1}),
-        " would not be newer than the last commit, of ",
-        DescribeCommit(e.committed),
-        ": a load set the step count back (SetEpoch to a later epoch first)"));
+    MLP_RETURN_IF_ERROR(Annotate(
+        e.CheckNewerThanCommitted({e.epoch, e.steps_done + 1}), "BeginStep"));
   }
   MutexLock l(&e.mu);
   // The baseline's gradient writes must have landed before they are read.
