@@ -265,6 +265,42 @@ struct Buffer {
   bool scratch = false;         // claimed for that write only: free when done
 };
 
+// The MANIFEST of the run in `dirs` (one directory per tier, in order):
+// every tier's, checked against `expected` (state arrays and subgroup
+// sizes) and against tier 0's (one run, one placement, on tiers that are
+// configured). `texts` gets each tier's bytes.
+absl::StatusOr<Manifest> ReadRunManifest(const std::vector<std::string>& dirs,
+                                         const Manifest& expected,
+                                         std::vector<std::string>* texts) {
+  Manifest first;
+  texts->clear();
+  for (size_t t = 0; t < dirs.size(); ++t) {
+    std::string mpath = dirs[t] + "/MANIFEST";
+    MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
+    MLP_ASSIGN_OR_RETURN(Manifest m, ParseManifest(text, mpath));
+    MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, mpath));
+    texts->push_back(std::move(text));
+    if (t == 0) {
+      for (size_t i = 0; i < m.tier_of_subgroup.size(); ++i) {
+        const int k = m.tier_of_subgroup[i];
+        if (k < 0 || k >= static_cast<int>(dirs.size())) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(mpath, " places subgroup ", i, " on tier ", k,
+                           ", but ", dirs.size(),
+                           " tiers are configured: give the tiers the run "
+                           "used, in its order"));
+        }
+      }
+      first = std::move(m);
+    } else if (m.run_id != first.run_id ||
+               m.tier_of_subgroup != first.tier_of_subgroup) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          mpath, " belongs to another run than ", dirs[0], "/MANIFEST"));
+    }
+  }
+  return first;
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
@@ -989,31 +1025,14 @@ absl::Status Engine::Impl::LoadCommitted() {
     }
     return Committed{std::move(record), std::move(bytes)};
   };
+  std::vector<std::string> dirs, texts;
+  for (const auto& tier : tiers) dirs.push_back(tier.dir);
+  MLP_ASSIGN_OR_RETURN(Manifest m, ReadRunManifest(dirs, expected, &texts));
+  run_id = m.run_id;
+  plan.tier_of_subgroup = m.tier_of_subgroup;
   std::vector<TierCommits> commits;
   for (size_t t = 0; t < tiers.size(); ++t) {
-    std::string mpath = tiers[t].dir + "/MANIFEST";
-    MLP_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(mpath));
-    MLP_ASSIGN_OR_RETURN(Manifest m, ParseManifest(text, mpath));
-    MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, mpath));
-    tiers[t].manifest = text;
-    if (t == 0) {
-      run_id = m.run_id;
-      plan.tier_of_subgroup = m.tier_of_subgroup;
-      for (size_t i = 0; i < m.tier_of_subgroup.size(); ++i) {
-        const int k = m.tier_of_subgroup[i];
-        if (k < 0 || k >= static_cast<int>(tiers.size())) {
-          return absl::FailedPreconditionError(
-              absl::StrCat(mpath, " places subgroup ", i, " on tier ", k,
-                           ", but ", tiers.size(),
-                           " tiers are configured: give the tiers the run "
-                           "used, in its order"));
-        }
-      }
-    } else if (m.run_id != run_id ||
-               m.tier_of_subgroup != plan.tier_of_subgroup) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          mpath, " belongs to another run than ", tiers[0].dir, "/MANIFEST"));
-    }
+    tiers[t].manifest = texts[t];
     std::string cpath = tiers[t].dir + "/COMMIT";
     auto bytes = ReadSmallFile(cpath);
     if (!bytes.ok()) {
@@ -1118,6 +1137,52 @@ absl::Status Engine::Impl::LoadCommitted() {
   }
   resumed = true;
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<CommitId>> ReadKeptCommits(
+    const std::vector<std::string>& tier_dirs) {
+  std::vector<CommitId> kept;
+  for (size_t t = 0; t < tier_dirs.size(); ++t) {
+    const std::string cpath = tier_dirs[t] + "/COMMIT";
+    absl::StatusOr<std::string> bytes = ReadSmallFile(cpath);
+    if (!bytes.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no committed step on ", tier_dirs[t], " (",
+                       bytes.status().message(), ")"));
+    }
+    MLP_ASSIGN_OR_RETURN(CommitRecord latest, ParseCommitRecord(*bytes, cpath));
+    std::vector<CommitId> held = {latest.id};
+    // A damaged COMMIT.prev holds nothing that a resume could use.
+    const std::string ppath = cpath + ".prev";
+    if (auto pbytes = ReadSmallFile(ppath); pbytes.ok()) {
+      if (auto previous = ParseCommitRecord(*pbytes, ppath); previous.ok())
+        held.push_back(previous->id);
+    }
+    if (t == 0) {
+      kept = held;
+    } else {
+      kept.erase(std::remove_if(kept.begin(), kept.end(),
+                                [&held](const CommitId& id) {
+                                  return std::find(held.begin(), held.end(),
+                                                   id) == held.end();
+                                }),
+                 kept.end());
+    }
+  }
+  std::sort(kept.begin(), kept.end(),
+            [](const CommitId& a, const CommitId& b) { return b < a; });
+  kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
+  return kept;
+}
+
+absl::Status CheckRunLayout(const std::vector<std::string>& tier_dirs,
+                            int arrays_per_param,
+                            const std::vector<uint64_t>& subgroup_numel) {
+  Manifest expected;
+  expected.arrays_per_param = arrays_per_param;
+  expected.subgroup_numel = subgroup_numel;
+  std::vector<std::string> texts;
+  return ReadRunManifest(tier_dirs, expected, &texts).status();
 }
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -37,6 +37,23 @@ enum class TierLockMode { kExclusive, kPerDirection };
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
                                            const std::string& tier_dir);
 
+// The commits that every tier of a run holds (as its COMMIT or a readable
+// COMMIT.prev), newest first, read from the run's directories `tier_dirs`
+// (in tier order) without opening the run: the commits a resume of it can
+// ask for (EngineConfig::resume_epoch/resume_step), for a caller choosing
+// between run directories. No manifest check (CheckRunLayout).
+// FailedPrecondition if a tier has no COMMIT, DataLoss if one is damaged;
+// empty if the tiers share none.
+absl::StatusOr<std::vector<CommitId>> ReadKeptCommits(
+    const std::vector<std::string>& tier_dirs);
+// Whether the run in `tier_dirs` holds state of this layout (state arrays
+// per parameter, master included, and subgroup sizes), one run on every
+// tier: the manifest checks of a resume, without opening the run.
+// FailedPrecondition naming the file and the difference otherwise.
+absl::Status CheckRunLayout(const std::vector<std::string>& tier_dirs,
+                            int arrays_per_param,
+                            const std::vector<uint64_t>& subgroup_numel);
+
 // The most update threads an engine runs (more is a typo, not a machine).
 inline constexpr int kMaxComputeThreads = 1024;
 

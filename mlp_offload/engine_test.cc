@@ -1291,6 +1291,54 @@ TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {
   EXPECT_EQ((*engine)->step(), 2);
 }
 
+TEST(EngineTest, KeptCommitsAreReadWithoutOpeningTheRun) {
+  Model model({1000, 2000, 3000, 1500}, 26);
+  Snapshot at2, at4;
+  EngineConfig cfg = CommittedEveryTwo("kept_read", model, &at2, &at4);
+  const std::vector<std::string> dirs = {RunDir(cfg, 0), RunDir(cfg, 1)};
+  EXPECT_TRUE(CheckRunLayout(dirs, 3, cfg.subgroup_numel).ok());
+  absl::Status other = CheckRunLayout(dirs, 3, {1000, 2000, 3000, 1501});
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(other.message().find("subgroup 3 has 1500 parameters, this "
+                                 "model's has 1501"),
+            std::string::npos)
+      << other;
+  EXPECT_FALSE(CheckRunLayout(dirs, 2, cfg.subgroup_numel).ok());
+  auto kept = ReadKeptCommits(dirs);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, (std::vector<CommitId>{{0, 4}, {0, 2}}));
+  cfg.resume = true;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->kept_commits(), *kept);
+  }
+  // Tier 1's record of step 4 lost (a crash between the tiers): step 2 is
+  // the only commit both hold, as for the resume.
+  absl::StatusOr<std::string> prev0 = ReadSmallFile(dirs[0] + "/COMMIT.prev");
+  absl::StatusOr<std::string> prev1 = ReadSmallFile(dirs[1] + "/COMMIT.prev");
+  ASSERT_TRUE(prev0.ok() && prev1.ok());
+  ASSERT_TRUE(WriteFileAtomically(dirs[1] + "/COMMIT", *prev1).ok());
+  kept = ReadKeptCommits(dirs);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, (std::vector<CommitId>{{0, 2}}));
+  // A damaged COMMIT.prev holds nothing: no commit in common.
+  ASSERT_TRUE(WriteFileAtomically(dirs[0] + "/COMMIT.prev", "junk").ok());
+  kept = ReadKeptCommits(dirs);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_TRUE(kept->empty());
+  // A damaged COMMIT is DataLoss; a missing one names the tier.
+  ASSERT_TRUE(WriteFileAtomically(dirs[1] + "/COMMIT", "junk").ok());
+  kept = ReadKeptCommits(dirs);
+  EXPECT_EQ(kept.status().code(), absl::StatusCode::kDataLoss) << kept.status();
+  ASSERT_EQ(unlink((dirs[1] + "/COMMIT").c_str()), 0);
+  kept = ReadKeptCommits(dirs);
+  EXPECT_EQ(kept.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(kept.status().message().find("no committed step on " + dirs[1]),
+            std::string::npos)
+      << kept.status();
+}
+
 TEST(EngineTest, SlotsRewrittenAfterACommitAreNeverResumedSilently) {
   Model model({1000, 2000, 3000, 1500}, 23);
   Snapshot at2, at4;

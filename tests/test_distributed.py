@@ -3,17 +3,19 @@ updated parameters reach every rank; results equal the plain optimizer.
 Stepping, resuming committed state, and failures during both (checkpoints:
 test_distributed_checkpoint.py)."""
 
+import contextlib
 import copy
 import errno
 import functools
 import os
 import shutil
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mlp_offload import MLPOffloadOptimizer, cuda_path
+from mlp_offload import MLPOffloadOptimizer, _C, cuda_path
 from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
                                StateMismatchError, TierIOError)
 from conftest import tier_dirs
@@ -162,6 +164,27 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
         MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
                             subgroup_numel=200, compute_threads=1, run_name="dist",
                             commit_every=2, resume="auto")
+    # Nor can more ranks: a new rank has no commit, but that must not make
+    # every rank start afresh over the others' commits.
+    records = {os.path.join(t, f"dist.r{r}", "COMMIT"): None for t in tiers for r in range(2)}
+    for path in records:
+        with open(path, "rb") as f:
+            records[path] = f.read()
+    spawn(grown_world_worker, tiers, world=3)
+    for path, data in records.items():
+        with open(path, "rb") as f:
+            assert f.read() == data, path
+
+
+def grown_world_worker(rank, tiers):
+    model = make_model()
+    with pytest.raises(OffloadError) as raised:
+        MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                            subgroup_numel=200, compute_threads=1, run_name="dist",
+                            commit_every=2, resume="auto")
+    if rank < 2:
+        assert isinstance(raised.value, StateMismatchError), raised.value
+        assert "committed by 2 ranks and this job has 3" in str(raised.value)
 
 
 def repeated_step_worker(rank, tiers, out_dir, phase):
@@ -309,11 +332,12 @@ def test_a_commit_failed_on_every_rank_is_not_written_by_some_before_a_load(tmp_
     spawn(failed_everywhere_then_load_worker, tier_dirs(tmp_path), str(tmp_path))
 
 
-def refused_group_worker(rank, tiers):
+def refused_group_worker(rank, tiers, kept_commit_fails):
     """torch refuses a group on rank 0 only (a parameter already in a
     group) in a committed run: every rank goes back to its groups and
     commits them in a new epoch, rank 0 with the engine it kept, so that a
-    crash then resumes one commit on both ranks."""
+    crash then resumes one commit on both ranks. If rank 0's commit fails,
+    rank 1 keeps the directory of the commit before (both hold that one)."""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
                              compute_threads=1, run_name="grp", commit_every=1)
@@ -321,22 +345,91 @@ def refused_group_worker(rank, tiers):
     pairs = ((opt, model),)
     train_same_batches(range(2), pairs)
     group = list(model[2].parameters()) + ([model[0].weight] if rank == 0 else [])
-    with pytest.raises(Exception):
-        opt.add_param_group({"params": group})
+
+    def refused(*args, **kwargs):
+        raise OffloadError("tier full (injected)")
+
+    with contextlib.ExitStack() as stack:
+        if kept_commit_fails and rank == 0:
+            stack.enter_context(mock.patch.object(MLPOffloadOptimizer, "_write_pystate",
+                                                  refused))
+        with pytest.raises(Exception):
+            opt.add_param_group({"params": group})
     assert len(opt.param_groups) == 1
-    assert (opt.engine.committed_epoch, opt.engine.committed_step) == (2, 2)
+    want_commit = (0, 2) if kept_commit_fails and rank == 0 else (2, 2)
+    assert (opt.engine.committed_epoch, opt.engine.committed_step) == want_commit
+    run_dirs = [sorted(d for d in os.listdir(t) if d.startswith(f"grp.r{rank}")) for t in tiers]
+    want_dirs = [f"grp.r{rank}"] + ([f"grp.r{rank}.alt"] if kept_commit_fails and rank == 1
+                                    else [])
+    if rank == 1 and not kept_commit_fails:
+        want_dirs = [f"grp.r{rank}.alt"]
+    assert run_dirs == [want_dirs] * len(tiers), (rank, run_dirs)
     want = [p.detach().clone() for p in model.parameters()]
     opt.close()  # as a crash
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
-    assert (again.resumed_step, again.engine.committed_epoch) == (2, 2), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == \
+        (2, 0 if kept_commit_fails else 2), rank
     for p, q in zip(model.parameters(), want):
         assert torch.equal(p, q), rank
     train_same_batches(range(2, 3), ((again, model),))
     again.close()
 
 
-def test_a_group_refused_on_one_rank_leaves_one_commit_on_every_rank(tmp_path):
-    spawn(refused_group_worker, tier_dirs(tmp_path))
+@pytest.mark.parametrize("kept_commit_fails", [False, True])
+def test_a_group_refused_on_one_rank_leaves_one_commit_on_every_rank(tmp_path,
+                                                                     kept_commit_fails):
+    spawn(refused_group_worker, tier_dirs(tmp_path), kept_commit_fails)
+
+
+def die(*args, **kwargs):
+    os._exit(0)  # as kill -9: nothing after it runs, no collective is joined
+
+
+def crash_in_add_worker(rank, tiers, phase):
+    """Phase "crash": a committed run dies during add_param_group, rank 0
+    right after committing its re-packed state (in its other run directory)
+    and rank 1 before. Phase "resume": both resume the commit before the
+    add, the newest both hold; rank 0's newer one, which rank 1 never made,
+    is removed, and the add goes through."""
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="cr", commit_every=1)
+    alt = [os.path.join(t, f"cr.r{rank}.alt") for t in tiers]
+    want_file = os.path.join(os.path.dirname(tiers[0]), f"want{rank}.pt")
+    if phase == "crash":
+        opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
+        train_same_batches(range(2), ((opt, model),))
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "state": opt.state_dict()["state"]}, want_file)
+        point = "_prune_pystate" if rank == 0 else "_write_pystate"  # after / before commit
+        with mock.patch.object(MLPOffloadOptimizer, point, die):
+            opt.add_param_group({"params": list(model[2].parameters())})
+        raise AssertionError("not reached")
+    want = torch.load(want_file)
+    # Rank 0's re-packed state is committed (epoch 1, step 2, the new
+    # layout); rank 1's is not.
+    if rank == 0:
+        assert _C.engine.read_kept_commits(alt) == [(1, 2)]
+    else:
+        assert not all(os.path.isfile(os.path.join(d, "COMMIT")) for d in alt)
+    again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
+    assert (again.resumed_step, again.engine.committed_epoch) == (2, 0), rank
+    for p, q in zip(model.parameters(), want["params"]):
+        assert torch.equal(p, q), rank
+    assert_states_match(again.state_dict()["state"], want["state"], rank)
+    assert not any(os.path.exists(d) for d in alt), rank
+    again.add_param_group({"params": list(model[2].parameters())})
+    train_same_batches(range(2, 3), ((again, model),))
+    assert (again.engine.committed_epoch, again.engine.committed_step) == (1, 3)
+    assert [sorted(d for d in os.listdir(t) if d.startswith(f"cr.r{rank}")) for t in tiers] \
+        == [[f"cr.r{rank}.alt"]] * len(tiers)
+    again.close()
+
+
+def test_a_crash_during_add_param_group_resumes_the_commit_every_rank_holds(tmp_path):
+    tiers = tier_dirs(tmp_path)
+    spawn(crash_in_add_worker, tiers, "crash")
+    spawn(crash_in_add_worker, tiers, "resume")
 
 
 def mixed_runs_worker(rank, tiers, out_dir, phase):

@@ -625,6 +625,204 @@ def test_add_param_group_in_a_committed_run_is_committed_at_once(tmp_path, host_
     again.close()
 
 
+class Crash(BaseException):
+    """The process dies there: nothing after it runs (not an Exception, so
+    no rollback catches it)."""
+
+
+def crash(*args, **kwargs):
+    raise Crash()
+
+
+def groups_wrap(model, tiers, both, **kwargs):
+    """The optimizer of train_then_add_group, with its second group already
+    (`both`) or not."""
+    params = list(model.parameters())
+    groups = [{"params": params[:4]}] + ([{"params": params[4:], "lr": 5e-3}] if both else [])
+    return MLPOffloadOptimizer(torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
+                               tiers=tiers, subgroup_numel=300, compute_threads=1, **kwargs)
+
+
+def assert_same_state(got, want):
+    assert got.keys() == want.keys()
+    for pid, st in want.items():
+        for k, v in st.items():
+            assert torch.equal(got[pid][k], v), (pid, k)
+
+
+def add_then_train(opt, model, steps):
+    opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    for k in steps:
+        model.zero_grad(set_to_none=True)
+        backward(model, k)
+        opt.step()
+
+
+@pytest.mark.parametrize("host_cache_bytes", [0, 1 << 20])
+def test_a_crash_during_add_param_group_resumes_the_commit_before_it(
+        tmp_path, monkeypatch, host_cache_bytes):
+    # The crash comes after the re-packed state's engine was created, before
+    # its commit. Before, that engine's files had replaced the run's, commit
+    # records included: a resume found no commit (resume="auto" started
+    # afresh, silently). Now the re-packed state goes into the run's other
+    # directory and the last commit stays until the new one is made.
+    ref_model = make_model()
+    ref = train_then_add_group(ref_model, tier_dirs(tmp_path, prefix="ref"), 3, 2)
+    ref_sd = ref.state_dict()
+    ref.close()
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1,
+                               host_cache_bytes=host_cache_bytes)
+    at3, at3_sd = params_of(model), opt.state_dict()
+    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", crash)
+    with pytest.raises(Crash):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+    opt.close()
+    for t in tiers:  # the crash's leftovers: the new directory, uncommitted
+        assert os.path.isfile(os.path.join(t, "r.r0", "COMMIT"))
+        assert not os.path.exists(os.path.join(t, "r.r0.alt", "COMMIT"))
+    again = groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="require",
+                        host_cache_bytes=host_cache_bytes)
+    assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
+    assert_equal(params_of(model), at3, "resumed")
+    assert_same_state(again.state_dict()["state"], at3_sd["state"])
+    for t in tiers:  # removed once the resume went through
+        assert not os.path.exists(os.path.join(t, "r.r0.alt"))
+    add_then_train(again, model, range(3, 5))
+    assert_equal(params_of(model), params_of(ref_model), "after the add, resumed")
+    assert_same_state(again.state_dict()["state"], ref_sd["state"])
+    again.close()
+
+
+def test_a_crash_after_add_param_groups_commit_resumes_it(tmp_path, monkeypatch):
+    # The crash comes after the re-packed state's commit, before the run's
+    # previous directory is removed: both directories hold commits, and a
+    # resume takes the newest (with the new groups only: with the old ones it
+    # is refused, as that commit has another layout, and nothing changes).
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
+    monkeypatch.setattr(MLPOffloadOptimizer, "_settle_run_dir", crash)
+    with pytest.raises(Crash):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+    at_add, at_add_sd = params_of(model), opt.state_dict()
+    opt.close()
+    for t in tiers:
+        for d in ("r.r0", "r.r0.alt"):
+            assert os.path.isfile(os.path.join(t, d, "COMMIT")), (t, d)
+    with pytest.raises(errors.StateMismatchError):
+        groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="require")
+    for t in tiers:  # the refusal changed nothing
+        for d in ("r.r0", "r.r0.alt"):
+            assert os.path.isfile(os.path.join(t, d, "COMMIT")), (t, d)
+    again = groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
+    assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
+    assert_equal(params_of(model), at_add, "resumed")
+    assert_same_state(again.state_dict()["state"], at_add_sd["state"])
+    for t in tiers:
+        assert not os.path.exists(os.path.join(t, "r.r0"))
+    again.close()
+    # A fresh start discards both directories' commits: none is resumed
+    # later (the other directory's epochs would pass for newer ones).
+    fresh = groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="never")
+    fresh.close()
+    with pytest.raises(errors.StateMismatchError, match="no committed step"):
+        groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
+
+
+def test_a_crash_in_add_param_group_after_a_failed_one_resumes_the_newest_commit(
+        tmp_path, monkeypatch):
+    # add_param_group fails and so does restoring the old groups, leaving
+    # the engine in the run's other directory; a load and a step commit
+    # there. The next add_param_group must not take that directory for the
+    # re-packed state: a crash during it resumes the step after the load
+    # (before, it resumed the commit from before the first add).
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
+    at3 = opt.state_dict()
+
+    def full(*args, **kwargs):
+        raise errors.TierFullError("tier full (injected)")
+
+    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", full)
+    with pytest.raises(errors.OffloadError, match="so did restoring.*last commit is intact"):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+    opt.load_state_dict(at3)
+    model.zero_grad(set_to_none=True)
+    backward(model, 3)
+    opt.step()
+    assert opt.engine.committed_step == 4
+    at4, at4_sd = params_of(model), opt.state_dict()
+    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", crash)
+    with pytest.raises(Crash):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+    opt.close()
+    again = groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="require")
+    assert (again.resumed_from, again.resumed_step) == ("committed_step", 4)
+    assert_equal(params_of(model), at4, "resumed")
+    assert_same_state(again.state_dict()["state"], at4_sd["state"])
+    again.close()
+
+
+def test_a_fresh_start_never_removes_a_live_engines_run_directory(tmp_path):
+    # A live engine uses the run's other directory (as after an
+    # add_param_group): a second optimizer of the run starting afresh is
+    # refused rather than removing it under that engine.
+    tiers = tier_dirs(tmp_path, 1)
+    live = _C.engine.Engine.create(tiers=[{"path": tiers[0]}], host_budget_bytes=1 << 24,
+                                   subgroup_numel=[1000], num_state_arrays=2,
+                                   grad_dtype="float32", run_name="busy.r0.alt")
+    with pytest.raises(errors.TierInUseError, match=r"busy\.r0\.alt is in use by a live engine"):
+        wrap(make_model(), tiers, run_name="busy", commit_every=1, resume="never")
+    assert os.path.isfile(os.path.join(tiers[0], "busy.r0.alt", "MANIFEST"))
+    live.close()
+    opt = wrap(make_model(), tiers, run_name="busy", commit_every=1, resume="never")
+    assert not os.path.exists(os.path.join(tiers[0], "busy.r0.alt"))
+    opt.close()
+
+
+def test_a_run_directory_planted_as_a_symlink_is_unlinked_not_followed(tmp_path):
+    # Clearing the run's other directory removes a symlink planted there,
+    # never the commit records of the directory it names.
+    tiers = tier_dirs(tmp_path, 1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("COMMIT", "COMMIT.prev", "MANIFEST"):
+        (elsewhere / name).write_bytes(b"x")
+    os.symlink(elsewhere, os.path.join(tiers[0], "r.r0.alt"))
+    opt = wrap(make_model(), tiers, run_name="r", commit_every=1)
+    assert not os.path.lexists(os.path.join(tiers[0], "r.r0.alt"))
+    assert sorted(os.listdir(elsewhere)) == ["COMMIT", "COMMIT.prev", "MANIFEST"]
+    opt.close()
+
+
+def test_add_param_group_alternates_the_run_directories(tmp_path):
+    # Each add_param_group of a committed run writes the other directory
+    # and removes the one before once it is committed.
+    tiers = tier_dirs(tmp_path)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    layers = list(model)
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(layers[0].parameters(), lr=1e-2),
+                              tiers=tiers, subgroup_numel=100, compute_threads=1,
+                              run_name="r", commit_every=1)
+    for k, layer in enumerate(layers[1:] + [None]):
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        in_use = "r.r0.alt" if k % 2 else "r.r0"
+        for t in tiers:
+            assert sorted(d for d in os.listdir(t) if d.startswith("r.r0")) == [in_use]
+        if layer is not None:
+            opt.add_param_group({"params": layer.parameters()})
+    opt.close()
+
+
 def test_a_load_in_a_committed_run_with_a_host_cache_is_committed_by_the_next_step(tmp_path):
     # A state dict of step 2 loaded at step 4: its records go into the host
     # cache, and a subgroup without state (a frozen layer) is initialised

@@ -448,6 +448,33 @@ void RegisterEngineBindings(py::module_& parent) {
       "(with `verify`, which reads the whole payload) the payload checksum. "
       "Returns the record's step.");
 
+  m.def(
+      "read_kept_commits",
+      [](const std::vector<std::string>& tier_dirs) {
+        std::vector<CommitId> kept = ValueOrThrow(ReadKeptCommits(tier_dirs));
+        std::vector<std::pair<int64_t, int64_t>> out;
+        for (const CommitId& id : kept) out.emplace_back(id.epoch, id.step);
+        return out;
+      },
+      py::arg("tier_dirs"),
+      "The commits every tier of a run holds, newest first, as (epoch, "
+      "step), read from the run's directories (in tier order) without "
+      "opening it: the commits a resume of it can ask for.");
+
+  m.def(
+      "check_run_layout",
+      [](const std::vector<std::string>& tier_dirs, int arrays_per_param,
+         const std::vector<uint64_t>& subgroup_numel) {
+        ThrowIfError(
+            CheckRunLayout(tier_dirs, arrays_per_param, subgroup_numel));
+      },
+      py::arg("tier_dirs"), py::arg("arrays_per_param"),
+      py::arg("subgroup_numel"),
+      "Raises StateMismatchError (naming the file and the difference) "
+      "unless the run in tier_dirs holds state of this layout (arrays per "
+      "parameter, master included, and subgroup sizes), one run on every "
+      "tier: a resume's manifest checks, without opening the run.");
+
   m.def("aligned_record_bytes", &AlignedRecordBytes, py::arg("numel"),
         py::arg("arrays_per_param"),
         "Bytes of a record of `numel` params with that many fp32 arrays, "

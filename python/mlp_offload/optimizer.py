@@ -44,7 +44,8 @@ from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
 from mlp_offload import _C
 from mlp_offload.errors import (ConfigError, CorruptStateError, NonFiniteGradientError,
-                                OffloadError, StateMismatchError, TierFullError)
+                                OffloadError, StateMismatchError, TierFullError,
+                                TierInUseError)
 
 _log = logging.getLogger(__name__)
 
@@ -279,6 +280,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self.resumed_from = None
             self.resumed_step = None
             self._generation = 0
+            self._commit_dir = None  # of a persistent run: holds its last commit
             self._epoch = 0  # of the commits made from now (see _next_epoch)
             self._generic_state_keys = generic_state_keys
         except Exception as exc:
@@ -383,8 +385,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     out[pid] = _copy_state(state[p])
         return out
 
-    def _build(self):
-        """Packs the parameters and creates the engine for this rank's shard."""
+    def _build(self, rebuild=False):
+        """Packs the parameters and creates the engine for this rank's shard
+        (rebuild: for add_param_group, see _create_engine)."""
         groups = self.param_groups
         params = [p for g in groups for p in g["params"]]
         dtypes = {p.dtype for p in params}
@@ -442,14 +445,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._has_state = {pid: False for pid in range(len(params))}
         self._initialized = False
         self._grad_fingerprint = {}
-        self._create_engine()
+        self._create_engine(rebuild)
         if self._staging is not None:
             self._staging.close()
         self._staging = _cuda_path.DeviceStaging(self) \
             if _cuda_path.wanted(self._device) else None
         self._install_grad_hooks()
 
-    def _create_engine(self):
+    def _create_engine(self, rebuild=False):
         if self._finalizer is not None:
             self._finalizer()
         self._engine = None
@@ -467,6 +470,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if self._agreed_key >= 0:
                     self._epoch, self._agreed_step = _recovery.split_commit_key(
                         self._agreed_key)
+            elif self._persistent and self._group is not None and not rebuild:
+                # resume='never': the owners raise together (_open_committed).
+                self._raise_together(None, "clear the run's state for a fresh start")
             return
         numel = [self._subgroups[g].numel for g in self._owned]
         arrays = 1 + self._num_arrays
@@ -478,53 +484,22 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            self._techniques, len(self._tiers))
         self._generation += 1
         engine = None
-        if self._persistent:
-            self._run_name = _recovery.run_dir_name(self._run_prefix, self._rank)
-            # The commits this rank can resume (commit_key; newest first).
-            mine, kept, failure = -1, [], None
-            if not self._want_resume and any(
-                    os.path.isfile(os.path.join(d, "COMMIT"))
-                    for d in _recovery.run_dirs(self._tiers, self._run_name)):
-                _log.warning("run %r has committed state on these tiers: resume='never' "
-                             "starts afresh and discards it", self._run_prefix)
+        if self._persistent and rebuild:
+            # The re-packed state goes into the run directory that does not
+            # hold the run's last commit: that one stays until every rank
+            # has committed the new state (_settle_run_dir), so a crash
+            # before then resumes it.
+            names = _recovery.run_dir_names(self._run_prefix, self._rank)
+            self._run_name = names[1] if self._commit_dir == names[0] else names[0]
+            dirs = _recovery.run_dirs(self._tiers, self._run_name)
             try:
-                if self._want_resume and _recovery.has_committed_state(
-                        _recovery.run_dirs(self._tiers, self._run_name)):
-                    engine = self._new_engine(budget, numel, resume=True)
-                    mine = _recovery.commit_key(engine.committed_epoch, engine.committed_step)
-                    kept = [_recovery.commit_key(e, s) for e, s in engine.kept_commits]
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                failure = self._explain_other_world(e)
-            # Before the agreement, which would wait for a failed rank.
-            self._raise_opening(agree, engine, failure, "open its committed state")
-            try:
-                agreed = self._agree_on_commit(kept) if agree else mine
-                self._agreed_key = agreed
-                self._check_require(agreed)
-            except StateMismatchError:
-                if engine is not None:
-                    engine.close()
-                raise
-            if engine is not None and agreed != mine:
-                # Another rank died before writing commit `mine`: every rank
-                # goes back to the commit all of them wrote (the engine keeps
-                # the commit before the last), or starts afresh.
-                engine.close()
-                engine = None
-                _log.warning("rank %d: the commit of %s is not on every rank; %s",
-                             self._rank, _recovery.describe_commit(mine),
-                             f"resuming {_recovery.describe_commit(agreed)}" if agreed >= 0
-                             else "another rank has none, starting afresh")
-                if agreed >= 0:
-                    epoch, step = _recovery.split_commit_key(agreed)
-                    try:
-                        engine = self._new_engine(budget, numel, resume=True,
-                                                  resume_epoch=epoch, resume_step=step)
-                    except Exception as e:  # noqa: BLE001 - raised on every rank below
-                        failure = e
-            self._raise_opening(agree, engine, failure, "open the commit every rank has")
-            if agreed >= 0:
-                self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
+                _recovery.discard_run(dirs)
+            except OSError as e:
+                raise _recovery.os_error_to_tier_error(
+                    e, "clearing the run directory for the re-packed state",
+                    dirs[0]) from e
+        elif self._persistent:
+            engine = self._open_committed(budget, numel, agree)
         else:
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                               f"-g{self._generation}-r{self._rank}")
@@ -540,6 +515,118 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
 
+    def _open_committed(self, budget, numel, agree):
+        """A persistent run's engine at start: the newest commit that every
+        rank holds (agree) in either of this rank's run directories, opened
+        (None: none to resume, a fresh start follows in the first one)."""
+        names = _recovery.run_dir_names(self._run_prefix, self._rank)
+        self._run_name = self._commit_dir = names[0]
+        if not self._want_resume and any(
+                os.path.isfile(os.path.join(d, "COMMIT"))
+                for name in names for d in _recovery.run_dirs(self._tiers, name)):
+            _log.warning("run %r has committed state on these tiers: resume='never' "
+                         "starts afresh and discards it", self._run_prefix)
+        held, failure, engine = {}, None, None  # commit_key -> run directory
+        try:
+            if self._want_resume:
+                held = self._held_commits(names, numel)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            failure = e
+        # Before the agreement, which would wait for a failed rank.
+        self._raise_opening(agree, None, failure, "read its committed state")
+        kept = sorted(held, reverse=True)  # newest first
+        mine = kept[0] if kept else -1
+        agreed = self._agree_on_commit(kept) if agree else mine
+        self._agreed_key = agreed
+        self._check_require(agreed)
+        if agreed != mine:
+            # Another rank died before writing commit `mine`: every rank
+            # goes back to the commit all of them wrote (the engine keeps
+            # the commit before the last), or starts afresh.
+            _log.warning("rank %d: the commit of %s is not on every rank; %s",
+                         self._rank, _recovery.describe_commit(mine),
+                         f"resuming {_recovery.describe_commit(agreed)}" if agreed >= 0
+                         else "another rank has none, starting afresh")
+        if agreed >= 0:
+            self._run_name = self._commit_dir = held[agreed]
+            epoch, step = _recovery.split_commit_key(agreed)
+            try:
+                engine = self._new_engine(budget, numel, resume=True,
+                                          resume_epoch=epoch, resume_step=step)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                failure = self._explain_other_world(e, self._run_name)
+        else:
+            # A fresh start: no commit of the run's other directory may
+            # outlive it (its epochs would pass for newer ones).
+            try:
+                self._discard_other_run_dir(strict=True)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                failure = e
+        # (resume='never' in a group: the ranks raise together here too.)
+        self._raise_opening(agree or self._group is not None, engine, failure,
+                            "open the commit every rank has" if agreed >= 0
+                            else "clear the run's state for a fresh start")
+        if agreed >= 0:
+            self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
+        return engine
+
+    def _held_commits(self, names, numel):
+        """{commit_key: run directory name}: the commits that all tiers hold
+        in this rank's run directories `names`, of any layout (a crash
+        during add_param_group leaves one of each; the ranks agree on the
+        newest they all hold, whose layout must then be this model's). If
+        this rank has commits but none of this layout, the error saying so
+        (before the agreement: a rank without commits would otherwise make
+        every rank start afresh over them)."""
+        held, mismatch, matched = {}, None, False
+        for name in names:
+            dirs = _recovery.run_dirs(self._tiers, name)
+            if not _recovery.has_committed_state(dirs):
+                continue
+            kept = _C.engine.read_kept_commits(dirs)
+            if not kept:
+                raise CorruptStateError(
+                    f"the commit records of run {self._run_prefix!r} in {', '.join(dirs)} "
+                    f"share no commit (each tier holds its last two): a tier's records "
+                    f"were lost or replaced; nothing was changed")
+            for e, st in kept:
+                held.setdefault(_recovery.commit_key(e, st), name)
+            try:
+                _C.engine.check_run_layout(dirs, 1 + self._num_arrays, numel)
+                matched = True
+            except StateMismatchError as e:
+                mismatch = mismatch or self._explain_other_world(e, name)
+        if held and not matched:
+            raise mismatch
+        return held
+
+    def _discard_other_run_dir(self, strict=False):
+        """Removes this rank's run directory that the engine does not use
+        (see recovery.run_dir_names); it holds no commit that the run will
+        resume. strict: a failure raises (a TierError), else it is logged
+        (the next add_param_group or fresh start clears it)."""
+        names = _recovery.run_dir_names(self._run_prefix, self._rank)
+        other = names[1] if self._run_name == names[0] else names[0]
+        dirs = _recovery.run_dirs(self._tiers, other)
+        try:
+            _recovery.discard_run(dirs)
+        except (OSError, TierInUseError) as e:
+            if strict:
+                if isinstance(e, TierInUseError):
+                    raise
+                raise _recovery.os_error_to_tier_error(
+                    e, "removing the run's other directory", dirs[0]) from e
+            _log.warning("run %r: could not remove %s, which holds no commit it resumes "
+                         "(%s)", self._run_prefix, other, e)
+
+    def _settle_run_dir(self):
+        """After a re-packing that every rank completed and committed: the
+        new engine's directory holds the run's last commit, and the previous
+        one goes."""
+        if self._persistent and self._engine is not None:
+            self._commit_dir = self._run_name
+            self._discard_other_run_dir()
+
     def _raise_opening(self, agree, engine, failure, what):
         """While opening a run's committed state: `failure` raised on every
         rank (agree: _raise_together), or on this one; `engine` closed first."""
@@ -553,12 +640,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 engine.close()
             raise
 
-    def _explain_other_world(self, error):
-        """`error` of resuming committed state, or, where that state was
-        committed by another number of ranks, a StateMismatchError saying so."""
+    def _explain_other_world(self, error, run_name):
+        """`error` of resuming committed state in run directory `run_name`,
+        or, where that state was committed by another number of ranks, a
+        StateMismatchError saying so."""
         if not isinstance(error, StateMismatchError):
             return error
-        world = _recovery.committed_world_size(self._pystate_dir())
+        world = _recovery.committed_world_size(
+            os.path.join(self._tiers[0]["path"], run_name))
         if world is None or world == self._world:
             return error
         return StateMismatchError(
@@ -851,6 +940,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 steps = self._max_over_ranks(steps)[0]
         else:
             steps = 0
+        if self._persistent and self._engine is not None and self._engine.kept_commits:
+            # The engine's commits are the run's last ones, wherever it is
+            # (after a failed restore: in the other directory): the
+            # re-packed state goes to the directory it does not use.
+            self._commit_dir = self._run_name
         before = len(self.optimizer.param_groups)
         rebuilt = False
         # A new epoch for the re-packed state's commit, on every rank (one
@@ -886,21 +980,40 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise OffloadError(
                     f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
-                    f"{again}); load a checkpoint or state dict") from exc
-            if any_rebuilt and not rebuilt:
-                self._commit_kept_engine(steps)
+                    f"{again}); load a checkpoint or state dict"
+                    f"{self._last_commit_note()}") from exc
+            landed = self._commit_kept_engine(steps) if any_rebuilt and not rebuilt else True
+            if self._group is not None and isinstance(exc, Exception):
+                landed = not self._any_rank(not landed)
+            # A rebuilt rank drops the directory of the commit before only
+            # once every rank's commit of the restored groups landed: until
+            # then, that commit is the one all ranks hold.
+            if rebuilt and landed:
+                self._settle_run_dir()
             raise
+        self._settle_run_dir()
+
+    def _last_commit_note(self):
+        """For errors that leave no state to step from: where a committed
+        run's last commit still is."""
+        if not self._persistent or self._commit_dir is None or not all(
+                os.path.isfile(os.path.join(d, "COMMIT"))
+                for d in _recovery.run_dirs(self._tiers, self._commit_dir)):
+            return ""
+        return (f" (the run's last commit is intact in <tier>/{self._commit_dir}: a "
+                f"restart with resume='auto' resumes it)")
 
     def _commit_kept_engine(self, steps):
         """add_param_group refused on this rank only: the other ranks rebuilt
         their engines and committed their restored state in the new epoch;
         this rank commits its unchanged state in it too, so that every rank
         holds that commit. A best effort: its state is whole either way (the
-        next step commits again; until then a crash finds no commit that
-        every rank holds, and resume refuses)."""
+        next step commits again; until then the ranks that rebuilt keep the
+        directory of the commit before, which every rank holds). Whether
+        the commit landed (or none was due)."""
         engine = self._engine
         if not self._initialized or engine is None or self._commit_every <= 0:
-            return
+            return True
         try:
             if engine.steps < steps:
                 engine.set_step(steps)
@@ -909,6 +1022,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except OffloadError as e:
             _log.warning("add_param_group: rank %d could not commit its unchanged state "
                          "in the new epoch (%s)", self._rank, e)
+            return False
+        return True
 
     def _regroup_arena(self):
         """A HostArena for this rank's state (master and arrays): in memory
@@ -945,10 +1060,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _rebuild(self, saved, masters, steps):
         """Packs the groups and creates the engine again, then writes the
         state `saved` (None: not initialised) back, `steps` steps taken. A
-        persistent run commits it at once: the new engine's files replaced
-        the run's, and its commit records with them, in a new epoch (the
-        step count may be one that the run committed already)."""
-        self._build()  # the new engine takes self._epoch (_create_engine)
+        persistent run commits it at once, in a new epoch (the step count
+        may be one that the run committed already): the new engine is in
+        the run's other directory, whose commit replaces the last one once
+        every rank has made it (_settle_run_dir)."""
+        self._build(rebuild=True)  # the new engine takes self._epoch
         if saved is None:
             return
         self._write_states(saved, masters)  # every subgroup of this rank
@@ -1419,6 +1535,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     run_dir = self._pystate_dir()
                     state = _recovery.read_pystate(run_dir, key)
                     self._check_layout(state["layout"], _recovery.pystate_path(run_dir, key))
+                    # What the run did not resume (older commits, or one
+                    # that not every rank made): none of it may outlive
+                    # the resume, or pass for a newer commit later.
+                    self._discard_other_run_dir(strict=True)
             if engine is not None:
                 self.optimizer.load_state_dict({"state": {},
                                                 "param_groups": state["param_groups"]})

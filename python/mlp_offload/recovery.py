@@ -21,21 +21,24 @@ the engine's commit is read; after it and after each step's commit, the
 files but those of the commits the engine holds on every tier are removed
 (the last one and the one before, see Engine::kept_commits).
 
-Also here: the per-run directory names of a persistent run, and the mapping
+Also here: the per-run directory names of a persistent run (two, see
+run_dir_names), and the mapping
 of an engine error to the tier it happened on, so that every error raised
 by a step names the tier, its path and the operation.
 """
 
 import errno
+import fcntl
 import hashlib
 import io
 import os
 import re
+import shutil
 
 import torch
 
 from mlp_offload.errors import (ConfigError, CorruptStateError, OffloadError, TierError,
-                                TierFullError, TierIOError, TierNotFoundError,
+                                TierFullError, TierInUseError, TierIOError, TierNotFoundError,
                                 StateMismatchError, TierPermissionError)
 
 _PYSTATE_RE = re.compile(r"^pystate-(\d{12,19})\.pt$")
@@ -52,8 +55,67 @@ def run_dir_name(run_name, rank):
     return f"{run_name}.r{rank}"
 
 
+def run_dir_names(run_name, rank):
+    """The two directories a persistent run may keep under every tier (per
+    rank): add_param_group writes the re-packed state into the one that does
+    not hold the run's last commit, which stays until every rank has
+    committed the new state (then it is removed). A resume takes the newest
+    commit that every rank holds in either."""
+    first = run_dir_name(run_name, rank)
+    return first, first + ".alt"
+
+
 def run_dirs(tiers, dirname):
     return [os.path.join(t["path"], dirname) for t in tiers]
+
+
+def _hold_run_lock(d, held):
+    """Takes the run lock of run directory `d` (its engine's LOCK, a flock)
+    if it has one, into `held` (open fds); TierInUseError if a live engine
+    holds it (in any process, this one included)."""
+    path = os.path.join(d, "LOCK")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    held.append(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        raise TierInUseError(
+            f"run directory {d} is in use by a live engine (run lock {path}, pid "
+            f"{holder}): another optimizer runs this run_name on these tiers; nothing "
+            f"was removed") from None
+
+
+def discard_run(dirs):
+    """Removes a run's directories: first every tier's commit records, so
+    that a crash part-way leaves no tier list that looks committed, then
+    the rest. TierInUseError, before anything is removed, if a live engine
+    uses one; OSError as it comes."""
+    held = []
+    try:
+        for d in dirs:
+            if os.path.isdir(d) and not os.path.islink(d):
+                _hold_run_lock(d, held)
+        for name in ("COMMIT", "COMMIT.prev"):
+            for d in dirs:
+                if os.path.islink(d):
+                    continue  # only the link goes (below), never what it names
+                try:
+                    os.remove(os.path.join(d, name))
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+        for d in dirs:
+            if os.path.lexists(d):
+                if os.path.islink(d) or not os.path.isdir(d):
+                    os.remove(d)
+                else:
+                    shutil.rmtree(d)
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def has_committed_state(dirs):
