@@ -196,6 +196,46 @@ def test_staged_nonfinite_raises_and_updates_nothing(tmp_path):
         opt.close()
 
 
+@pytest.mark.parametrize("family", ["native", "generic"])
+def test_staged_committed_run_resumes_where_it_was(tmp_path, family):
+    # A committed run on the staged path: each commit has its Python-side
+    # state file (the generic path's per-parameter state included), so a
+    # restart resumes the last commit and goes on as if uninterrupted (the
+    # generic path wrote no such file: its resume raised CorruptStateError).
+    make = ADAMW if family == "native" else (
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9))
+    batches = _batches(5, "cpu", torch.float32)
+    tiers = tier_dirs(tmp_path, prefix="tier")
+
+    def train(model, opt, ks):
+        for k in ks:
+            opt.zero_grad(set_to_none=True)
+            _loss(model, batches[k]).backward()
+            opt.step()
+
+    with _staged_cpu():
+        ref = _model(torch.float32, "cpu")
+        ref_opt = MLPOffloadOptimizer(make(ref.parameters()), tiers=tier_dirs(
+            tmp_path, prefix="ref"), subgroup_numel=4096)
+        train(ref, ref_opt, range(5))
+        model = _model(torch.float32, "cpu")
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=4096,
+                                  run_name="staged", commit_every=1)
+        assert opt._staging is not None
+        train(model, opt, range(3))
+        opt.close()  # as a crash after step 3's commit
+        model = _model(torch.float32, "cpu", seed=7)  # the resume restores the values
+        again = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
+                                    subgroup_numel=4096, run_name="staged", commit_every=1,
+                                    resume="require")
+        assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
+        train(model, again, range(3, 5))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+        again.close()
+        ref_opt.close()
+
+
 class _FakeGroup:
     def __init__(self, types):
         self._device_types = [torch.device(t) for t in types]

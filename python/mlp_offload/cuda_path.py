@@ -397,6 +397,11 @@ class DeviceStaging:
                 undo, h2d = self._to_device(sg, out, k)
                 undo_timing.append(undo)
                 h2d_timing.append(h2d)
+            if opt._family is None and opt._commits_next():
+                # The generic optimizer's state is final: the Python side of
+                # the step goes to disk before end_step commits the engine's
+                # (the native path's went before the step, in _guarded_step).
+                opt._write_pystate(engine.steps + 1)
             stats = engine.end_step()
         except BaseException:
             engine.abort_step()
