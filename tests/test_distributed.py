@@ -176,6 +176,39 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             assert f.read() == data, path
 
 
+def fresh_start_worker(rank, tiers, blocked):
+    """resume='never' in a group where rank 1 owns no subgroup: a fresh
+    start clears rank 0's other run directory; when it cannot (a live
+    engine uses it), every rank raises, none waits for rank 0."""
+    model = torch.nn.Linear(4, 4)  # one subgroup: rank 1 owns none
+    live = None
+    if blocked and rank == 0:
+        live = _C.engine.Engine.create(tiers=[{"path": t} for t in tiers],
+                                       host_budget_bytes=1 << 24, subgroup_numel=[1000],
+                                       num_state_arrays=2, grad_dtype="float32",
+                                       run_name="fresh.r0.alt")
+    make = functools.partial(MLPOffloadOptimizer, OPTIMIZERS["adamw"](model.parameters()),
+                             tiers=tiers, subgroup_numel=1000, compute_threads=1,
+                             run_name="fresh", commit_every=1)
+    if not blocked:
+        opt = make()
+        assert (opt.engine is None) == (rank == 1)
+        opt.close()
+        return
+    with pytest.raises(OffloadError) as raised:
+        make()
+    if rank == 0:
+        assert "in use by a live engine" in str(raised.value)
+        live.close()
+    else:
+        assert "another rank could not clear the run's state" in str(raised.value)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_fresh_start_in_a_group_with_a_rank_without_subgroups(tmp_path, blocked):
+    spawn(fresh_start_worker, tier_dirs(tmp_path), blocked)
+
+
 def grown_world_worker(rank, tiers):
     model = make_model()
     with pytest.raises(OffloadError) as raised:
@@ -365,6 +398,13 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
         want_dirs = [f"grp.r{rank}.alt"]
     assert run_dirs == [want_dirs] * len(tiers), (rank, run_dirs)
     want = [p.detach().clone() for p in model.parameters()]
+    if kept_commit_fails:
+        # The group again, accepted everywhere now, and a crash before any
+        # rank commits it: rank 1 must not have taken the directory of the
+        # only commit both hold (its engine's own commit is on rank 1 only).
+        with mock.patch.object(MLPOffloadOptimizer, "_write_pystate", crash), \
+                pytest.raises(Crash):
+            opt.add_param_group({"params": list(model[2].parameters())})
     opt.close()  # as a crash
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
     assert (again.resumed_step, again.engine.committed_epoch) == \
@@ -381,8 +421,22 @@ def test_a_group_refused_on_one_rank_leaves_one_commit_on_every_rank(tmp_path,
     spawn(refused_group_worker, tier_dirs(tmp_path), kept_commit_fails)
 
 
+class Crash(BaseException):
+    """The process dies there: not an Exception, so no error handling
+    swallows it (add_param_group's rollback meets the same patched call and
+    dies too) and no rank joins a collective the other skips."""
+
+
+def crash(*args, **kwargs):
+    raise Crash()
+
+
 def die(*args, **kwargs):
-    os._exit(0)  # as kill -9: nothing after it runs, no collective is joined
+    # As kill -9: nothing after it runs, no collective is joined. The file
+    # says it came here (exit status 0 tells the spawn nothing).
+    with open(os.environ["MLP_TEST_DIED"] + str(dist.get_rank()), "w"):
+        pass
+    os._exit(0)
 
 
 def crash_in_add_worker(rank, tiers, phase):
@@ -426,9 +480,12 @@ def crash_in_add_worker(rank, tiers, phase):
     again.close()
 
 
-def test_a_crash_during_add_param_group_resumes_the_commit_every_rank_holds(tmp_path):
+def test_a_crash_during_add_param_group_resumes_the_commit_every_rank_holds(
+        tmp_path, monkeypatch):
     tiers = tier_dirs(tmp_path)
+    monkeypatch.setenv("MLP_TEST_DIED", str(tmp_path / "died"))
     spawn(crash_in_add_worker, tiers, "crash")
+    assert all(os.path.exists(tmp_path / f"died{r}") for r in range(WORLD))
     spawn(crash_in_add_worker, tiers, "resume")
 
 

@@ -626,8 +626,10 @@ def test_add_param_group_in_a_committed_run_is_committed_at_once(tmp_path, host_
 
 
 class Crash(BaseException):
-    """The process dies there: nothing after it runs (not an Exception, so
-    no rollback catches it)."""
+    """The process dies there. Not an Exception: no error handling swallows
+    it; add_param_group's rollback (which catches BaseException) runs, but
+    meets the same patched call and dies at the same point, so the tiers
+    end as a kill there leaves them."""
 
 
 def crash(*args, **kwargs):
@@ -713,7 +715,8 @@ def test_a_crash_after_add_param_groups_commit_resumes_it(tmp_path, monkeypatch)
     for t in tiers:
         for d in ("r.r0", "r.r0.alt"):
             assert os.path.isfile(os.path.join(t, d, "COMMIT")), (t, d)
-    with pytest.raises(errors.StateMismatchError):
+    with pytest.raises(errors.StateMismatchError,
+                       match="construct the optimizer with the groups after the add"):
         groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="require")
     for t in tiers:  # the refusal changed nothing
         for d in ("r.r0", "r.r0.alt"):
@@ -787,19 +790,49 @@ def test_a_fresh_start_never_removes_a_live_engines_run_directory(tmp_path):
     opt.close()
 
 
-def test_a_run_directory_planted_as_a_symlink_is_unlinked_not_followed(tmp_path):
-    # Clearing the run's other directory removes a symlink planted there,
-    # never the commit records of the directory it names.
+@pytest.mark.parametrize("resume", ["never", "auto"])
+def test_a_run_directory_planted_as_a_symlink_is_unlinked_not_followed(tmp_path, resume):
+    # The run's other directory is a symlink: a resume never reads it (its
+    # junk would block the resume), and clearing it removes the link, never
+    # the commit records of the directory it names.
     tiers = tier_dirs(tmp_path, 1)
+    model = make_model()
+    opt = wrap(model, tiers, run_name="r", commit_every=1)
+    for k in range(2):
+        model.zero_grad(set_to_none=True)
+        backward(model, k)
+        opt.step()
+    opt.close()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     for name in ("COMMIT", "COMMIT.prev", "MANIFEST"):
         (elsewhere / name).write_bytes(b"x")
     os.symlink(elsewhere, os.path.join(tiers[0], "r.r0.alt"))
-    opt = wrap(make_model(), tiers, run_name="r", commit_every=1)
+    opt = wrap(model, tiers, run_name="r", commit_every=1, resume=resume)
+    assert opt.resumed_step == (2 if resume == "auto" else None)
     assert not os.path.lexists(os.path.join(tiers[0], "r.r0.alt"))
     assert sorted(os.listdir(elsewhere)) == ["COMMIT", "COMMIT.prev", "MANIFEST"]
     opt.close()
+
+
+def test_add_param_group_without_commits_keeps_the_commit_the_run_resumed(tmp_path):
+    # commit_every=0 after a resume: the re-packed state is not committed,
+    # so the commit the run resumed stays (a crash resumes it again).
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
+    at3 = params_of(model)
+    opt.close()
+    again = groups_wrap(model, tiers, False, run_name="r", commit_every=0, resume="auto")
+    assert again.resumed_step == 3
+    add_then_train(again, model, range(3, 4))
+    again.close()
+    for t in tiers:
+        assert os.path.isfile(os.path.join(t, "r.r0", "COMMIT"))
+    last = groups_wrap(model, tiers, False, run_name="r", commit_every=0, resume="auto")
+    assert last.resumed_step == 3
+    assert_equal(params_of(model)[:4], at3[:4], "resumed again")  # its groups' parameters
+    last.close()
 
 
 def test_add_param_group_alternates_the_run_directories(tmp_path):

@@ -463,10 +463,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
                          self._rank, len(self._subgroups), self._world)
             if agree:
-                self._raise_together(None, "open its committed state")
+                self._raise_together(None, "read its committed state")
                 self._agreed_key = self._agree_on_commit(None)
                 self._check_require(self._agreed_key)
-                self._raise_together(None, "open the commit every rank has")
+                self._raise_together(None, "open the commit every rank has"
+                                     if self._agreed_key >= 0
+                                     else "clear the run's state for a fresh start")
                 if self._agreed_key >= 0:
                     self._epoch, self._agreed_step = _recovery.split_commit_key(
                         self._agreed_key)
@@ -555,6 +557,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                           resume_epoch=epoch, resume_step=step)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = self._explain_other_world(e, self._run_name)
+                if isinstance(failure, StateMismatchError) and len(set(held.values())) > 1:
+                    # Both directories hold commits: a crash came during an
+                    # add_param_group, after every rank had committed.
+                    failure = StateMismatchError(
+                        f"{failure} (the run's newest commit, {_recovery.describe_commit(agreed)}"
+                        f" in <tier>/{self._run_name}, is of the parameter groups after an "
+                        f"add_param_group that a crash interrupted; the commit before it, of "
+                        f"the groups before, is there too but older: construct the optimizer "
+                        f"with the groups after the add)")
         else:
             # A fresh start: no commit of the run's other directory may
             # outlive it (its epochs would pass for newer ones).
@@ -581,6 +592,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         held, mismatch, matched = {}, None, False
         for name in names:
             dirs = _recovery.run_dirs(self._tiers, name)
+            if any(os.path.islink(d) for d in dirs):
+                continue  # planted: never resumed (the engine refuses it too)
             if not _recovery.has_committed_state(dirs):
                 continue
             kept = _C.engine.read_kept_commits(dirs)
@@ -622,10 +635,54 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _settle_run_dir(self):
         """After a re-packing that every rank completed and committed: the
         new engine's directory holds the run's last commit, and the previous
-        one goes."""
-        if self._persistent and self._engine is not None:
+        one goes. (commit_every 0 commits nothing: a commit the run resumed
+        stays where it is, the one a crash resumes again.)"""
+        if not self._persistent or self._engine is None:
+            return
+        if not self._engine.kept_commits and self._commit_dir is not None and all(
+                os.path.isfile(os.path.join(d, "COMMIT"))
+                for d in _recovery.run_dirs(self._tiers, self._commit_dir)):
+            return
+        self._commit_dir = self._run_name
+        self._discard_other_run_dir()
+
+    def _choose_commit_dir(self):
+        """Before a re-packing (collective in a group): `_commit_dir`
+        becomes the directory holding the newest commit that every rank
+        holds, which the re-packing must leave alone until every rank has
+        committed the new state. After a failed restore and a load that
+        may be the engine's own directory; after a restore that not every
+        rank committed, the one before."""
+        if not self._persistent:
+            return
+        held = None  # commit_key -> directory; None: no subgroup here
+        if self._engine is not None:
+            held = {_recovery.commit_key(e, st): self._run_name
+                    for e, st in self._engine.kept_commits}
+            names = _recovery.run_dir_names(self._run_prefix, self._rank)
+            other = names[1] if self._run_name == names[0] else names[0]
+            dirs = _recovery.run_dirs(self._tiers, other)
+            try:
+                if not any(os.path.islink(d) for d in dirs) and \
+                        _recovery.has_committed_state(dirs):
+                    for e, st in _C.engine.read_kept_commits(dirs):
+                        held.setdefault(_recovery.commit_key(e, st), other)
+            except Exception as e:  # noqa: BLE001 - a damaged copy offers nothing
+                _log.warning("run %r: the commits in %s cannot be read (%s)",
+                             self._run_prefix, other, e)
+        if self._group is None:
+            agreed = max(held, default=-1) if held is not None else -1
+        else:
+            try:
+                agreed = self._agree_on_commit(None if held is None else list(held))
+            except StateMismatchError:  # raised on every rank alike
+                agreed = -1
+        if held is None:
+            return
+        if agreed >= 0:
+            self._commit_dir = held[agreed]
+        elif self._engine.kept_commits:
             self._commit_dir = self._run_name
-            self._discard_other_run_dir()
 
     def _raise_opening(self, agree, engine, failure, what):
         """While opening a run's committed state: `failure` raised on every
@@ -940,11 +997,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 steps = self._max_over_ranks(steps)[0]
         else:
             steps = 0
-        if self._persistent and self._engine is not None and self._engine.kept_commits:
-            # The engine's commits are the run's last ones, wherever it is
-            # (after a failed restore: in the other directory): the
-            # re-packed state goes to the directory it does not use.
-            self._commit_dir = self._run_name
+        self._choose_commit_dir()
         before = len(self.optimizer.param_groups)
         rebuilt = False
         # A new epoch for the re-packed state's commit, on every rank (one
@@ -983,8 +1036,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{again}); load a checkpoint or state dict"
                     f"{self._last_commit_note()}") from exc
             landed = self._commit_kept_engine(steps) if any_rebuilt and not rebuilt else True
-            if self._group is not None and isinstance(exc, Exception):
-                landed = not self._any_rank(not landed)
+            if self._group is not None:
+                # (An interrupt: what the other ranks did is not known.)
+                landed = not self._any_rank(not landed) if isinstance(exc, Exception) \
+                    else False
             # A rebuilt rank drops the directory of the commit before only
             # once every rank's commit of the restored groups landed: until
             # then, that commit is the one all ranks hold.
@@ -1019,7 +1074,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 engine.set_step(steps)
             self._write_pystate(steps)
             engine.commit()
-        except OffloadError as e:
+        except Exception as e:  # noqa: BLE001 - the ranks then keep the commit before
             _log.warning("add_param_group: rank %d could not commit its unchanged state "
                          "in the new epoch (%s)", self._rank, e)
             return False
@@ -1535,9 +1590,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     run_dir = self._pystate_dir()
                     state = _recovery.read_pystate(run_dir, key)
                     self._check_layout(state["layout"], _recovery.pystate_path(run_dir, key))
-                    # What the run did not resume (older commits, or one
-                    # that not every rank made): none of it may outlive
-                    # the resume, or pass for a newer commit later.
+            # Every rank has read its part. What the run did not resume
+            # (older commits, or one that not every rank made) may not
+            # outlive the resume, or pass for a newer commit later.
+            with self._together("remove the run directory it did not resume"):
+                if engine is not None:
                     self._discard_other_run_dir(strict=True)
             if engine is not None:
                 self.optimizer.load_state_dict({"state": {},
