@@ -582,18 +582,25 @@ def train_then_add_group(model, tiers, steps_before, steps_after, **kwargs):
     return opt
 
 
+def reference_with_group_added(tmp_path):
+    """The model and state dict of train_then_add_group(3 steps, the group,
+    2 steps), run without interruption."""
+    model = make_model()
+    opt = train_then_add_group(model, tier_dirs(tmp_path, prefix="ref"), 3, 2)
+    sd = opt.state_dict()
+    opt.close()
+    return model, sd
+
+
 @pytest.mark.parametrize("host_cache_bytes", [0, 1 << 20])
 def test_add_param_group_in_a_committed_run_is_committed_at_once(tmp_path, host_cache_bytes):
-    # The re-packed state goes to a new engine whose files replace the run's,
-    # commit records included: it is committed at the current step right
-    # away (records written back into the host cache go to disk first), so
-    # that a crash after add_param_group resumes that step and not a fresh
-    # state (before, the commit said step 0 with zero moments, or with a
-    # host cache the add failed: "subgroup 0 is not on disk").
-    want_model = make_model()
-    want = train_then_add_group(want_model, tier_dirs(tmp_path, prefix="ref"), 3, 2)
-    want_sd = want.state_dict()
-    want.close()
+    # The re-packed state goes to a new engine (in the run's other
+    # directory): it is committed at the current step right away (records
+    # written back into the host cache go to disk first), so that a crash
+    # after add_param_group resumes that step and not a fresh state (before,
+    # the commit said step 0 with zero moments, or with a host cache the add
+    # failed: "subgroup 0 is not on disk").
+    want_model, want_sd = reference_with_group_added(tmp_path)
     tiers = tier_dirs(tmp_path)
     model = make_model()
     opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1,
@@ -636,6 +643,15 @@ def crash(*args, **kwargs):
     raise Crash()
 
 
+def add_group_and_crash(opt, model, monkeypatch, at):
+    """add_param_group of train_then_add_group's second group, dying at the
+    optimizer's method `at` (see Crash)."""
+    monkeypatch.setattr(MLPOffloadOptimizer, at, crash)
+    with pytest.raises(Crash):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+
+
 def groups_wrap(model, tiers, both, **kwargs):
     """The optimizer of train_then_add_group, with its second group already
     (`both`) or not."""
@@ -668,19 +684,13 @@ def test_a_crash_during_add_param_group_resumes_the_commit_before_it(
     # records included: a resume found no commit (resume="auto" started
     # afresh, silently). Now the re-packed state goes into the run's other
     # directory and the last commit stays until the new one is made.
-    ref_model = make_model()
-    ref = train_then_add_group(ref_model, tier_dirs(tmp_path, prefix="ref"), 3, 2)
-    ref_sd = ref.state_dict()
-    ref.close()
+    ref_model, ref_sd = reference_with_group_added(tmp_path)
     tiers = tier_dirs(tmp_path)
     model = make_model()
     opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1,
                                host_cache_bytes=host_cache_bytes)
     at3, at3_sd = params_of(model), opt.state_dict()
-    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", crash)
-    with pytest.raises(Crash):
-        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
-    monkeypatch.undo()
+    add_group_and_crash(opt, model, monkeypatch, "_write_pystate")
     opt.close()
     for t in tiers:  # the crash's leftovers: the new directory, uncommitted
         assert os.path.isfile(os.path.join(t, "r.r0", "COMMIT"))
@@ -706,10 +716,7 @@ def test_a_crash_after_add_param_groups_commit_resumes_it(tmp_path, monkeypatch)
     tiers = tier_dirs(tmp_path)
     model = make_model()
     opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
-    monkeypatch.setattr(MLPOffloadOptimizer, "_settle_run_dir", crash)
-    with pytest.raises(Crash):
-        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
-    monkeypatch.undo()
+    add_group_and_crash(opt, model, monkeypatch, "_settle_run_dir")
     at_add, at_add_sd = params_of(model), opt.state_dict()
     opt.close()
     for t in tiers:
@@ -761,10 +768,7 @@ def test_a_crash_in_add_param_group_after_a_failed_one_resumes_the_newest_commit
     opt.step()
     assert opt.engine.committed_step == 4
     at4, at4_sd = params_of(model), opt.state_dict()
-    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", crash)
-    with pytest.raises(Crash):
-        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
-    monkeypatch.undo()
+    add_group_and_crash(opt, model, monkeypatch, "_write_pystate")
     opt.close()
     again = groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="require")
     assert (again.resumed_from, again.resumed_step) == ("committed_step", 4)
