@@ -176,6 +176,58 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             assert f.read() == data, path
 
 
+def new_owner_worker(rank, tiers, phase):
+    """Rank 1 owns no subgroup until add_param_group gives it one. Phase
+    "crash": a committed run dies during the add, rank 0 right after
+    committing its re-packed state, rank 1 before (its first commit).
+    Phase "after": a restart with the new groups is refused on both ranks
+    (rank 1 holds no commit of them; a fresh start would discard rank 0's
+    commits) and changes nothing. Phase "before": a restart with the old
+    groups resumes the commit before the add."""
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=1000,
+                             compute_threads=1, run_name="own", commit_every=1)
+    if phase == "crash":
+        opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
+        assert (opt.engine is None) == (rank == 1)
+        train_same_batches(range(2), ((opt, model),))
+        point = "_prune_pystate" if rank == 0 else "_write_pystate"  # after / before commit
+        with mock.patch.object(MLPOffloadOptimizer, point, die):
+            opt.add_param_group({"params": list(model[2].parameters())})
+        raise AssertionError("not reached")
+    if phase == "after":
+        groups = [{"params": list(model[0].parameters())},
+                  {"params": list(model[2].parameters())}]
+        with pytest.raises(OffloadError, match="step 2 \\(epoch 0\\) of other groups"):
+            wrap(OPTIMIZERS["adamw"](groups), resume="auto")
+        return
+    again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
+    assert (again.resumed_step, again.resumed_from) == (2, "committed_step"), rank
+    if rank == 0:
+        assert again.engine.committed_epoch == 0
+    again.add_param_group({"params": list(model[2].parameters())})
+    train_same_batches(range(2, 3), ((again, model),))
+    assert again.engine.committed_step == 3
+    again.close()
+
+
+def test_a_crash_during_add_param_group_that_gives_a_rank_its_first_subgroup(
+        tmp_path, monkeypatch):
+    tiers = tier_dirs(tmp_path)
+    monkeypatch.setenv("MLP_TEST_DIED", str(tmp_path / "died"))
+    spawn(new_owner_worker, tiers, "crash")
+    assert all(os.path.exists(tmp_path / f"died{r}") for r in range(WORLD))
+
+    def records():
+        return {os.path.join(t, d): open(os.path.join(t, d, "COMMIT"), "rb").read()
+                for t in tiers for d in ("own.r0", "own.r0.alt")}
+
+    before = records()
+    spawn(new_owner_worker, tiers, "after")
+    assert records() == before
+    spawn(new_owner_worker, tiers, "before")
+
+
 def fresh_start_worker(rank, tiers, blocked):
     """resume='never' in a group where rank 1 owns no subgroup: a fresh
     start clears rank 0's other run directory; when it cannot (a live

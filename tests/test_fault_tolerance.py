@@ -708,39 +708,68 @@ def test_a_crash_during_add_param_group_resumes_the_commit_before_it(
     again.close()
 
 
-def test_a_crash_after_add_param_groups_commit_resumes_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("groups", ["after", "before"])
+def test_a_crash_after_add_param_groups_commit_resumes_either_side(tmp_path, monkeypatch,
+                                                                  groups):
     # The crash comes after the re-packed state's commit, before the run's
-    # previous directory is removed: both directories hold commits, and a
-    # resume takes the newest (with the new groups only: with the old ones it
-    # is refused, as that commit has another layout, and nothing changes).
+    # previous directory is removed: both directories hold a commit of step
+    # 3, one per layout. A resume takes the one of the optimizer's groups
+    # (nothing is lost either way: the add then repeats) and removes the
+    # other.
     tiers = tier_dirs(tmp_path)
     model = make_model()
     opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
+    before = opt.state_dict()["state"]
     add_group_and_crash(opt, model, monkeypatch, "_settle_run_dir")
-    at_add, at_add_sd = params_of(model), opt.state_dict()
+    at_add, after = params_of(model), opt.state_dict()["state"]
+    opt.close()
+    for t in tiers:
+        for d in ("r.r0", "r.r0.alt"):
+            assert os.path.isfile(os.path.join(t, d, "COMMIT")), (t, d)
+    again = groups_wrap(model, tiers, groups == "after", run_name="r", commit_every=1,
+                        resume="require")
+    assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
+    assert_equal(params_of(model), at_add, "resumed")
+    assert_same_state(again.state_dict()["state"], after if groups == "after" else before)
+    used, gone = ("r.r0.alt", "r.r0") if groups == "after" else ("r.r0", "r.r0.alt")
+    for t in tiers:
+        assert os.path.isfile(os.path.join(t, used, "COMMIT"))
+        assert not os.path.exists(os.path.join(t, gone))
+    again.close()
+    # A fresh start discards every commit: none is resumed later (the
+    # other directory's epochs would pass for newer ones).
+    fresh = groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="never")
+    fresh.close()
+    with pytest.raises(errors.StateMismatchError, match="no committed step"):
+        groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
+
+
+def test_a_newer_commit_of_other_groups_is_never_passed_over(tmp_path, monkeypatch):
+    # The run's previous directory outlived an add_param_group (its removal
+    # failed) and the run stepped on with the new groups: a restart with the
+    # old ones would resume step 3 over step 5; it is refused instead, and
+    # changes nothing.
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    monkeypatch.setattr(MLPOffloadOptimizer, "_discard_other_run_dir", lambda *a, **k: None)
+    opt = train_then_add_group(model, tiers, 3, 2, run_name="r", commit_every=1)
+    monkeypatch.undo()
+    at5 = params_of(model)
     opt.close()
     for t in tiers:
         for d in ("r.r0", "r.r0.alt"):
             assert os.path.isfile(os.path.join(t, d, "COMMIT")), (t, d)
     with pytest.raises(errors.StateMismatchError,
-                       match="construct the optimizer with the groups after the add"):
-        groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="require")
-    for t in tiers:  # the refusal changed nothing
+                       match=r"newest commit, step 5 \(epoch 1\), is of other parameter "
+                             r"groups.*whose newest is step 3 \(epoch 0\)"):
+        groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="auto")
+    for t in tiers:
         for d in ("r.r0", "r.r0.alt"):
             assert os.path.isfile(os.path.join(t, d, "COMMIT")), (t, d)
     again = groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
-    assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
-    assert_equal(params_of(model), at_add, "resumed")
-    assert_same_state(again.state_dict()["state"], at_add_sd["state"])
-    for t in tiers:
-        assert not os.path.exists(os.path.join(t, "r.r0"))
+    assert again.resumed_step == 5
+    assert_equal(params_of(model), at5, "resumed")
     again.close()
-    # A fresh start discards both directories' commits: none is resumed
-    # later (the other directory's epochs would pass for newer ones).
-    fresh = groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="never")
-    fresh.close()
-    with pytest.raises(errors.StateMismatchError, match="no committed step"):
-        groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
 
 
 def test_a_crash_in_add_param_group_after_a_failed_one_resumes_the_newest_commit(

@@ -528,17 +528,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 for name in names for d in _recovery.run_dirs(self._tiers, name)):
             _log.warning("run %r has committed state on these tiers: resume='never' "
                          "starts afresh and discards it", self._run_prefix)
-        held, failure, engine = {}, None, None  # commit_key -> run directory
+        held, other, failure, engine = {}, [], None, None  # held: commit_key -> directory
         try:
             if self._want_resume:
-                held = self._held_commits(names, numel)
+                held, other = self._held_commits(names, numel)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             failure = e
         # Before the agreement, which would wait for a failed rank.
         self._raise_opening(agree, None, failure, "read its committed state")
         kept = sorted(held, reverse=True)  # newest first
         mine = kept[0] if kept else -1
-        agreed = self._agree_on_commit(kept) if agree else mine
+        agreed = self._agree_on_commit(kept, other) if agree or self._group is None else mine
         self._agreed_key = agreed
         self._check_require(agreed)
         if agreed != mine:
@@ -557,15 +557,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                           resume_epoch=epoch, resume_step=step)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = self._explain_other_world(e, self._run_name)
-                if isinstance(failure, StateMismatchError) and len(set(held.values())) > 1:
-                    # Both directories hold commits: a crash came during an
-                    # add_param_group, after every rank had committed.
-                    failure = StateMismatchError(
-                        f"{failure} (the run's newest commit, {_recovery.describe_commit(agreed)}"
-                        f" in <tier>/{self._run_name}, is of the parameter groups after an "
-                        f"add_param_group that a crash interrupted; the commit before it, of "
-                        f"the groups before, is there too but older: construct the optimizer "
-                        f"with the groups after the add)")
         else:
             # A fresh start: no commit of the run's other directory may
             # outlive it (its epochs would pass for newer ones).
@@ -582,14 +573,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return engine
 
     def _held_commits(self, names, numel):
-        """{commit_key: run directory name}: the commits that all tiers hold
-        in this rank's run directories `names`, of any layout (a crash
-        during add_param_group leaves one of each; the ranks agree on the
-        newest they all hold, whose layout must then be this model's). If
-        this rank has commits but none of this layout, the error saying so
-        (before the agreement: a rank without commits would otherwise make
-        every rank start afresh over them)."""
-        held, mismatch, matched = {}, None, False
+        """({commit_key: run directory name}, [commit_key]): the commits that
+        all tiers hold in this rank's run directories `names`, of this
+        optimizer's layout, and those of another layout (a crash during
+        add_param_group can leave one directory of each; see
+        _agree_on_commit). If this rank has commits but none of this layout,
+        the error saying so (before the agreement: a rank without commits
+        would otherwise make every rank start afresh over them)."""
+        held, other, mismatch = {}, [], None
         for name in names:
             dirs = _recovery.run_dirs(self._tiers, name)
             if any(os.path.islink(d) for d in dirs):
@@ -602,16 +593,41 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"the commit records of run {self._run_prefix!r} in {', '.join(dirs)} "
                     f"share no commit (each tier holds its last two): a tier's records "
                     f"were lost or replaced; nothing was changed")
-            for e, st in kept:
-                held.setdefault(_recovery.commit_key(e, st), name)
+            keys = [_recovery.commit_key(e, st) for e, st in kept]
             try:
                 _C.engine.check_run_layout(dirs, 1 + self._num_arrays, numel)
-                matched = True
+                self._check_commit_groups(dirs[0], keys[0])
             except StateMismatchError as e:
-                mismatch = mismatch or self._explain_other_world(e, name)
-        if held and not matched:
+                explained = self._explain_other_world(e, name)
+                if explained is e:
+                    explained = StateMismatchError(
+                        f"{e} (the run's commit is of other parameter groups than this "
+                        f"optimizer's: another model, or the groups before or after an "
+                        f"add_param_group)")
+                mismatch = mismatch or explained
+                other.extend(keys)
+                continue
+            for k in keys:
+                held.setdefault(k, name)
+        if other and not held:
             raise mismatch
-        return held
+        return held, other
+
+    def _check_commit_groups(self, run_dir, key):
+        """StateMismatchError if the Python-side state of commit `key` in
+        `run_dir` is of other parameter groups or another model (a rank
+        whose own subgroups an add_param_group left alone has engine files
+        of one layout on both sides of it). An unreadable file is the
+        resume's to report."""
+        try:
+            state = _recovery.read_pystate(run_dir, key)
+        except CorruptStateError:
+            return
+        difference = self._layout_difference(state.get("layout", {}))
+        if difference is not None:
+            raise StateMismatchError(
+                f"{_recovery.pystate_path(run_dir, key)} was written for other parameter "
+                f"groups or another model: {difference}")
 
     def _discard_other_run_dir(self, strict=False):
         """Removes this rank's run directory that the engine does not use
@@ -769,27 +785,52 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             failure = exc
         self._raise_together(failure, what, note)
 
-    def _agree_on_commit(self, kept):
+    def _agree_on_commit(self, kept, other=()):
         """Collective: the newest commit that every rank holds, as
         commit_key, from each rank's commits that all its tiers hold (`kept`;
         None for a rank with no subgroup); -1 if some rank has none (a fresh
         start). A commit is (epoch, step): the ranks count steps alike and
         start each epoch together (_next_epoch), so one commit has one key on
         every rank. StateMismatchError on every rank, before any rank
-        changes its records, if they hold none in common."""
-        gathered = self._gather(None if kept is None else sorted(kept))
-        held = [set(k) for k in gathered if k is not None]
+        changes its records, if they hold none in common.
+
+        `other`: this rank's commits of other parameter groups (the other
+        side of an add_param_group that a crash interrupted). Resuming
+        these groups must lose nothing: StateMismatchError if some rank
+        holds such a commit of a later step than the one agreed on, or if
+        no commit of these groups is on every rank."""
+        gathered = self._gather(None if kept is None else (sorted(kept), sorted(other)))
+        held = [set(g[0]) for g in gathered if g is not None]
+        others = {k for g in gathered if g is not None for k in g[1]}
+        groups_note = ("construct the optimizer with the parameter groups of that "
+                       "commit (those after, or before, an add_param_group that a crash "
+                       "interrupted); nothing was changed")
         if not held or any(not h for h in held):
+            if others:
+                raise StateMismatchError(
+                    f"run {self._run_prefix!r}: no commit of this optimizer's parameter "
+                    f"groups is on every rank, but "
+                    f"{_recovery.describe_commit(max(others))} of other groups is on "
+                    f"some: {groups_note}")
             return -1
         common = set.intersection(*held)
         if not common:
-            have = {r: [_recovery.describe_commit(k) for k in g]
+            have = {r: [_recovery.describe_commit(k) for k in g[0]]
                     for r, g in enumerate(gathered) if g is not None}
             raise StateMismatchError(
                 f"run {self._run_prefix!r}: the ranks hold no commit in common (by rank: "
                 f"{have}), so no state of one moment can be resumed; nothing was "
                 f"changed (resume='never' starts afresh, or load a checkpoint)")
-        return max(common)
+        agreed = max(common)
+        step = _recovery.split_commit_key(agreed)[1]
+        later = [k for k in others if k > agreed and _recovery.split_commit_key(k)[1] > step]
+        if later:
+            raise StateMismatchError(
+                f"run {self._run_prefix!r}: its newest commit, "
+                f"{_recovery.describe_commit(max(later))}, is of other parameter groups "
+                f"than this optimizer's, whose newest is {_recovery.describe_commit(agreed)}:"
+                f" {groups_note}")
+        return agreed
 
     def _next_epoch(self):
         """A load or a re-packing replaces the state outside a step: its
@@ -1016,20 +1057,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # their state (a rank whose torch refused the group has nothing
             # to undo, but joins the others' agreement).
             del self.optimizer.param_groups[before:]
-            # (An interrupt on this rank alone: no collective the others are
-            # not in; the restore below lines up with their agreement.)
-            any_rebuilt = self._any_rank(rebuilt) \
-                if self._group is not None and isinstance(exc, Exception) else rebuilt
+            # An interrupt on this rank alone skipped the add's agreement:
+            # it joins no collective the others are not in (they fail in
+            # theirs, waiting for it), so it restores on its own, and keeps
+            # the directory of the commit before (what the others did is
+            # not known).
+            solo = self._group is None or not isinstance(exc, Exception)
+            any_rebuilt = rebuilt if solo else self._any_rank(rebuilt)
             try:
-                with self._together("restore its parameter groups"):
+                with contextlib.nullcontext() if solo else \
+                        self._together("restore its parameter groups"):
                     self._next_epoch()
                     if rebuilt:
                         self._rebuild(saved, masters, steps)
-            except Exception as again:
-                # No state to step from: step() and saves refuse until a load.
+            except BaseException as again:
+                # No state to step from: step() and saves refuse until a load
+                # (an interrupt of the restore too).
                 self._incomplete_load = (
                     f"add_param_group failed and so did restoring the previous groups "
                     f"({type(again).__name__}: {again})")
+                if not isinstance(again, Exception):
+                    raise
                 raise OffloadError(
                     f"add_param_group failed ({type(exc).__name__}: {exc}) and so did "
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
@@ -1037,9 +1085,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{self._last_commit_note()}") from exc
             landed = self._commit_kept_engine(steps) if any_rebuilt and not rebuilt else True
             if self._group is not None:
-                # (An interrupt: what the other ranks did is not known.)
-                landed = not self._any_rank(not landed) if isinstance(exc, Exception) \
-                    else False
+                landed = False if solo else not self._any_rank(not landed)
             # A rebuilt rank drops the directory of the commit before only
             # once every rank's commit of the restored groups landed: until
             # then, that commit is the one all ranks hold.
@@ -1558,13 +1604,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return self._any_rank(exists)
 
     def _check_layout(self, got, where):
+        difference = self._layout_difference(got)
+        if difference is not None:
+            raise StateMismatchError(
+                f"{where} was written for another model or optimizer: {difference}")
+
+    def _layout_difference(self, got):
+        """How the layout `got` (a _layout_summary) differs from this
+        optimizer's, or None."""
         want = self._layout_summary()
         for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays",
                     "param_shapes", "subgroups"):
             if want[key] != got.get(key):
-                raise StateMismatchError(
-                    f"{where} was written for another model or optimizer: {key} is "
-                    f"{got.get(key)!r} there, {want[key]!r} here")
+                return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
+        return None
 
     def _params_from_masters(self):
         """Sets the model's parameters from the engine's fp32 master copy."""
