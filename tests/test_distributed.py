@@ -452,15 +452,23 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     want = [p.detach().clone() for p in model.parameters()]
     if kept_commit_fails:
         # The group again, accepted everywhere now, and a crash before any
-        # rank commits it: rank 1 must not have taken the directory of the
-        # only commit both hold (its engine's own commit is on rank 1 only).
-        with mock.patch.object(MLPOffloadOptimizer, "_write_pystate", crash), \
+        # rank commits the re-packed state: rank 1 must not have taken the
+        # directory of the only commit both held (its engine's own commit
+        # was on rank 1 only; rank 0 commits its state first, in the epoch
+        # of rank 1's commit, so that both hold that one too).
+        write = MLPOffloadOptimizer._write_pystate
+
+        def crash_repacked(self, *args, **kwargs):
+            if kwargs.get("repacked_from") is not None:
+                raise Crash()
+            return write(self, *args, **kwargs)
+
+        with mock.patch.object(MLPOffloadOptimizer, "_write_pystate", crash_repacked), \
                 pytest.raises(Crash):
             opt.add_param_group({"params": list(model[2].parameters())})
     opt.close()  # as a crash
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
-    assert (again.resumed_step, again.engine.committed_epoch) == \
-        (2, 0 if kept_commit_fails else 2), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == (2, 2), rank
     for p, q in zip(model.parameters(), want):
         assert torch.equal(p, q), rank
     train_same_batches(range(2, 3), ((again, model),))
@@ -491,54 +499,69 @@ def die(*args, **kwargs):
     os._exit(0)
 
 
-def crash_in_add_worker(rank, tiers, phase):
-    """Phase "crash": a committed run dies during add_param_group, rank 0
-    right after committing its re-packed state (in its other run directory)
-    and rank 1 before. Phase "resume": both resume the commit before the
-    add, the newest both hold; rank 0's newer one, which rank 1 never made,
-    is removed, and the add goes through."""
+def crash_in_add_worker(rank, tiers, phase, commit_every, before):
+    """Phase "crash": a committed run dies during add_param_group at step
+    `before`, rank 0 right after committing its re-packed state (in its
+    other run directory) and rank 1 before. Phase "resume": both resume the
+    commit before the add, the newest both hold (with commit_every 2 and an
+    odd step, the one the add made of the state first); rank 0's newer
+    one, which rank 1 never made, is removed, and the add goes through."""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
-                             compute_threads=1, run_name="cr", commit_every=1)
+                             compute_threads=1, run_name="cr", commit_every=commit_every)
     alt = [os.path.join(t, f"cr.r{rank}.alt") for t in tiers]
     want_file = os.path.join(os.path.dirname(tiers[0]), f"want{rank}.pt")
     if phase == "crash":
         opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
-        train_same_batches(range(2), ((opt, model),))
+        train_same_batches(range(before), ((opt, model),))
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "state": opt.state_dict()["state"]}, want_file)
-        point = "_prune_pystate" if rank == 0 else "_write_pystate"  # after / before commit
-        with mock.patch.object(MLPOffloadOptimizer, point, die):
+        prune, write = MLPOffloadOptimizer._prune_pystate, MLPOffloadOptimizer._write_pystate
+
+        def after_commit(self):  # rank 0: its re-packed state's commit landed
+            if self._run_name.endswith(".alt"):
+                die()
+            return prune(self)
+
+        def before_commit(self, *args, **kwargs):  # rank 1: the re-packed one's
+            if kwargs.get("repacked_from") is not None:
+                die()
+            return write(self, *args, **kwargs)
+
+        point = ("_prune_pystate", after_commit) if rank == 0 \
+            else ("_write_pystate", before_commit)
+        with mock.patch.object(MLPOffloadOptimizer, *point):
             opt.add_param_group({"params": list(model[2].parameters())})
         raise AssertionError("not reached")
     want = torch.load(want_file)
-    # Rank 0's re-packed state is committed (epoch 1, step 2, the new
-    # layout); rank 1's is not.
+    # Rank 0's re-packed state is committed (epoch 1, the new layout);
+    # rank 1's is not.
     if rank == 0:
-        assert _C.engine.read_kept_commits(alt) == [(1, 2)]
+        assert _C.engine.read_kept_commits(alt) == [(1, before)]
     else:
         assert not all(os.path.isfile(os.path.join(d, "COMMIT")) for d in alt)
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
-    assert (again.resumed_step, again.engine.committed_epoch) == (2, 0), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == (before, 0), rank
     for p, q in zip(model.parameters(), want["params"]):
         assert torch.equal(p, q), rank
     assert_states_match(again.state_dict()["state"], want["state"], rank)
     assert not any(os.path.exists(d) for d in alt), rank
     again.add_param_group({"params": list(model[2].parameters())})
-    train_same_batches(range(2, 3), ((again, model),))
-    assert (again.engine.committed_epoch, again.engine.committed_step) == (1, 3)
+    train_same_batches(range(before, before + 1), ((again, model),))  # a commit step
+    assert (again.engine.committed_epoch, again.engine.committed_step) == (1, before + 1)
     assert [sorted(d for d in os.listdir(t) if d.startswith(f"cr.r{rank}")) for t in tiers] \
         == [[f"cr.r{rank}.alt"]] * len(tiers)
     again.close()
 
 
+@pytest.mark.parametrize("commit_every,before", [(1, 2), (2, 3)])
 def test_a_crash_during_add_param_group_resumes_the_commit_every_rank_holds(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, commit_every, before):
     tiers = tier_dirs(tmp_path)
     monkeypatch.setenv("MLP_TEST_DIED", str(tmp_path / "died"))
-    spawn(crash_in_add_worker, tiers, "crash")
+    spawn(crash_in_add_worker, tiers, "crash", commit_every, before)
     assert all(os.path.exists(tmp_path / f"died{r}") for r in range(WORLD))
-    spawn(crash_in_add_worker, tiers, "resume")
+    spawn(crash_in_add_worker, tiers, "resume", commit_every, before)
 
 
 def mixed_runs_worker(rank, tiers, out_dir, phase):

@@ -772,6 +772,39 @@ def test_a_newer_commit_of_other_groups_is_never_passed_over(tmp_path, monkeypat
     again.close()
 
 
+def test_a_newer_commit_of_other_groups_at_a_lower_step_is_never_passed_over(
+        tmp_path, monkeypatch):
+    # As above, but a load set the new groups' step count back below the old
+    # groups' last commit (a checkpoint of step 1): their commits are newer
+    # by epoch, not by step count; only the re-packing of the commit resumed
+    # may be passed over.
+    early_model = make_model()
+    early = groups_wrap(early_model, tier_dirs(tmp_path, prefix="early"), True)
+    backward(early_model, 0)
+    early.step()
+    early.save_checkpoint(str(tmp_path / "early_ckpt"))
+    early.close()
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    monkeypatch.setattr(MLPOffloadOptimizer, "_discard_other_run_dir", lambda *a, **k: None)
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
+    opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+    opt.load_checkpoint(str(tmp_path / "early_ckpt"))
+    model.zero_grad(set_to_none=True)
+    backward(model, 1)
+    opt.step()
+    newest = (opt.engine.committed_epoch, opt.engine.committed_step)
+    assert newest[1] < 3, newest
+    opt.close()
+    with pytest.raises(errors.StateMismatchError, match=r"newest commit, step %d \(epoch %d\)"
+                       % (newest[1], newest[0])):
+        groups_wrap(model, tiers, False, run_name="r", commit_every=1, resume="auto")
+    again = groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
+    assert (again.engine.committed_epoch, again.resumed_step) == newest
+    again.close()
+
+
 def test_a_crash_in_add_param_group_after_a_failed_one_resumes_the_newest_commit(
         tmp_path, monkeypatch):
     # add_param_group fails and so does restoring the old groups, leaving

@@ -44,7 +44,7 @@ from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
 from mlp_offload import _C
 from mlp_offload.errors import (ConfigError, CorruptStateError, NonFiniteGradientError,
-                                OffloadError, StateMismatchError, TierFullError,
+                                OffloadError, StateMismatchError, TierError, TierFullError,
                                 TierInUseError)
 
 _log = logging.getLogger(__name__)
@@ -599,19 +599,30 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._check_commit_groups(dirs[0], keys[0])
             except StateMismatchError as e:
                 explained = self._explain_other_world(e, name)
-                if explained is e:
+                if explained is e and "another" in str(e):
                     explained = StateMismatchError(
-                        f"{e} (the run's commit is of other parameter groups than this "
-                        f"optimizer's: another model, or the groups before or after an "
-                        f"add_param_group)")
+                        f"{e} (or the groups before or after an add_param_group that a "
+                        f"crash interrupted: construct the optimizer with the run's)")
                 mismatch = mismatch or explained
-                other.extend(keys)
+                # The newest with the commit it was re-packed from, if any.
+                other.append((keys[0], self._repacked_from(dirs[0], keys[0])))
+                other.extend((k, None) for k in keys[1:])
                 continue
             for k in keys:
                 held.setdefault(k, name)
         if other and not held:
             raise mismatch
         return held, other
+
+    @staticmethod
+    def _repacked_from(run_dir, key):
+        """The commit that add_param_group re-packed into commit `key` (its
+        Python-side state says; None if it is not such a commit or the file
+        cannot be read)."""
+        try:
+            return _recovery.read_pystate(run_dir, key).get("repacked_from")
+        except (CorruptStateError, TierError):
+            return None
 
     def _check_commit_groups(self, run_dir, key):
         """StateMismatchError if the Python-side state of commit `key` in
@@ -626,8 +637,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         difference = self._layout_difference(state.get("layout", {}))
         if difference is not None:
             raise StateMismatchError(
-                f"{_recovery.pystate_path(run_dir, key)} was written for other parameter "
-                f"groups or another model: {difference}")
+                f"{_recovery.pystate_path(run_dir, key)} was written for another model, "
+                f"optimizer or parameter groups: {difference}")
 
     def _discard_other_run_dir(self, strict=False):
         """Removes this rank's run directory that the engine does not use
@@ -661,6 +672,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return
         self._commit_dir = self._run_name
         self._discard_other_run_dir()
+
+    def _commit_before_repacking(self, steps):
+        """Before a re-packing in a committed run (collective in a group):
+        the state as it is, at `steps` steps, is committed unless it is the
+        last commit, so that the re-packed state's commit (of the same
+        step) has one of the groups before to go back to on every rank,
+        whatever commit_every. Returns that commit's key (None: no commits
+        in this run), which the re-packed commit records."""
+        if not (self._initialized and self._persistent and self._commit_every > 0):
+            return None
+        with self._together("commit its state before the re-packing"):
+            engine = self._engine
+            if engine is not None:
+                if engine.steps < steps:
+                    engine.set_step(steps)
+                if _recovery.commit_key(engine.epoch, steps) > _recovery.commit_key(
+                        engine.committed_epoch, engine.committed_step):
+                    self._write_pystate(steps)
+                    engine.commit()
+                    self._prune_pystate()
+        return _recovery.commit_key(self._epoch, steps)
 
     def _choose_commit_dir(self):
         """Before a re-packing (collective in a group): `_commit_dir`
@@ -795,13 +827,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         changes its records, if they hold none in common.
 
         `other`: this rank's commits of other parameter groups (the other
-        side of an add_param_group that a crash interrupted). Resuming
-        these groups must lose nothing: StateMismatchError if some rank
-        holds such a commit of a later step than the one agreed on, or if
-        no commit of these groups is on every rank."""
-        gathered = self._gather(None if kept is None else (sorted(kept), sorted(other)))
+        side of an add_param_group that a crash interrupted), as (key, the
+        commit it was re-packed from or None). Resuming these groups must
+        lose nothing: StateMismatchError if some rank holds such a commit
+        newer than the one agreed on that is not its re-packing, or if no
+        commit of these groups is on every rank."""
+        gathered = self._gather(None if kept is None else
+                                (sorted(kept), sorted(other, key=lambda o: o[0])))
         held = [set(g[0]) for g in gathered if g is not None]
-        others = {k for g in gathered if g is not None for k in g[1]}
+        repacked = [tuple(o) for g in gathered if g is not None for o in g[1]]
+        others = {k for k, _ in repacked}
         groups_note = ("construct the optimizer with the parameter groups of that "
                        "commit (those after, or before, an add_param_group that a crash "
                        "interrupted); nothing was changed")
@@ -822,8 +857,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{have}), so no state of one moment can be resumed; nothing was "
                 f"changed (resume='never' starts afresh, or load a checkpoint)")
         agreed = max(common)
-        step = _recovery.split_commit_key(agreed)[1]
-        later = [k for k in others if k > agreed and _recovery.split_commit_key(k)[1] > step]
+        later = [k for k, base in repacked if k > agreed and base != agreed]
         if later:
             raise StateMismatchError(
                 f"run {self._run_prefix!r}: its newest commit, "
@@ -1038,6 +1072,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 steps = self._max_over_ranks(steps)[0]
         else:
             steps = 0
+        repacked_from = self._commit_before_repacking(steps)
         self._choose_commit_dir()
         before = len(self.optimizer.param_groups)
         rebuilt = False
@@ -1049,7 +1084,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self.optimizer.add_param_group(param_group)  # torch's checks
                 self.param_groups = self.optimizer.param_groups
                 rebuilt = True
-                self._rebuild(saved, masters, steps)
+                self._rebuild(saved, masters, steps, repacked_from)
         except BaseException as exc:
             # Refused here (another dtype, more state arrays than the
             # optimizer has) or failed (a full tier), on this rank or
@@ -1057,16 +1092,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # their state (a rank whose torch refused the group has nothing
             # to undo, but joins the others' agreement).
             del self.optimizer.param_groups[before:]
-            # An interrupt on this rank alone skipped the add's agreement:
-            # it joins no collective the others are not in (they fail in
-            # theirs, waiting for it), so it restores on its own, and keeps
-            # the directory of the commit before (what the others did is
-            # not known).
-            solo = self._group is None or not isinstance(exc, Exception)
-            any_rebuilt = rebuilt if solo else self._any_rank(rebuilt)
+            if self._group is not None and not isinstance(exc, Exception):
+                # An interrupt on this rank alone: it joins no collective the
+                # others are not in (they fail in theirs, waiting for it),
+                # and changes no directory, as what the others did is not
+                # known (a resume sorts it out).
+                if rebuilt:
+                    self._incomplete_load = (
+                        f"add_param_group was interrupted ({type(exc).__name__}) while "
+                        f"the engine was rebuilt")
+                raise
             try:
-                with contextlib.nullcontext() if solo else \
-                        self._together("restore its parameter groups"):
+                any_rebuilt = self._any_rank(rebuilt) if self._group is not None else rebuilt
+            except BaseException:
+                if rebuilt:
+                    self._incomplete_load = (
+                        f"add_param_group failed ({type(exc).__name__}: {exc}) and the "
+                        f"ranks could not agree on restoring the previous groups")
+                raise
+            try:
+                with self._together("restore its parameter groups"):
                     self._next_epoch()
                     if rebuilt:
                         self._rebuild(saved, masters, steps)
@@ -1085,7 +1130,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{self._last_commit_note()}") from exc
             landed = self._commit_kept_engine(steps) if any_rebuilt and not rebuilt else True
             if self._group is not None:
-                landed = False if solo else not self._any_rank(not landed)
+                landed = not self._any_rank(not landed)
             # A rebuilt rank drops the directory of the commit before only
             # once every rank's commit of the restored groups landed: until
             # then, that commit is the one all ranks hold.
@@ -1158,7 +1203,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                   "while the engine is rebuilt", need, best)
         return _layout.HostArena(numel, best)
 
-    def _rebuild(self, saved, masters, steps):
+    def _rebuild(self, saved, masters, steps, repacked_from=None):
         """Packs the groups and creates the engine again, then writes the
         state `saved` (None: not initialised) back, `steps` steps taken. A
         persistent run commits it at once, in a new epoch (the step count
@@ -1173,7 +1218,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._engine is not None:
             self._engine.set_step(steps)
             if self._commit_every > 0:
-                self._write_pystate(steps)
+                self._write_pystate(steps, repacked_from=repacked_from)
                 self._engine.commit()
                 self._prune_pystate()
 
@@ -1562,10 +1607,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _pystate_dir(self):
         return os.path.join(self._tiers[0]["path"], self._run_name)
 
-    def _write_pystate(self, step, stepping=False):
+    def _write_pystate(self, step, stepping=False, repacked_from=None):
         """Writes the Python-side state for the engine's next commit, of step
         `step` (see recovery.py); `stepping`: as it will be after the step
-        about to run."""
+        about to run; `repacked_from`: the commit (commit_key) whose state an
+        add_param_group re-packed into this one."""
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
         has_state = {pid: v for pid, v in self._has_state.items() if pid in own}
         if stepping and self._family is not None:
@@ -1583,6 +1629,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": has_state,
             "layout": self._layout_summary(),
+            "repacked_from": repacked_from,
         }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
 
     def _prune_pystate(self):
