@@ -453,9 +453,8 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     if kept_commit_fails:
         # The group again, accepted everywhere now, and a crash before any
         # rank commits the re-packed state: rank 1 must not have taken the
-        # directory of the only commit both held (its engine's own commit
-        # was on rank 1 only; rank 0 commits its state first, in the epoch
-        # of rank 1's commit, so that both hold that one too).
+        # directory of the only commit both hold (its engine's own commit
+        # is on rank 1 only).
         write = MLPOffloadOptimizer._write_pystate
 
         def crash_repacked(self, *args, **kwargs):
@@ -468,7 +467,8 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
             opt.add_param_group({"params": list(model[2].parameters())})
     opt.close()  # as a crash
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
-    assert (again.resumed_step, again.engine.committed_epoch) == (2, 2), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == \
+        (2, 0 if kept_commit_fails else 2), rank
     for p, q in zip(model.parameters(), want):
         assert torch.equal(p, q), rank
     train_same_batches(range(2, 3), ((again, model),))
@@ -483,8 +483,8 @@ def test_a_group_refused_on_one_rank_leaves_one_commit_on_every_rank(tmp_path,
 
 class Crash(BaseException):
     """The process dies there: not an Exception, so no error handling
-    swallows it (add_param_group's rollback meets the same patched call and
-    dies too) and no rank joins a collective the other skips."""
+    swallows it (in a group, add_param_group restores nothing after one)
+    and no rank joins a collective the other skips."""
 
 
 def crash(*args, **kwargs):
@@ -503,19 +503,22 @@ def crash_in_add_worker(rank, tiers, phase, commit_every, before):
     """Phase "crash": a committed run dies during add_param_group at step
     `before`, rank 0 right after committing its re-packed state (in its
     other run directory) and rank 1 before. Phase "resume": both resume the
-    commit before the add, the newest both hold (with commit_every 2 and an
-    odd step, the one the add made of the state first); rank 0's newer
-    one, which rank 1 never made, is removed, and the add goes through."""
+    last commit before the add, the newest both hold (with commit_every 2
+    and an odd step, of the step before: the re-packed commit is of the
+    one after it, but it is that commit's re-packing, which rank 1 never
+    made); rank 0's newer one is removed, and the add goes through."""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
                              compute_threads=1, run_name="cr", commit_every=commit_every)
     alt = [os.path.join(t, f"cr.r{rank}.alt") for t in tiers]
     want_file = os.path.join(os.path.dirname(tiers[0]), f"want{rank}.pt")
+    last = before - before % commit_every  # the last commit before the add
     if phase == "crash":
         opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
-        train_same_batches(range(before), ((opt, model),))
+        train_same_batches(range(last), ((opt, model),))
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "state": opt.state_dict()["state"]}, want_file)
+        train_same_batches(range(last, before), ((opt, model),))
         prune, write = MLPOffloadOptimizer._prune_pystate, MLPOffloadOptimizer._write_pystate
 
         def after_commit(self):  # rank 0: its re-packed state's commit landed
@@ -541,14 +544,15 @@ def crash_in_add_worker(rank, tiers, phase, commit_every, before):
     else:
         assert not all(os.path.isfile(os.path.join(d, "COMMIT")) for d in alt)
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
-    assert (again.resumed_step, again.engine.committed_epoch) == (before, 0), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == (last, 0), rank
     for p, q in zip(model.parameters(), want["params"]):
         assert torch.equal(p, q), rank
     assert_states_match(again.state_dict()["state"], want["state"], rank)
     assert not any(os.path.exists(d) for d in alt), rank
     again.add_param_group({"params": list(model[2].parameters())})
-    train_same_batches(range(before, before + 1), ((again, model),))  # a commit step
-    assert (again.engine.committed_epoch, again.engine.committed_step) == (1, before + 1)
+    train_same_batches(range(last, last + commit_every), ((again, model),))
+    assert (again.engine.committed_epoch, again.engine.committed_step) == \
+        (1, last + commit_every)
     assert [sorted(d for d in os.listdir(t) if d.startswith(f"cr.r{rank}")) for t in tiers] \
         == [[f"cr.r{rank}.alt"]] * len(tiers)
     again.close()

@@ -673,36 +673,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._commit_dir = self._run_name
         self._discard_other_run_dir()
 
-    def _commit_before_repacking(self, steps):
-        """Before a re-packing in a committed run (collective in a group):
-        the state as it is, at `steps` steps, is committed unless it is the
-        last commit, so that the re-packed state's commit (of the same
-        step) has one of the groups before to go back to on every rank,
-        whatever commit_every. Returns that commit's key (None: no commits
-        in this run), which the re-packed commit records."""
-        if not (self._initialized and self._persistent and self._commit_every > 0):
-            return None
-        with self._together("commit its state before the re-packing"):
-            engine = self._engine
-            if engine is not None:
-                if engine.steps < steps:
-                    engine.set_step(steps)
-                if _recovery.commit_key(engine.epoch, steps) > _recovery.commit_key(
-                        engine.committed_epoch, engine.committed_step):
-                    self._write_pystate(steps)
-                    engine.commit()
-                    self._prune_pystate()
-        return _recovery.commit_key(self._epoch, steps)
-
     def _choose_commit_dir(self):
         """Before a re-packing (collective in a group): `_commit_dir`
         becomes the directory holding the newest commit that every rank
         holds, which the re-packing must leave alone until every rank has
         committed the new state. After a failed restore and a load that
         may be the engine's own directory; after a restore that not every
-        rank committed, the one before."""
+        rank committed, the one before. Returns that commit's key (None:
+        none), which the re-packed commit records: a crash before every
+        rank made it goes back to that one (see _agree_on_commit)."""
         if not self._persistent:
-            return
+            return None
         held = None  # commit_key -> directory; None: no subgroup here
         if self._engine is not None:
             held = {_recovery.commit_key(e, st): self._run_name
@@ -725,12 +706,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 agreed = self._agree_on_commit(None if held is None else list(held))
             except StateMismatchError:  # raised on every rank alike
                 agreed = -1
-        if held is None:
-            return
-        if agreed >= 0:
-            self._commit_dir = held[agreed]
-        elif self._engine.kept_commits:
-            self._commit_dir = self._run_name
+        if held is not None:
+            if agreed >= 0:
+                self._commit_dir = held[agreed]
+            elif self._engine.kept_commits:
+                self._commit_dir = self._run_name
+        return agreed if agreed >= 0 else None
 
     def _raise_opening(self, agree, engine, failure, what):
         """While opening a run's committed state: `failure` raised on every
@@ -914,6 +895,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Refuses to step or save a state that a failed load left part old,
         part loaded (on any rank: the ranks agree on it)."""
         if self._incomplete_load is not None:
+            if self._incomplete_load.endswith("a load does not mend it"):
+                raise StateMismatchError(
+                    f"the optimizer state is incomplete: {self._incomplete_load}")
             raise StateMismatchError(
                 f"the optimizer state is incomplete: {self._incomplete_load}; load the "
                 f"state dict or checkpoint again (on every rank) before stepping or saving")
@@ -1072,8 +1056,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 steps = self._max_over_ranks(steps)[0]
         else:
             steps = 0
-        repacked_from = self._commit_before_repacking(steps)
-        self._choose_commit_dir()
+        repacked_from = self._choose_commit_dir()
         before = len(self.optimizer.param_groups)
         rebuilt = False
         # A new epoch for the re-packed state's commit, on every rank (one
@@ -1100,7 +1083,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if rebuilt:
                     self._incomplete_load = (
                         f"add_param_group was interrupted ({type(exc).__name__}) while "
-                        f"the engine was rebuilt")
+                        f"the engine was rebuilt: close() this optimizer and construct it "
+                        f"again (resume='auto' resumes the run's last commit); a load "
+                        f"does not mend it")
                 raise
             try:
                 any_rebuilt = self._any_rank(rebuilt) if self._group is not None else rebuilt
@@ -1108,7 +1093,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if rebuilt:
                     self._incomplete_load = (
                         f"add_param_group failed ({type(exc).__name__}: {exc}) and the "
-                        f"ranks could not agree on restoring the previous groups")
+                        f"ranks could not agree on restoring the previous groups: close() "
+                        f"this optimizer and construct it again (resume='auto' resumes "
+                        f"the run's last commit); a load does not mend it")
                 raise
             try:
                 with self._together("restore its parameter groups"):
