@@ -465,6 +465,10 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
         with mock.patch.object(MLPOffloadOptimizer, "_write_pystate", crash_repacked), \
                 pytest.raises(Crash):
             opt.add_param_group({"params": list(model[2].parameters())})
+        # (Had the process lived on: its layout is half re-packed, which no
+        # load mends.)
+        with pytest.raises(StateMismatchError, match="no load mends it"):
+            opt.load_state_dict(opt.optimizer.state_dict())
     opt.close()  # as a crash
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
     assert (again.resumed_step, again.engine.committed_epoch) == \

@@ -744,6 +744,35 @@ def test_a_crash_after_add_param_groups_commit_resumes_either_side(tmp_path, mon
         groups_wrap(model, tiers, True, run_name="r", commit_every=1, resume="require")
 
 
+@pytest.mark.parametrize("groups", ["before", "after"])
+def test_a_crash_in_add_param_group_before_the_runs_first_commit(tmp_path, monkeypatch,
+                                                                 groups):
+    # The run started from a checkpoint and has not committed yet when
+    # add_param_group re-packs; the crash comes after the re-packed commit,
+    # before the run's other directory goes. With the old groups the run
+    # starts from its checkpoint again (the re-packed commit was made of no
+    # commit that every rank held: nothing older to lose); with the new
+    # ones it resumes the re-packed commit.
+    ckpt = str(tmp_path / "ckpt")
+    model = make_model()
+    first = train_then_add_group(model, tier_dirs(tmp_path, prefix="first"), 2, 0)
+    first.save_checkpoint(ckpt)
+    first.close()
+    tiers = tier_dirs(tmp_path)
+    opt = groups_wrap(model, tiers, False, run_name="r", commit_every=2, resume="auto",
+                      checkpoint_dir=ckpt)
+    assert (opt.resumed_from, opt.engine.committed_step) == ("checkpoint", -1)
+    add_group_and_crash(opt, model, monkeypatch, "_settle_run_dir")
+    opt.close()
+    again = groups_wrap(model, tiers, groups == "after", run_name="r", commit_every=2,
+                        resume="auto", checkpoint_dir=ckpt)
+    assert (again.resumed_from, again.resumed_step) == \
+        ("committed_step" if groups == "after" else "checkpoint", 2)
+    if groups == "before":  # the re-packed commit went with the fresh start
+        assert not any(os.path.exists(os.path.join(t, "r.r0.alt")) for t in tiers)
+    again.close()
+
+
 def test_a_newer_commit_of_other_groups_is_never_passed_over(tmp_path, monkeypatch):
     # The run's previous directory outlived an add_param_group (its removal
     # failed) and the run stepped on with the new groups: a restart with the

@@ -202,6 +202,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
         self._incomplete_load = None  # a load that failed after changing state
+        self._must_reconstruct = None  # an interrupted re-packing: nothing mends it
         self._load_started = False
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
@@ -610,7 +611,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 continue
             for k in keys:
                 held.setdefault(k, name)
-        if other and not held:
+        # (A re-packing of no commit every rank held, -1, can be passed over:
+        # it holds nothing older that a resume could lose.)
+        if not held and any(base != -1 for _, base in other):
             raise mismatch
         return held, other
 
@@ -679,9 +682,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         holds, which the re-packing must leave alone until every rank has
         committed the new state. After a failed restore and a load that
         may be the engine's own directory; after a restore that not every
-        rank committed, the one before. Returns that commit's key (None:
-        none), which the re-packed commit records: a crash before every
-        rank made it goes back to that one (see _agree_on_commit)."""
+        rank committed, the one before. Returns that commit's key (-1: no
+        commit every rank holds; None: not a committed run), which the
+        re-packed commit records: a crash before every rank made it goes
+        back to that one (see _agree_on_commit)."""
         if not self._persistent:
             return None
         held = None  # commit_key -> directory; None: no subgroup here
@@ -711,7 +715,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._commit_dir = held[agreed]
             elif self._engine.kept_commits:
                 self._commit_dir = self._run_name
-        return agreed if agreed >= 0 else None
+        return agreed
 
     def _raise_opening(self, agree, engine, failure, what):
         """While opening a run's committed state: `failure` raised on every
@@ -816,7 +820,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         gathered = self._gather(None if kept is None else
                                 (sorted(kept), sorted(other, key=lambda o: o[0])))
         held = [set(g[0]) for g in gathered if g is not None]
-        repacked = [tuple(o) for g in gathered if g is not None for o in g[1]]
+        # (A re-packing of no commit every rank held, -1, holds nothing
+        # older that a resume could lose: it is passed over.)
+        repacked = [tuple(o) for g in gathered if g is not None for o in g[1] if o[1] != -1]
         others = {k for k, _ in repacked}
         groups_note = ("construct the optimizer with the parameter groups of that "
                        "commit (those after, or before, an add_param_group that a crash "
@@ -890,14 +896,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise OffloadError("this MLPOffloadOptimizer was closed: its state is gone "
                                "from memory (save_checkpoint before close to keep it)")
+        if self._must_reconstruct is not None:
+            raise StateMismatchError(
+                f"{self._must_reconstruct}: close() this optimizer and construct it again "
+                f"(resume='auto' resumes the run's last commit); no load mends it")
 
     def _check_state_whole(self):
         """Refuses to step or save a state that a failed load left part old,
         part loaded (on any rank: the ranks agree on it)."""
         if self._incomplete_load is not None:
-            if self._incomplete_load.endswith("a load does not mend it"):
-                raise StateMismatchError(
-                    f"the optimizer state is incomplete: {self._incomplete_load}")
             raise StateMismatchError(
                 f"the optimizer state is incomplete: {self._incomplete_load}; load the "
                 f"state dict or checkpoint again (on every rank) before stepping or saving")
@@ -1081,21 +1088,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # and changes no directory, as what the others did is not
                 # known (a resume sorts it out).
                 if rebuilt:
-                    self._incomplete_load = (
+                    self._must_reconstruct = (
                         f"add_param_group was interrupted ({type(exc).__name__}) while "
-                        f"the engine was rebuilt: close() this optimizer and construct it "
-                        f"again (resume='auto' resumes the run's last commit); a load "
-                        f"does not mend it")
+                        f"the engine was rebuilt")
                 raise
             try:
                 any_rebuilt = self._any_rank(rebuilt) if self._group is not None else rebuilt
             except BaseException:
                 if rebuilt:
-                    self._incomplete_load = (
+                    self._must_reconstruct = (
                         f"add_param_group failed ({type(exc).__name__}: {exc}) and the "
-                        f"ranks could not agree on restoring the previous groups: close() "
-                        f"this optimizer and construct it again (resume='auto' resumes "
-                        f"the run's last commit); a load does not mend it")
+                        f"ranks could not agree on restoring the previous groups")
                 raise
             try:
                 with self._together("restore its parameter groups"):
