@@ -991,6 +991,31 @@ TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == first);
 }
 
+// Steps 1 and 2, a checkpoint `ckpt` of step 2, steps 3 to `last`, then
+// that checkpoint loaded and epoch 1 begun: the next steps count 3 again.
+void RepeatStepsAfterALoad(Engine& e, Model& model, const std::string& ckpt,
+                           int last) {
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
+  ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
+  ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, last));
+  ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
+  ASSERT_TRUE(e.SetEpoch(1).ok());
+}
+
+// Every record of the 4-subgroup run `e` resumed is refused: DataLoss
+// whose message contains `why`.
+void ExpectNoRecordResumes(Engine& e, const std::string& why) {
+  std::vector<float> master(3000), m(3000), v(3000);
+  for (int i = 0; i < 4; ++i) {
+    absl::Status r =
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, nullptr);
+    ASSERT_FALSE(r.ok()) << "subgroup " << i;
+    EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(r.message().find(why), std::string::npos) << r;
+  }
+}
+
 TEST(EngineTest, ARecordRewrittenAtItsCommitsStepCountIsNeverResumed) {
   // Commits of steps 3 and 4; a load of step 2, a new epoch and another
   // step 3 write over the slots of (0, 3) with records of step 3 too; their
@@ -1004,12 +1029,7 @@ TEST(EngineTest, ARecordRewrittenAtItsCommitsStepCountIsNeverResumed) {
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     Engine& e = **engine;
-    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
-    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
-    ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
-    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 4));
-    ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
-    ASSERT_TRUE(e.SetEpoch(1).ok());
+    ASSERT_NO_FATAL_FAILURE(RepeatStepsAfterALoad(e, model, ckpt, 4));
     // Tier 0's COMMIT.prev cannot be written: the commit fails before any
     // tier's records change.
     const std::string blocker =
@@ -1024,15 +1044,7 @@ TEST(EngineTest, ARecordRewrittenAtItsCommitsStepCountIsNeverResumed) {
   cfg.resume_step = 3;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  std::vector<float> master(3000), m(3000), v(3000);
-  for (int i = 0; i < 4; ++i) {
-    absl::Status r = (*engine)->ReadSubgroup(i, master.data(),
-                                             {m.data(), v.data()}, nullptr);
-    ASSERT_FALSE(r.ok()) << "subgroup " << i;
-    EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
-    EXPECT_NE(r.message().find("another state of step 3"), std::string::npos)
-        << r;
-  }
+  ExpectNoRecordResumes(**engine, "another state of step 3");
 }
 
 TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
@@ -1090,12 +1102,7 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
     auto engine = Engine::Create(cfg);
     ASSERT_TRUE(engine.ok()) << engine.status();
     Engine& e = **engine;
-    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
-    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
-    ASSERT_TRUE(e.SaveCheckpoint(ckpt).ok());
-    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 3, 3));
-    ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
-    ASSERT_TRUE(e.SetEpoch(1).ok());
+    ASSERT_NO_FATAL_FAILURE(RepeatStepsAfterALoad(e, model, ckpt, 3));
     const std::string blocker = CommitBlocker(cfg, 1);
     ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
     model.NewGrads(1003);
@@ -1349,16 +1356,7 @@ TEST(EngineTest, SlotsRewrittenAfterACommitAreNeverResumedSilently) {
   cfg.resume_step = 2;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
-  std::vector<float> master(3000), m(3000), v(3000);
-  for (int i = 0; i < 4; ++i) {
-    absl::Status r = (*engine)->ReadSubgroup(i, master.data(),
-                                             {m.data(), v.data()}, nullptr);
-    ASSERT_FALSE(r.ok()) << "subgroup " << i;
-    EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
-    EXPECT_NE(r.message().find("holds step 5, expected step 2"),
-              std::string::npos)
-        << r;
-  }
+  ExpectNoRecordResumes(**engine, "holds step 5, expected step 2");
 }
 
 TEST(EngineTest, CorruptRecordIsAnErrorNamingFileAndSubgroup) {
