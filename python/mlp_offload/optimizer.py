@@ -492,15 +492,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # hold the run's last commit: that one stays until every rank
             # has committed the new state (_settle_run_dir), so a crash
             # before then resumes it.
-            names = _recovery.run_dir_names(self._run_prefix, self._rank)
-            self._run_name = names[1] if self._commit_dir == names[0] else names[0]
-            dirs = _recovery.run_dirs(self._tiers, self._run_name)
-            try:
-                _recovery.discard_run(dirs)
-            except OSError as e:
-                raise _recovery.os_error_to_tier_error(
-                    e, "clearing the run directory for the re-packed state",
-                    dirs[0]) from e
+            self._run_name = self._other_run_dir(self._commit_dir)
+            self._discard_run_dir(self._run_name, strict=True)
         elif self._persistent:
             engine = self._open_committed(budget, numel, agree)
         else:
@@ -583,21 +576,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         would otherwise make every rank start afresh over them)."""
         held, other, mismatch = {}, [], None
         for name in names:
-            dirs = _recovery.run_dirs(self._tiers, name)
-            if any(os.path.islink(d) for d in dirs):
-                continue  # planted: never resumed (the engine refuses it too)
-            if not _recovery.has_committed_state(dirs):
+            keys = self._dir_commits(name)
+            if not keys:
                 continue
-            kept = _C.engine.read_kept_commits(dirs)
-            if not kept:
-                raise CorruptStateError(
-                    f"the commit records of run {self._run_prefix!r} in {', '.join(dirs)} "
-                    f"share no commit (each tier holds its last two): a tier's records "
-                    f"were lost or replaced; nothing was changed")
-            keys = [_recovery.commit_key(e, st) for e, st in kept]
+            dirs = _recovery.run_dirs(self._tiers, name)
+            # An unreadable file is the resume's to report.
+            state = self._read_pystate_or_none(dirs[0], keys[0])
             try:
                 _C.engine.check_run_layout(dirs, 1 + self._num_arrays, numel)
-                self._check_commit_groups(dirs[0], keys[0])
+                # A rank whose own subgroups an add_param_group left alone
+                # has engine files of one layout on both sides of it.
+                difference = state and self._layout_difference(state.get("layout", {}))
+                if difference:
+                    raise StateMismatchError(
+                        f"{_recovery.pystate_path(dirs[0], keys[0])} was written for "
+                        f"another model, optimizer or parameter groups: {difference}")
             except StateMismatchError as e:
                 explained = self._explain_other_world(e, name)
                 if explained is e and "another" in str(e):
@@ -606,7 +599,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"crash interrupted: construct the optimizer with the run's)")
                 mismatch = mismatch or explained
                 # The newest with the commit it was re-packed from, if any.
-                other.append((keys[0], self._repacked_from(dirs[0], keys[0])))
+                other.append((keys[0], state and state.get("repacked_from")))
                 other.extend((k, None) for k in keys[1:])
                 continue
             for k in keys:
@@ -617,40 +610,43 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise mismatch
         return held, other
 
+    def _dir_commits(self, name):
+        """The commits (commit_key, newest first) that every tier holds in
+        this rank's run directory `name`; [] if it is not committed, or a
+        symlink (planted: never resumed, the engine refuses it too)."""
+        dirs = _recovery.run_dirs(self._tiers, name)
+        if any(os.path.islink(d) for d in dirs) or not _recovery.has_committed_state(dirs):
+            return []
+        kept = _C.engine.read_kept_commits(dirs)
+        if not kept:
+            raise CorruptStateError(
+                f"the commit records of run {self._run_prefix!r} in {', '.join(dirs)} "
+                f"share no commit (each tier holds its last two): a tier's records "
+                f"were lost or replaced; nothing was changed")
+        return [_recovery.commit_key(e, st) for e, st in kept]
+
     @staticmethod
-    def _repacked_from(run_dir, key):
-        """The commit that add_param_group re-packed into commit `key` (its
-        Python-side state says; None if it is not such a commit or the file
-        cannot be read)."""
+    def _read_pystate_or_none(run_dir, key):
         try:
-            return _recovery.read_pystate(run_dir, key).get("repacked_from")
+            return _recovery.read_pystate(run_dir, key)
         except (CorruptStateError, TierError):
             return None
 
-    def _check_commit_groups(self, run_dir, key):
-        """StateMismatchError if the Python-side state of commit `key` in
-        `run_dir` is of other parameter groups or another model (a rank
-        whose own subgroups an add_param_group left alone has engine files
-        of one layout on both sides of it). An unreadable file is the
-        resume's to report."""
-        try:
-            state = _recovery.read_pystate(run_dir, key)
-        except CorruptStateError:
-            return
-        difference = self._layout_difference(state.get("layout", {}))
-        if difference is not None:
-            raise StateMismatchError(
-                f"{_recovery.pystate_path(run_dir, key)} was written for another model, "
-                f"optimizer or parameter groups: {difference}")
-
-    def _discard_other_run_dir(self, strict=False):
-        """Removes this rank's run directory that the engine does not use
-        (see recovery.run_dir_names); it holds no commit that the run will
-        resume. strict: a failure raises (a TierError), else it is logged
-        (the next add_param_group or fresh start clears it)."""
+    def _other_run_dir(self, name):
+        """This rank's run directory that is not `name` (recovery.run_dir_names)."""
         names = _recovery.run_dir_names(self._run_prefix, self._rank)
-        other = names[1] if self._run_name == names[0] else names[0]
-        dirs = _recovery.run_dirs(self._tiers, other)
+        return names[1] if name == names[0] else names[0]
+
+    def _has_commit(self, name):
+        """Whether every tier's run directory `name` holds a COMMIT."""
+        return all(os.path.isfile(os.path.join(d, "COMMIT"))
+                   for d in _recovery.run_dirs(self._tiers, name))
+
+    def _discard_run_dir(self, name, strict=False):
+        """Removes this rank's run directory `name` on every tier
+        (recovery.discard_run). strict: a failure raises (a TierError), else
+        it is logged (the next add_param_group or fresh start clears it)."""
+        dirs = _recovery.run_dirs(self._tiers, name)
         try:
             _recovery.discard_run(dirs)
         except (OSError, TierInUseError) as e:
@@ -658,9 +654,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if isinstance(e, TierInUseError):
                     raise
                 raise _recovery.os_error_to_tier_error(
-                    e, "removing the run's other directory", dirs[0]) from e
+                    e, f"removing the run directory {name}", dirs[0]) from e
             _log.warning("run %r: could not remove %s, which holds no commit it resumes "
-                         "(%s)", self._run_prefix, other, e)
+                         "(%s)", self._run_prefix, name, e)
+
+    def _discard_other_run_dir(self, strict=False):
+        """Removes this rank's run directory that the engine does not use;
+        it holds no commit that the run will resume."""
+        self._discard_run_dir(self._other_run_dir(self._run_name), strict)
 
     def _settle_run_dir(self):
         """After a re-packing that every rank completed and committed: the
@@ -669,9 +670,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         stays where it is, the one a crash resumes again.)"""
         if not self._persistent or self._engine is None:
             return
-        if not self._engine.kept_commits and self._commit_dir is not None and all(
-                os.path.isfile(os.path.join(d, "COMMIT"))
-                for d in _recovery.run_dirs(self._tiers, self._commit_dir)):
+        if not self._engine.kept_commits and self._commit_dir is not None and \
+                self._has_commit(self._commit_dir):
             return
         self._commit_dir = self._run_name
         self._discard_other_run_dir()
@@ -692,14 +692,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._engine is not None:
             held = {_recovery.commit_key(e, st): self._run_name
                     for e, st in self._engine.kept_commits}
-            names = _recovery.run_dir_names(self._run_prefix, self._rank)
-            other = names[1] if self._run_name == names[0] else names[0]
-            dirs = _recovery.run_dirs(self._tiers, other)
+            other = self._other_run_dir(self._run_name)
             try:
-                if not any(os.path.islink(d) for d in dirs) and \
-                        _recovery.has_committed_state(dirs):
-                    for e, st in _C.engine.read_kept_commits(dirs):
-                        held.setdefault(_recovery.commit_key(e, st), other)
+                for k in self._dir_commits(other):
+                    held.setdefault(k, other)
             except Exception as e:  # noqa: BLE001 - a damaged copy offers nothing
                 _log.warning("run %r: the commits in %s cannot be read (%s)",
                              self._run_prefix, other, e)
@@ -1132,9 +1128,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _last_commit_note(self):
         """For errors that leave no state to step from: where a committed
         run's last commit still is."""
-        if not self._persistent or self._commit_dir is None or not all(
-                os.path.isfile(os.path.join(d, "COMMIT"))
-                for d in _recovery.run_dirs(self._tiers, self._commit_dir)):
+        if not self._persistent or self._commit_dir is None or \
+                not self._has_commit(self._commit_dir):
             return ""
         return (f" (the run's last commit is intact in <tier>/{self._commit_dir}: a "
                 f"restart with resume='auto' resumes it)")
