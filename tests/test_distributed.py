@@ -422,7 +422,8 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     group) in a committed run: every rank goes back to its groups and
     commits them in a new epoch, rank 0 with the engine it kept, so that a
     crash then resumes one commit on both ranks. If rank 0's commit fails,
-    rank 1 keeps the directory of the commit before (both hold that one)."""
+    rank 1 keeps the directory of the commit before (both hold that one)
+    until the next add_param_group has written rank 0's commit again."""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
                              compute_threads=1, run_name="grp", commit_every=1)
@@ -452,9 +453,9 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     want = [p.detach().clone() for p in model.parameters()]
     if kept_commit_fails:
         # The group again, accepted everywhere now, and a crash before any
-        # rank commits the re-packed state: rank 1 must not have taken the
-        # directory of the only commit both hold (its engine's own commit
-        # is on rank 1 only).
+        # rank commits the re-packed state. Rank 0's commit of the restored
+        # groups is written first, and rank 1 then drops the directory of
+        # the commit before: that new commit is the one both hold.
         write = MLPOffloadOptimizer._write_pystate
 
         def crash_repacked(self, *args, **kwargs):
@@ -462,7 +463,16 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
                 raise Crash()
             return write(self, *args, **kwargs)
 
+        settle = MLPOffloadOptimizer._settle_run_dir
+
+        def settle_then_check(self):
+            assert (self.engine.committed_epoch, self.engine.committed_step) == (2, 2)
+            settle(self)
+            assert [os.path.isdir(os.path.join(t, f"grp.r{rank}")) for t in tiers] == \
+                [rank == 0] * len(tiers)
+
         with mock.patch.object(MLPOffloadOptimizer, "_write_pystate", crash_repacked), \
+                mock.patch.object(MLPOffloadOptimizer, "_settle_run_dir", settle_then_check), \
                 pytest.raises(Crash):
             opt.add_param_group({"params": list(model[2].parameters())})
         # (Had the process lived on: its layout is half re-packed, which no
@@ -471,8 +481,7 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
             opt.load_state_dict(opt.optimizer.state_dict())
     opt.close()  # as a crash
     again = wrap(OPTIMIZERS["adamw"](model[0].parameters()), resume="require")
-    assert (again.resumed_step, again.engine.committed_epoch) == \
-        (2, 0 if kept_commit_fails else 2), rank
+    assert (again.resumed_step, again.engine.committed_epoch) == (2, 2), rank
     for p, q in zip(model.parameters(), want):
         assert torch.equal(p, q), rank
     train_same_batches(range(2, 3), ((again, model),))
@@ -483,6 +492,86 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
 def test_a_group_refused_on_one_rank_leaves_one_commit_on_every_rank(tmp_path,
                                                                      kept_commit_fails):
     spawn(refused_group_worker, tier_dirs(tmp_path), kept_commit_fails)
+
+
+def kept_commit_retry_worker(rank, tiers, after):
+    """torch refuses a group on ranks 0 and 1 (at step 4, which commits
+    nothing with commit_every 3); rank 2 rebuilds and commits the restored
+    groups in the new epoch (2, 4), and so does rank 0, but rank 1's commit
+    fails. Until rank 1 holds (2, 4), (0, 3) is the only commit all ranks
+    hold, and rank 0's next step or load writes over its slots there.
+    after="step": the next step writes rank 1's commit first, rank 2 drops
+    the directory of (0, 3), and a crash after that step resumes (2, 4).
+    "fails": it fails again, so the step raises on every rank and changes
+    nothing; a crash then resumes (0, 3). "load": a load goes on, its state
+    replacing that commit's (the step after it retries nothing). (Whether
+    rank 0's step 5 lands on disk before the crash is a matter of timing:
+    its records are written behind. If it does, a resume of (0, 3) fails
+    there.)"""
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=30,
+                             compute_threads=1, run_name="kc", commit_every=3)
+    opt = wrap(OPTIMIZERS["adamw"](model.parameters()))
+    assert opt.engine is not None, rank  # every rank owns a subgroup
+    train_same_batches(range(3), ((opt, model),))
+    at_commit = [p.detach().clone() for p in model.parameters()]
+    train_same_batches(range(3, 4), ((opt, model),))
+    at_add = [p.detach().clone() for p in model.parameters()]
+    state_at_add = opt.state_dict()
+
+    def refused(*args, **kwargs):
+        raise OffloadError("tier full (injected)")
+
+    rank1_fails = mock.patch.object(MLPOffloadOptimizer, "_write_pystate", refused)
+    extra = torch.nn.Parameter(torch.ones(8))
+    group = [extra] + ([model[0].weight] if rank < 2 else [])
+    with contextlib.ExitStack() as stack:
+        if rank == 1:
+            stack.enter_context(rank1_fails)
+        with pytest.raises(Exception):
+            opt.add_param_group({"params": group})
+    assert (opt.engine.committed_epoch, opt.engine.committed_step) == \
+        ((0, 3) if rank == 1 else (2, 4)), rank
+    old_dir = [os.path.join(t, f"kc.r{rank}") for t in tiers]
+    with contextlib.ExitStack() as stack:
+        if rank == 1 and after != "step":
+            stack.enter_context(rank1_fails)
+        if after == "fails":
+            with pytest.raises(OffloadError, match="restored after a refused "
+                               "add_param_group could not be written") as raised:
+                train_same_batches(range(4, 5), ((opt, model),))
+            assert ("tier full (injected)" if rank == 1 else "rank(s) [1]") \
+                in str(raised.value), (rank, raised.value)
+            for p, q in zip(model.parameters(), at_add):
+                assert torch.equal(p, q), rank
+            assert all(os.path.isdir(d) for d in old_dir), rank
+            want_step, want = 3, at_commit
+        elif after == "step":
+            train_same_batches(range(4, 5), ((opt, model),))
+            # Rank 2 dropped the directory of (0, 3) once rank 1 committed.
+            assert any(os.path.isdir(d) for d in old_dir) == (rank < 2)
+            want_step, want = 4, at_add
+        else:
+            # Rank 1's commit still fails, and the load goes on; the state
+            # it loads is the one the next commit step (6) commits.
+            opt.load_state_dict(state_at_add)
+            train_same_batches(range(4, 5), ((opt, model),))
+    if after == "load":
+        train_same_batches(range(5, 6), ((opt, model),))
+        assert (opt.engine.committed_epoch, opt.engine.committed_step) == (3, 6), rank
+        want_step, want = 6, [p.detach().clone() for p in model.parameters()]
+    opt.close()  # as a crash after the last step
+    again = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")
+    assert again.resumed_step == want_step, rank
+    for p, q in zip(model.parameters(), want):
+        assert torch.equal(p, q), rank
+    train_same_batches(range(want_step, want_step + 1), ((again, model),))
+    again.close()
+
+
+@pytest.mark.parametrize("after", ["step", "fails", "load"])
+def test_a_kept_commit_that_failed_is_written_before_the_next_step(tmp_path, after):
+    spawn(kept_commit_retry_worker, tier_dirs(tmp_path), after, world=3)
 
 
 class Crash(BaseException):

@@ -203,6 +203,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
         self._incomplete_load = None  # a load that failed after changing state
         self._must_reconstruct = None  # an interrupted re-packing: nothing mends it
+        # A refused add_param_group whose kept commit failed on some rank
+        # (see _retry_kept_commit).
+        self._kept_commit_pending = None
         self._load_started = False
         # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
         self._group = None
@@ -1026,6 +1029,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return super().add_param_group(param_group)
         self._check_open()
         self._check_state_whole()  # a committed run commits what it reads below
+        self._retry_kept_commit("add_param_group", strict=True)
         pending = self._failed_step is not None
         if self._group is not None:
             pending = self._any_rank(pending)  # every rank refuses, none waits
@@ -1114,14 +1118,24 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
                     f"{again}); load a checkpoint or state dict"
                     f"{self._last_commit_note()}") from exc
-            landed = self._commit_kept_engine(steps) if any_rebuilt and not rebuilt else True
-            if self._group is not None:
-                landed = not self._any_rank(not landed)
+            mine = True
+            if any_rebuilt and not rebuilt:
+                try:
+                    self._commit_kept_engine(steps)
+                except Exception as e:  # noqa: BLE001 - retried by the next step
+                    _log.warning("add_param_group: rank %d could not commit its unchanged "
+                                 "state in the new epoch (%s); the next step retries it "
+                                 "first", self._rank, e)
+                    mine = False
+            landed = mine if self._group is None else not self._any_rank(not mine)
             # A rebuilt rank drops the directory of the commit before only
             # once every rank's commit of the restored groups landed: until
             # then, that commit is the one all ranks hold.
             if rebuilt and landed:
                 self._settle_run_dir()
+            if not landed:
+                self._kept_commit_pending = {"steps": steps, "landed": mine,
+                                             "rebuilt": rebuilt}
             raise
         self._settle_run_dir()
 
@@ -1138,23 +1152,61 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """add_param_group refused on this rank only: the other ranks rebuilt
         their engines and committed their restored state in the new epoch;
         this rank commits its unchanged state in it too, so that every rank
-        holds that commit. A best effort: its state is whole either way (the
-        next step commits again; until then the ranks that rebuilt keep the
-        directory of the commit before, which every rank holds). Whether
-        the commit landed (or none was due)."""
+        holds that commit (raises if it cannot: see _retry_kept_commit)."""
         engine = self._engine
         if not self._initialized or engine is None or self._commit_every <= 0:
-            return True
-        try:
-            if engine.steps < steps:
-                engine.set_step(steps)
-            self._write_pystate(steps)
-            engine.commit()
-        except Exception as e:  # noqa: BLE001 - the ranks then keep the commit before
-            _log.warning("add_param_group: rank %d could not commit its unchanged state "
-                         "in the new epoch (%s)", self._rank, e)
-            return False
-        return True
+            return
+        if engine.steps < steps:
+            engine.set_step(steps)
+        self._write_pystate(steps)
+        engine.commit()
+
+    def _retry_kept_commit(self, what, strict):
+        """Collective (every rank knows of it): writes again the commits
+        of the restored groups that failed on some ranks after a refused
+        add_param_group, before `what` writes any state. Until every rank
+        holds that commit, the one they all hold is the commit before, and
+        on a rank where the new one landed, the next step or load writes
+        over that one's slots: a crash would then leave no commit in
+        common. strict (step, add_param_group): OffloadError on every rank,
+        nothing written, if some rank's commit fails again; else (a load,
+        which replaces the state) a best effort. Once it is everywhere, a
+        rebuilt rank drops the directory of the commit before."""
+        pending = self._kept_commit_pending
+        if pending is None:
+            return
+        if self._incomplete_load is not None:
+            # A load wrote over that state part-way (on every rank: they
+            # agree on it); only a load ends this.
+            self._kept_commit_pending = None
+            return
+        failure = None
+        if not pending["landed"]:
+            try:
+                self._commit_kept_engine(pending["steps"])
+            except Exception as e:  # noqa: BLE001 - known to every rank below
+                failure = e
+        failed = [r for r, f in enumerate(self._gather(
+            None if failure is None else f"{type(failure).__name__}: {failure}"))
+            if f is not None]
+        if not failed:
+            self._kept_commit_pending = None
+            if pending["rebuilt"]:
+                self._settle_run_dir()
+            return
+        pending["landed"] = failure is None
+        if not strict:  # the load, if it goes through, ends the wait (_loaded)
+            _log.warning("%s: the commit of the restored parameter groups still fails on "
+                         "rank(s) %s (%s); loading anyway", what, failed,
+                         failure if failure is not None else "on another rank")
+            return
+        detail = failure if failure is not None else f"it failed on rank(s) {failed}"
+        raise OffloadError(
+            f"{what}: the commit of the parameter groups restored after a refused "
+            f"add_param_group could not be written ({detail}); nothing was changed on any "
+            f"rank: until every rank holds it, the commit before is the only one they "
+            f"all hold, which {what} would write over. Free the tier and call it again, "
+            f"or load a checkpoint or state dict") from failure
 
     def _regroup_arena(self):
         """A HostArena for this rank's state (master and arrays): in memory
@@ -1311,6 +1363,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         self._check_open()
         self._check_state_whole()
+        self._retry_kept_commit("step", strict=True)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2100,6 +2153,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         self._commit_completed_step("load_state_dict")
+        self._retry_kept_commit("load_state_dict", strict=False)
         previous = self.optimizer.param_groups
         replaced = False
         failure = None
@@ -2148,6 +2202,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise
         self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
+        self._kept_commit_pending = None  # and the state of a kept commit
         self._next_epoch()  # every rank: the load went through on all of them
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -2447,6 +2502,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         self._commit_completed_step("load_checkpoint")
+        self._retry_kept_commit("load_checkpoint", strict=False)
         directory = os.fspath(directory)
         with self._together(f"read the checkpoint manifest in {directory}"):
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
@@ -2494,6 +2550,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Before the parameter broadcast, which would wait for a failed rank.
         self._raise_together(error, f"load its checkpoint files in {directory}")
         self._incomplete_load = None
+        self._kept_commit_pending = None  # the loaded state replaces the kept commit's
         self._next_epoch()  # every rank: the load went through on all of them
         if self._group is not None:
             # Every rank counts the steps alike (older checkpoints, or a rank
