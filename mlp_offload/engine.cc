@@ -301,6 +301,56 @@ absl::StatusOr<Manifest> ReadRunManifest(const std::vector<std::string>& dirs,
   return first;
 }
 
+// A commit record read from a tier, with its bytes (kept to move it on).
+struct CommitFile {
+  CommitRecord record;
+  std::string bytes;
+};
+// A tier's COMMIT and, if readable, its COMMIT.prev (else why not: a
+// damaged one only matters if that commit is asked for).
+struct TierCommitFiles {
+  CommitFile latest;
+  std::optional<CommitFile> previous;
+  absl::Status prev_status;
+};
+
+// Reads the commit records of the run directory `dir` (one tier's).
+// `num_subgroups` >= 0: each must name that many subgroups (DataLoss
+// otherwise). FailedPrecondition if there is no COMMIT, DataLoss if it is
+// damaged.
+absl::StatusOr<TierCommitFiles> ReadTierCommitFiles(const std::string& dir,
+                                                    int64_t num_subgroups) {
+  auto parse = [num_subgroups](
+                   std::string bytes,
+                   const std::string& path) -> absl::StatusOr<CommitFile> {
+    MLP_ASSIGN_OR_RETURN(CommitRecord record, ParseCommitRecord(bytes, path));
+    if (num_subgroups >= 0 &&
+        record.subgroup_step.size() != static_cast<size_t>(num_subgroups)) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": subgroup count mismatch"));
+    }
+    return CommitFile{std::move(record), std::move(bytes)};
+  };
+  const std::string cpath = dir + "/COMMIT";
+  absl::StatusOr<std::string> bytes = ReadSmallFile(cpath);
+  if (!bytes.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no committed step on ", dir, " (", bytes.status().message(), ")"));
+  }
+  MLP_ASSIGN_OR_RETURN(CommitFile latest, parse(std::move(*bytes), cpath));
+  TierCommitFiles files{std::move(latest), std::nullopt, absl::OkStatus()};
+  const std::string ppath = cpath + ".prev";
+  if (auto pbytes = ReadSmallFile(ppath); pbytes.ok()) {
+    absl::StatusOr<CommitFile> previous = parse(std::move(*pbytes), ppath);
+    if (previous.ok()) {
+      files.previous = std::move(*previous);
+    } else {
+      files.prev_status = previous.status();
+    }
+  }
+  return files;
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
@@ -1006,65 +1056,28 @@ absl::Status Engine::Impl::LoadCommitted() {
   Manifest expected;
   expected.arrays_per_param = arrays();
   expected.subgroup_numel = numel;
-  struct Committed {
-    CommitRecord record;
-    std::string bytes;
-  };
-  struct TierCommits {
-    Committed latest;
-    std::optional<Committed> previous;
-    absl::Status prev_status;  // why COMMIT.prev is unusable, if it is
-  };
-  // A commit record of this model, and its bytes (kept to move it on).
-  auto parse = [this](std::string bytes,
-                      const std::string& path) -> absl::StatusOr<Committed> {
-    MLP_ASSIGN_OR_RETURN(CommitRecord record, ParseCommitRecord(bytes, path));
-    if (record.subgroup_step.size() != numel.size()) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": subgroup count mismatch"));
-    }
-    return Committed{std::move(record), std::move(bytes)};
-  };
   std::vector<std::string> dirs, texts;
   for (const auto& tier : tiers) dirs.push_back(tier.dir);
   MLP_ASSIGN_OR_RETURN(Manifest m, ReadRunManifest(dirs, expected, &texts));
   run_id = m.run_id;
   plan.tier_of_subgroup = m.tier_of_subgroup;
-  std::vector<TierCommits> commits;
+  std::vector<TierCommitFiles> commits;
   for (size_t t = 0; t < tiers.size(); ++t) {
     tiers[t].manifest = texts[t];
-    std::string cpath = tiers[t].dir + "/COMMIT";
-    auto bytes = ReadSmallFile(cpath);
-    if (!bytes.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("no committed step on ", tiers[t].dir, " (",
-                       bytes.status().message(), ")"));
-    }
-    MLP_ASSIGN_OR_RETURN(Committed latest, parse(std::move(*bytes), cpath));
+    MLP_ASSIGN_OR_RETURN(TierCommitFiles tc,
+                         ReadTierCommitFiles(tiers[t].dir, n()));
     // Every tier's MANIFEST is the same; its COMMIT names the subgroups that
     // live on it, which tells a tier given in another position.
     for (int i = 0; i < n(); ++i) {
       const bool here = plan.tier_of_subgroup[i] == static_cast<int>(t);
-      if ((latest.record.subgroup_step[i] >= 0) != here) {
+      if ((tc.latest.record.subgroup_step[i] >= 0) != here) {
         return absl::FailedPreconditionError(absl::StrCat(
-            cpath,
+            tiers[t].dir, "/COMMIT",
             " is the commit record of another tier of the run than "
             "tier ",
             t, " (subgroup ", i, " is on tier ", plan.tier_of_subgroup[i],
             "): give the tiers the run used, in "
             "its order"));
-      }
-    }
-    // The one before, if the run has committed twice (a damaged COMMIT.prev
-    // only matters if that step is asked for).
-    TierCommits tc{std::move(latest), std::nullopt, absl::OkStatus()};
-    const std::string ppath = cpath + ".prev";
-    if (auto pbytes = ReadSmallFile(ppath); pbytes.ok()) {
-      absl::StatusOr<Committed> previous = parse(std::move(*pbytes), ppath);
-      if (previous.ok()) {
-        tc.previous = std::move(*previous);
-      } else {
-        tc.prev_status = previous.status();
       }
     }
     commits.push_back(std::move(tc));
@@ -1075,13 +1088,13 @@ absl::Status Engine::Impl::LoadCommitted() {
   CommitId want{config.resume_epoch, config.resume_step};
   if (config.resume_step < 0) {
     want = commits[0].latest.record.id;
-    for (const TierCommits& c : commits)
+    for (const TierCommitFiles& c : commits)
       want = std::min(want, c.latest.record.id);
   }
   commit_bytes.assign(tiers.size(), "");
   for (size_t t = 0; t < tiers.size(); ++t) {
-    TierCommits& tc = commits[t];
-    const Committed* use = nullptr;
+    TierCommitFiles& tc = commits[t];
+    const CommitFile* use = nullptr;
     if (tc.latest.record.id == want) {
       use = &tc.latest;
     } else if (tc.previous.has_value() && tc.previous->record.id == want) {
@@ -1127,7 +1140,7 @@ absl::Status Engine::Impl::LoadCommitted() {
     const CommitId older =
         std::min(commits[0].latest.record.id, commits[0].previous->record.id);
     bool everywhere = older < want;
-    for (const TierCommits& tc : commits) {
+    for (const TierCommitFiles& tc : commits) {
       everywhere =
           everywhere &&
           (tc.latest.record.id == older ||
@@ -1143,21 +1156,11 @@ absl::StatusOr<std::vector<CommitId>> ReadKeptCommits(
     const std::vector<std::string>& tier_dirs) {
   std::vector<CommitId> kept;
   for (size_t t = 0; t < tier_dirs.size(); ++t) {
-    const std::string cpath = tier_dirs[t] + "/COMMIT";
-    absl::StatusOr<std::string> bytes = ReadSmallFile(cpath);
-    if (!bytes.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("no committed step on ", tier_dirs[t], " (",
-                       bytes.status().message(), ")"));
-    }
-    MLP_ASSIGN_OR_RETURN(CommitRecord latest, ParseCommitRecord(*bytes, cpath));
-    std::vector<CommitId> held = {latest.id};
+    MLP_ASSIGN_OR_RETURN(TierCommitFiles tc,
+                         ReadTierCommitFiles(tier_dirs[t], -1));
+    std::vector<CommitId> held = {tc.latest.record.id};
     // A damaged COMMIT.prev holds nothing that a resume could use.
-    const std::string ppath = cpath + ".prev";
-    if (auto pbytes = ReadSmallFile(ppath); pbytes.ok()) {
-      if (auto previous = ParseCommitRecord(*pbytes, ppath); previous.ok())
-        held.push_back(previous->id);
-    }
+    if (tc.previous.has_value()) held.push_back(tc.previous->record.id);
     if (t == 0) {
       kept = held;
     } else {
