@@ -499,15 +499,16 @@ def kept_commit_retry_worker(rank, tiers, after):
     nothing with commit_every 3); rank 2 rebuilds and commits the restored
     groups in the new epoch (2, 4), and so does rank 0, but rank 1's commit
     fails. Until rank 1 holds (2, 4), (0, 3) is the only commit all ranks
-    hold, and rank 0's next step or load writes over its slots there.
-    after="step": the next step writes rank 1's commit first, rank 2 drops
-    the directory of (0, 3), and a crash after that step resumes (2, 4).
-    "fails": it fails again, so the step raises on every rank and changes
-    nothing; a crash then resumes (0, 3). "load": a load goes on, its state
-    replacing that commit's (the step after it retries nothing). (Whether
-    rank 0's step 5 lands on disk before the crash is a matter of timing:
-    its records are written behind. If it does, a resume of (0, 3) fails
-    there.)"""
+    hold, and rank 0's next step or load would write over its slots there.
+    after="step": the learning rate changes, and the next step writes rank
+    1's commit first (with the learning rate of the moment it was due, as
+    the others'), rank 2 drops the directory of (0, 3), and a crash after
+    that step resumes (2, 4). "fails": it fails again, so the step raises on
+    every rank and changes nothing; a crash then resumes (0, 3). "load": a
+    load is refused alike while it fails, and goes through once it lands.
+    (Whether rank 0's step 5 lands on disk before the crash is a matter of
+    timing: its records are written behind. If it does, a resume of (0, 3)
+    fails there.)"""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=30,
                              compute_threads=1, run_name="kc", commit_every=3)
@@ -518,6 +519,8 @@ def kept_commit_retry_worker(rank, tiers, after):
     train_same_batches(range(3, 4), ((opt, model),))
     at_add = [p.detach().clone() for p in model.parameters()]
     state_at_add = opt.state_dict()
+    ckpt = os.path.join(os.path.dirname(tiers[0]), "ckpt")
+    opt.save_checkpoint(ckpt)
 
     def refused(*args, **kwargs):
         raise OffloadError("tier full (injected)")
@@ -533,36 +536,39 @@ def kept_commit_retry_worker(rank, tiers, after):
     assert (opt.engine.committed_epoch, opt.engine.committed_step) == \
         ((0, 3) if rank == 1 else (2, 4)), rank
     old_dir = [os.path.join(t, f"kc.r{rank}") for t in tiers]
-    with contextlib.ExitStack() as stack:
-        if rank == 1 and after != "step":
-            stack.enter_context(rank1_fails)
-        if after == "fails":
-            with pytest.raises(OffloadError, match="restored after a refused "
-                               "add_param_group could not be written") as raised:
-                train_same_batches(range(4, 5), ((opt, model),))
-            assert ("tier full (injected)" if rank == 1 else "rank(s) [1]") \
-                in str(raised.value), (rank, raised.value)
-            for p, q in zip(model.parameters(), at_add):
-                assert torch.equal(p, q), rank
-            assert all(os.path.isdir(d) for d in old_dir), rank
-            want_step, want = 3, at_commit
-        elif after == "step":
-            train_same_batches(range(4, 5), ((opt, model),))
-            # Rank 2 dropped the directory of (0, 3) once rank 1 committed.
-            assert any(os.path.isdir(d) for d in old_dir) == (rank < 2)
-            want_step, want = 4, at_add
-        else:
-            # Rank 1's commit still fails, and the load goes on; the state
-            # it loads is the one the next commit step (6) commits.
-            opt.load_state_dict(state_at_add)
-            train_same_batches(range(4, 5), ((opt, model),))
-    if after == "load":
-        train_same_batches(range(5, 6), ((opt, model),))
-        assert (opt.engine.committed_epoch, opt.engine.committed_step) == (3, 6), rank
-        want_step, want = 6, [p.detach().clone() for p in model.parameters()]
-    opt.close()  # as a crash after the last step
+    refusal = "restored after a refused add_param_group could not be written"
+    if after != "step":
+        with contextlib.ExitStack() as stack:
+            if rank == 1:
+                stack.enter_context(rank1_fails)
+            calls = [lambda: train_same_batches(range(4, 5), ((opt, model),))] \
+                if after == "fails" else [lambda: opt.load_state_dict(state_at_add),
+                                          lambda: opt.load_checkpoint(ckpt)]
+            for call in calls:
+                with pytest.raises(OffloadError, match=refusal) as raised:
+                    call()
+                assert ("tier full (injected)" if rank == 1 else "rank(s) [1]") \
+                    in str(raised.value), (rank, raised.value)
+        for p, q in zip(model.parameters(), at_add):
+            assert torch.equal(p, q), rank
+        assert all(os.path.isdir(d) for d in old_dir), rank
+        assert (opt.engine.committed_epoch, opt.engine.committed_step) == \
+            ((0, 3) if rank == 1 else (2, 4)), rank
+        want_step, want = 3, at_commit
+    if after == "step":
+        for g in opt.param_groups:
+            g["lr"] = 0.5
+        train_same_batches(range(4, 5), ((opt, model),))
+    elif after == "load":
+        opt.load_checkpoint(ckpt)  # rank 1's commit lands first
+    if after != "fails":
+        # Rank 2 dropped the directory of (0, 3) once rank 1 committed.
+        assert any(os.path.isdir(d) for d in old_dir) == (rank < 2), rank
+        want_step, want = 4, at_add
+    opt.close()  # as a crash (after step 5, which committed nothing)
     again = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")
     assert again.resumed_step == want_step, rank
+    assert again.param_groups[0]["lr"] == 1e-2, rank
     for p, q in zip(model.parameters(), want):
         assert torch.equal(p, q), rank
     train_same_batches(range(want_step, want_step + 1), ((again, model),))

@@ -1029,7 +1029,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return super().add_param_group(param_group)
         self._check_open()
         self._check_state_whole()  # a committed run commits what it reads below
-        self._retry_kept_commit("add_param_group", strict=True)
+        self._retry_kept_commit("add_param_group")
         pending = self._failed_step is not None
         if self._group is not None:
             pending = self._any_rank(pending)  # every rank refuses, none waits
@@ -1118,24 +1118,24 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
                     f"{again}); load a checkpoint or state dict"
                     f"{self._last_commit_note()}") from exc
-            mine = True
+            kept = {"steps": steps, "pystate": None, "landed": True, "rebuilt": rebuilt}
             if any_rebuilt and not rebuilt:
                 try:
-                    self._commit_kept_engine(steps)
+                    self._commit_kept_engine(kept)
                 except Exception as e:  # noqa: BLE001 - retried by the next step
                     _log.warning("add_param_group: rank %d could not commit its unchanged "
                                  "state in the new epoch (%s); the next step retries it "
                                  "first", self._rank, e)
-                    mine = False
-            landed = mine if self._group is None else not self._any_rank(not mine)
+                    kept["landed"] = False
+            landed = kept["landed"] if self._group is None \
+                else not self._any_rank(not kept["landed"])
             # A rebuilt rank drops the directory of the commit before only
             # once every rank's commit of the restored groups landed: until
             # then, that commit is the one all ranks hold.
             if rebuilt and landed:
                 self._settle_run_dir()
             if not landed:
-                self._kept_commit_pending = {"steps": steps, "landed": mine,
-                                             "rebuilt": rebuilt}
+                self._kept_commit_pending = kept
             raise
         self._settle_run_dir()
 
@@ -1148,42 +1148,43 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return (f" (the run's last commit is intact in <tier>/{self._commit_dir}: a "
                 f"restart with resume='auto' resumes it)")
 
-    def _commit_kept_engine(self, steps):
+    def _commit_kept_engine(self, kept):
         """add_param_group refused on this rank only: the other ranks rebuilt
         their engines and committed their restored state in the new epoch;
         this rank commits its unchanged state in it too, so that every rank
-        holds that commit (raises if it cannot: see _retry_kept_commit)."""
+        holds that commit, of kept["steps"] steps (raises if it cannot: see
+        _retry_kept_commit). Its Python-side state is taken once, into
+        kept["pystate"]: a retry writes the same (the other ranks' files of
+        that commit hold the hyperparameters of that moment)."""
         engine = self._engine
         if not self._initialized or engine is None or self._commit_every <= 0:
             return
+        steps = kept["steps"]
         if engine.steps < steps:
             engine.set_step(steps)
-        self._write_pystate(steps)
+        if kept["pystate"] is None:
+            kept["pystate"] = self._pystate(steps)
+        self._write_pystate(steps, content=kept["pystate"])
         engine.commit()
 
-    def _retry_kept_commit(self, what, strict):
+    def _retry_kept_commit(self, what):
         """Collective (every rank knows of it): writes again the commits
         of the restored groups that failed on some ranks after a refused
         add_param_group, before `what` writes any state. Until every rank
         holds that commit, the one they all hold is the commit before, and
-        on a rank where the new one landed, the next step or load writes
-        over that one's slots: a crash would then leave no commit in
-        common. strict (step, add_param_group): OffloadError on every rank,
-        nothing written, if some rank's commit fails again; else (a load,
-        which replaces the state) a best effort. Once it is everywhere, a
-        rebuilt rank drops the directory of the commit before."""
+        on a rank where the new one landed, the next step or load would
+        write over that one's slots: a crash would then leave no commit in
+        common. OffloadError on every rank, no state changed, if some rank's
+        commit fails again. Once it is everywhere, a rebuilt rank drops the
+        directory of the commit before."""
         pending = self._kept_commit_pending
         if pending is None:
-            return
-        if self._incomplete_load is not None:
-            # A load wrote over that state part-way (on every rank: they
-            # agree on it); only a load ends this.
-            self._kept_commit_pending = None
             return
         failure = None
         if not pending["landed"]:
             try:
-                self._commit_kept_engine(pending["steps"])
+                self._commit_kept_engine(pending)
+                pending["landed"] = True
             except Exception as e:  # noqa: BLE001 - known to every rank below
                 failure = e
         failed = [r for r, f in enumerate(self._gather(
@@ -1194,19 +1195,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if pending["rebuilt"]:
                 self._settle_run_dir()
             return
-        pending["landed"] = failure is None
-        if not strict:  # the load, if it goes through, ends the wait (_loaded)
-            _log.warning("%s: the commit of the restored parameter groups still fails on "
-                         "rank(s) %s (%s); loading anyway", what, failed,
-                         failure if failure is not None else "on another rank")
-            return
         detail = failure if failure is not None else f"it failed on rank(s) {failed}"
         raise OffloadError(
             f"{what}: the commit of the parameter groups restored after a refused "
-            f"add_param_group could not be written ({detail}); nothing was changed on any "
-            f"rank: until every rank holds it, the commit before is the only one they "
-            f"all hold, which {what} would write over. Free the tier and call it again, "
-            f"or load a checkpoint or state dict") from failure
+            f"add_param_group could not be written ({detail}); no state was changed: until "
+            f"every rank holds that commit, the commit before is the only one they all "
+            f"hold, which {what} would write over. Free the tier and call it again, or "
+            f"close() the optimizer and construct it again (resume='auto' resumes the "
+            f"newest commit every rank holds)") from failure
 
     def _regroup_arena(self):
         """A HostArena for this rank's state (master and arrays): in memory
@@ -1363,7 +1359,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         self._check_open()
         self._check_state_whole()
-        self._retry_kept_commit("step", strict=True)
+        self._retry_kept_commit("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1645,8 +1641,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _pystate_dir(self):
         return os.path.join(self._tiers[0]["path"], self._run_name)
 
-    def _write_pystate(self, step, stepping=False, repacked_from=None):
-        """Writes the Python-side state for the engine's next commit, of step
+    def _pystate(self, step, stepping=False, repacked_from=None):
+        """The Python-side state for the engine's next commit, of step
         `step` (see recovery.py); `stepping`: as it will be after the step
         about to run; `repacked_from`: the commit (commit_key) whose state an
         add_param_group re-packed into this one."""
@@ -1654,6 +1650,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         has_state = {pid: v for pid, v in self._has_state.items() if pid in own}
         if stepping and self._family is not None:
             has_state.update(self._keys_after_step())  # this rank's parameters only
+        return {
+            "param_groups": self.optimizer.state_dict()["param_groups"],
+            "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
+            "has_state": has_state,
+            "layout": self._layout_summary(),
+            "repacked_from": repacked_from,
+        }
+
+    def _write_pystate(self, step, stepping=False, repacked_from=None, content=None):
+        """Writes the Python-side state for the engine's next commit (of
+        step `step`): `content` from _pystate, by default taken now."""
+        if content is None:
+            content = self._pystate(step, stepping, repacked_from)
         engine = self._engine
         if _recovery.commit_key(engine.epoch, step) <= _recovery.commit_key(
                 engine.committed_epoch, engine.committed_step):
@@ -1662,13 +1671,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"internal: the commit of step {step} (epoch {engine.epoch}) would not be "
                 f"newer than the last, of step {engine.committed_step} (epoch "
                 f"{engine.committed_epoch})")
-        _recovery.write_pystate(self._pystate_dir(), engine.epoch, step, {
-            "param_groups": self.optimizer.state_dict()["param_groups"],
-            "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
-            "has_state": has_state,
-            "layout": self._layout_summary(),
-            "repacked_from": repacked_from,
-        }, tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
+        _recovery.write_pystate(
+            self._pystate_dir(), engine.epoch, step, content,
+            tier_label=f"0 ({self._tiers[0].get('name', 'tier0')}, {self._tiers[0]['path']})")
 
     def _prune_pystate(self):
         """Removes the Python-side state files of commits the engine no
@@ -2153,7 +2158,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         self._commit_completed_step("load_state_dict")
-        self._retry_kept_commit("load_state_dict", strict=False)
+        self._retry_kept_commit("load_state_dict")
         previous = self.optimizer.param_groups
         replaced = False
         failure = None
@@ -2202,7 +2207,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise
         self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
-        self._kept_commit_pending = None  # and the state of a kept commit
         self._next_epoch()  # every rank: the load went through on all of them
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -2502,7 +2506,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         self._commit_completed_step("load_checkpoint")
-        self._retry_kept_commit("load_checkpoint", strict=False)
+        self._retry_kept_commit("load_checkpoint")
         directory = os.fspath(directory)
         with self._together(f"read the checkpoint manifest in {directory}"):
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
@@ -2550,7 +2554,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Before the parameter broadcast, which would wait for a failed rank.
         self._raise_together(error, f"load its checkpoint files in {directory}")
         self._incomplete_load = None
-        self._kept_commit_pending = None  # the loaded state replaces the kept commit's
         self._next_epoch()  # every rank: the load went through on all of them
         if self._group is not None:
             # Every rank counts the steps alike (older checkpoints, or a rank
