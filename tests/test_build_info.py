@@ -1,7 +1,9 @@
 """The extension imports next to torch and reports how it was built."""
+import json
 import os
 import re
 
+import pytest
 import torch
 
 import mlp_offload
@@ -41,3 +43,14 @@ def test_the_command_line_module_imports_without_torch():
             "import mlp_offload; assert 'master_weights' in dir(mlp_offload)")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ),
                    cwd=os.getcwd())
+
+
+def test_info_takes_json_like_the_other_commands_and_help_says_no_verify_is_off(capsys):
+    from mlp_offload import cli
+    assert cli.main(["info", "--json"]) == 0
+    assert "version" in json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        cli.main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    verify = text[text.index("--no-verify"):]
+    assert "(default: True)" not in verify[:400], verify[:400]

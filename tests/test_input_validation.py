@@ -90,6 +90,8 @@ def test_host_cache_bytes_beyond_the_engine_is_a_config_error(tmp_path):
 @pytest.mark.parametrize("name,value", [
     ("verify_checksums", "no"), ("atomic_step", "false"), ("verify_checksums", None),
     ("checkpoint_dir", 5), ("checkpoint_dir", b"/tmp"), ("checkpoint_dir", ""),
+    ("tier_lock_dir", 5), ("subgroup_numel", True), ("subgroup_numel", 0),
+    ("generic_state_keys", "square_avg"), ("generic_state_keys", ["a", 1]),
 ])
 def test_bool_and_path_arguments_are_checked(tmp_path, name, value):
     match = rf"{name} is an empty path" if value == "" \

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.optim.optimizer as _optim_module
 
+import mlp_offload
 from mlp_offload import MLPOffloadOptimizer, cuda_path, errors, layout
 from mlp_offload import optimizer as optimizer_module
 
@@ -410,6 +411,47 @@ def test_unsupported_options_are_named(tmp_path, option):
     inner = torch.optim.Adam(model.parameters(), **{option: True})
     with pytest.raises(errors.ConfigError, match=option):
         wrap(inner, tmp_path)
+
+
+@pytest.mark.parametrize("option", ["fused", "foreach"])
+def test_a_state_dict_of_a_plain_optimizer_run_with_fused_loads(tmp_path, option):
+    # The options say how torch runs a step: the wrapper keeps its own.
+    model, ref = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **{option: True})
+    for k in range(2):
+        ref_opt.zero_grad()
+        loss_of(ref, k).backward()
+        ref_opt.step()
+    model.load_state_dict(ref.state_dict())
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path)
+    saved = ref_opt.state_dict()
+    opt.load_state_dict(saved)
+    assert saved["param_groups"][0][option] is True  # the caller's dict is left alone
+    assert not opt.param_groups[0][option]
+    for k in range(2, 4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss_of(m, k).backward()
+            o.step()
+    assert_close(model, ref, rtol=1e-5)
+
+
+def test_checkpoint_dir_is_where_checkpoints_go_by_default(tmp_path):
+    model = make_model()
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    opt = wrap(torch.optim.AdamW(model.parameters()), tier,
+               checkpoint_dir=str(tmp_path / "ckpt"))
+    opt.zero_grad()
+    loss_of(model, 0).backward()
+    opt.step()
+    opt.save_checkpoint()
+    assert os.path.isfile(tmp_path / "ckpt" / "manifest.rank0.json")
+    opt.load_checkpoint()
+    plain = wrap(torch.optim.AdamW(model.parameters()), tier, run_name="other")
+    for call in (plain.save_checkpoint, plain.load_checkpoint):
+        with pytest.raises(errors.ConfigError, match="give a directory"):
+            call()
 
 
 def test_argument_errors(tmp_path):
@@ -836,3 +878,145 @@ def test_tier_lock_options_reach_the_engine_and_change_no_result(tmp_path, slots
         results.append([p.detach().clone() for p in model.parameters()])
     assert os.listdir(locks) == []  # removed by their last user
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# --------------------------------------------- parameters changed by the user
+
+
+def _new_dir(path):
+    path.mkdir()
+    return path
+
+
+def _opt_kinds():
+    return {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5)}
+
+
+@pytest.mark.parametrize("kind", ["adamw", "rmsprop"])  # native, generic
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+def test_parameters_changed_in_place_are_taken_into_the_master_copy(tmp_path, kind, mode):
+    # As with torch: an edit of the parameters between steps (no_grad) and
+    # model.load_state_dict after the optimizer's state dict (a resume in
+    # that order) are what the next step updates. Before, the engine's own
+    # master copy, taken at the first step, wrote its values over them.
+    make = _opt_kinds()[kind]
+    model, ref = make_model(), make_model()
+    opt, ref_opt = wrap(make(model.parameters()), tmp_path, mode=mode), make(ref.parameters())
+
+    def train(steps):
+        for k in steps:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                loss_of(m, k).backward()
+                o.step()
+
+    train(range(2))
+    with torch.no_grad():
+        for m in (model, ref):
+            m[0].weight.mul_(-0.5)
+            m[2].bias.fill_(0.25)
+    train(range(2, 4))
+    assert_close(model, ref)
+    saved_model, saved_opt = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    fresh = make_model()
+    torch.manual_seed(7)
+    for p in fresh.parameters():
+        torch.nn.init.normal_(p)
+    again = wrap(make(fresh.parameters()), _new_dir(tmp_path / "again"), mode=mode)
+    again.load_state_dict(saved_opt)
+    fresh.load_state_dict(saved_model)
+    model, opt = fresh, again
+    train(range(4, 7))
+    assert_close(model, ref)
+
+
+def test_a_bf16_master_keeps_its_precision_where_the_parameter_still_agrees(tmp_path):
+    # model.load_state_dict of the model's own values moves the version
+    # counters but changes nothing: the precise fp32 master stays. An edited
+    # element takes the parameter's value.
+    model = make_model(torch.bfloat16)
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), _new_dir(tmp_path / "tier"))
+    for k in range(3):
+        opt.zero_grad()
+        loss_of(model, k, torch.bfloat16).backward()
+        opt.step()
+    opt.save_checkpoint(tmp_path / "before")
+    before = mlp_offload.master_weights(tmp_path / "before")
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in before)  # finer than bf16
+    model.load_state_dict(copy.deepcopy(model.state_dict()))
+    with torch.no_grad():
+        model[0].weight[0, :4] = 0.5
+    opt.save_checkpoint(tmp_path / "after")
+    after = mlp_offload.master_weights(tmp_path / "after")
+    want = [m.clone() for m in before]
+    want[0].view(32, 16)[0, :4] = 0.5
+    for a, w in zip(after, want):
+        assert torch.equal(a.reshape(-1), w.reshape(-1))
+
+
+@pytest.mark.parametrize("case", ["native", "generic", "baseline", "no_atomic", "skipped"])
+def test_steps_alone_never_rewrite_the_master_copy(tmp_path, case, monkeypatch):
+    # The engine writes the parameters itself (and a failed or skipped step
+    # puts them back): none of that may pass for a change by the user, which
+    # would cost a read and a write of the subgroup every step.
+    make = (lambda ps: torch.optim.RMSprop(ps, lr=1e-2)) if case == "generic" \
+        else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    model = make_model()
+    opt = wrap(make(model.parameters()), tmp_path, mode="baseline" if case == "baseline"
+               else "mlp", atomic_step=case != "no_atomic", nonfinite="skip")
+    reads = []
+    real = MLPOffloadOptimizer._read_subgroup
+    monkeypatch.setattr(MLPOffloadOptimizer, "_read_subgroup",
+                        lambda self, g, alloc=None: reads.append(g) or real(self, g, alloc))
+    for k in range(4):
+        opt.zero_grad()
+        loss_of(model, k).backward()
+        if case == "skipped" and k == 2:
+            model[0].weight.grad[0, 0] = float("nan")
+        opt.step()
+    assert reads == []
+    with torch.no_grad():
+        model[2].bias.add_(1.0)
+    opt.zero_grad()
+    loss_of(model, 4).backward()
+    opt.step()
+    assert reads == [opt.subgroups[-1].index]  # the edited one only
+
+
+def test_load_checkpoint_sets_the_parameters_unless_told_not_to(tmp_path):
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), _new_dir(tmp_path / "tier"))
+    for k in range(2):
+        opt.zero_grad()
+        loss_of(model, k).backward()
+        opt.step()
+    opt.save_checkpoint(tmp_path / "ckpt")
+    saved = copy.deepcopy(model.state_dict())
+    opt.close()
+
+    def fresh():
+        m = make_model()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        tier = tmp_path / f"t{len(os.listdir(tmp_path))}"
+        return m, wrap(torch.optim.AdamW(m.parameters(), lr=1e-2), _new_dir(tier))
+
+    m, o = fresh()
+    o.load_checkpoint(tmp_path / "ckpt")  # the parameters take the saved weights
+    for p, q in zip(m.state_dict().values(), saved.values()):
+        assert torch.equal(p, q)
+    o.close()
+    m, o = fresh()
+    o.load_checkpoint(tmp_path / "ckpt", restore_params=False)
+    assert not torch.equal(m[0].weight, saved["0.weight"])  # left as they were
+    m.load_state_dict(saved)  # then loaded by the user: the step starts there
+    ref = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(o.state_dict())
+    for mm, oo in ((m, o), (ref, ref_opt)):
+        oo.zero_grad()
+        loss_of(mm, 2).backward()
+        oo.step()
+    assert_close(m, ref)

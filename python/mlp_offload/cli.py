@@ -517,7 +517,7 @@ def _cmd_export(args, out):
              "float16": torch.float16}[args.dtype]
     t0 = time.perf_counter()
     path = checkpoint.export_master_weights(args.checkpoint, args.out, dtype=dtype,
-                                            names=names, verify_checksums=args.verify)
+                                            names=names, verify_checksums=getattr(args, "verify", True))
     result = {"checkpoint": args.checkpoint, "out": path, "dtype": args.dtype,
               "bytes": os.path.getsize(path), "seconds": round(time.perf_counter() - t0, 3)}
     if args.json:
@@ -541,7 +541,9 @@ def build_parser():
                         help="level of the library's log messages (on stderr)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("info", help="print build information as JSON")
+    p = sub.add_parser("info", help="print build information as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (what info prints anyway; accepted like the others')")
 
     p = sub.add_parser("probe", formatter_class=fmt,
                        help="measure O_DIRECT read/write bandwidth of storage paths",
@@ -669,7 +671,7 @@ def build_parser():
     p.add_argument("--names", metavar="FILE", default=None,
                    help="text file with one tensor name per line, in the optimizer's "
                    "parameter order (default: param.<index>)")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
+    p.add_argument("--no-verify", dest="verify", action="store_false", default=argparse.SUPPRESS,
                    help="read the weights alone, without the records' checksums (which "
                    "cover the optimizer state too: for Adam, a third of the bytes read)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -265,5 +265,5 @@ def tier_lock_dir(option=None):
     $MLP_OFFLOAD_TIER_LOCK_DIR, else "" (the engine's default: /dev/shm, or
     /tmp where there is none)."""
     if option is not None:
-        return os.fspath(option)
+        return check_path("tier_lock_dir", option)
     return os.environ.get("MLP_OFFLOAD_TIER_LOCK_DIR", "")

@@ -15,6 +15,9 @@ from mlp_offload.errors import ConfigError
 _IGNORED = ("foreach",)
 # Options that must be off: the state lives on the host, in the engine.
 _MUST_BE_OFF = ("capturable", "differentiable", "fused")
+# How torch runs a step, not what it computes (a state dict of a plain
+# optimizer made with them loads into the wrapper, which keeps its own).
+EXECUTION_OPTIONS = _MUST_BE_OFF + _IGNORED
 
 # Per kind: the group keys the mapping reads.
 _KNOWN = {

@@ -248,7 +248,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._local_world = local_world
 
             self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
-            self._subgroup_numel = subgroup_numel
+            self._subgroup_numel = _config.check_int("subgroup_numel", subgroup_numel,
+                                                     minimum=1)
             self._host_cache_bytes = host_cache_bytes
             self._engine_settings = {
                 "compute_threads": compute_threads,
@@ -281,11 +282,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "fault_injection", fault_injection)
             self._want_resume = resume != "never"
             self._failed_step = None
+            # Each owned subgroup's parameters' version counters when the
+            # engine's master copy last matched them (_note_param_versions).
+            self._param_versions = {}
             self.resumed_from = None
             self.resumed_step = None
             self._generation = 0
             self._commit_dir = None  # of a persistent run: holds its last commit
             self._epoch = 0  # of the commits made from now (see _next_epoch)
+            if generic_state_keys is not None and (
+                    not isinstance(generic_state_keys, (list, tuple)) or not all(
+                        isinstance(k, str) for k in generic_state_keys)):
+                raise ConfigError(
+                    f"generic_state_keys must be a list of state key names (str), got "
+                    f"{generic_state_keys!r}")
             self._generic_state_keys = generic_state_keys
         except Exception as exc:
             if self._group is None:
@@ -1049,6 +1059,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # their owners) after the re-packing, as the groups are packed
             # one after another.
             with self._together("hold its state for add_param_group"):
+                self._refresh_changed_masters()
                 arena = self._regroup_arena()
                 masters = {}
                 saved = self._read_all_states(sharded=True, masters=masters,
@@ -1136,8 +1147,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._settle_run_dir()
             if not landed:
                 self._kept_commit_pending = kept
+            self._note_param_versions()
             raise
         self._settle_run_dir()
+        self._note_param_versions()
 
     def _last_commit_note(self):
         """For errors that leave no state to step from: where a committed
@@ -1257,6 +1270,43 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- step
 
+    def _note_param_versions(self):
+        """The engine's master copy matches this rank's parameters as they
+        are now (it wrote them, or took them): their version counters."""
+        self._param_versions = {g: tuple(p._version for p in self._subgroups[g].params)
+                                for g in self._owned}
+
+    def _refresh_changed_masters(self):
+        """Parameters changed in place since the engine last wrote them
+        (model.load_state_dict, an edit under no_grad: their version counter
+        moved) are taken into the engine's fp32 master copy, which would
+        otherwise write its own values over them at the next step. Element
+        by element, where the parameter no longer equals the master rounded
+        to its dtype: a bf16/fp16 model's precise master stays where the
+        parameter still agrees with it. A change through .data moves no
+        counter and is not seen. Not while a failed step is pending (its
+        retry puts the parameters back itself)."""
+        if not self._initialized or self._engine is None or self._failed_step is not None:
+            return
+        for g in self._owned:
+            sg = self._subgroups[g]
+            if self._param_versions.get(g) == tuple(p._version for p in sg.params):
+                continue
+            master, arrays, step = self._read_subgroup(g)
+            moved = False
+            with torch.no_grad():
+                for p, _, off, n in sg.slices():
+                    m = master[off:off + n]
+                    now = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+                    same = now == m.to(p.dtype).to(torch.float32)
+                    if not bool(same.all()):
+                        m.copy_(torch.where(same, m, now))
+                        moved = True
+            if moved:
+                self._engine.write_subgroup(self._local[g], master.data_ptr(),
+                                            [a.data_ptr() for a in arrays], step)
+            self._param_versions[g] = tuple(p._version for p in sg.params)
+
     def _segments(self, sg):
         segs = []
         for p, pid, off, n in sg.slices():
@@ -1354,6 +1404,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self._write_states(pending)
+        self._note_param_versions()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1394,6 +1445,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         bad = False
         try:
             self._ensure_initialized()
+            self._refresh_changed_masters()
             if amp_inf:
                 bad = True
             elif check_first and self._engine is not None:
@@ -1429,6 +1481,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._broadcast_params()
         if not skipped and self._family is not None:
             self._has_state.update(self._keys_after_step())
+        self._note_param_versions()
         self.last_step_stats = stats
         return loss
 
@@ -1719,6 +1772,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         p.copy_(master[off:off + n].view(p.shape))
             if self._group is not None:
                 self._broadcast_params()
+        self._note_param_versions()
 
     def _resume_run(self):
         """resume='auto'/'require': the committed step, else the checkpoint."""
@@ -2164,6 +2218,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         failure = None
         try:
             states, saved_groups = self._checked_states(state_dict)
+            # fused/capturable/differentiable say how torch runs a step, not
+            # what it computes: a plain optimizer's state dict made with them
+            # loads, with this optimizer's own (which the engine honours).
+            saved_groups = [
+                dict(g, **{k: mine.get(k) for k in _hp.EXECUTION_OPTIONS if k in g})
+                for g, mine in zip(saved_groups, self.optimizer.param_groups)
+            ] + saved_groups[len(self.optimizer.param_groups):]
             # Hyperparameters through the wrapped optimizer (torch's own
             # rules); its param_groups list is replaced, so re-share it.
             replaced = True
@@ -2208,6 +2269,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._incomplete_load = None
         self._failed_step = None  # the loaded state replaces a step that failed
         self._next_epoch()  # every rank: the load went through on all of them
+        self._note_param_versions()  # the master copy was taken from them
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -2277,8 +2339,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "num_state_arrays": self._num_arrays,
         }
 
-    def save_checkpoint(self, directory):
-        """Saves the offloaded state to `directory`, streamed tier by tier.
+    def _checkpoint_directory(self, directory, what):
+        if directory is None:
+            if self._checkpoint_dir is None:
+                raise ConfigError(f"{what}: give a directory (or construct the optimizer "
+                                  f"with checkpoint_dir)")
+            return self._checkpoint_dir
+        return os.fspath(directory)
+
+    def save_checkpoint(self, directory=None):
+        """Saves the offloaded state to `directory` (default: the
+        checkpoint_dir the optimizer was constructed with), streamed tier by
+        tier.
 
         Atomic: the new state goes to fresh names and a manifest rename
         commits it, so a crash mid-save leaves the previous checkpoint
@@ -2290,7 +2362,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._check_open()
         self._check_state_whole()
         self._check_no_failed_step("save_checkpoint", collective=True)
-        directory = os.fspath(directory)
+        directory = self._checkpoint_directory(directory, "save_checkpoint")
         # Every rank raises if one cannot (none waits for it in a collective).
         with self._together(f"create the checkpoint directory {directory}"):
             try:
@@ -2302,6 +2374,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"checkpoint directory {directory} is not a directory")
         self._refresh_hyperparams()
         self._ensure_initialized()
+        with self._together("take the parameters changed since the last step into its "
+                            "master copy"):
+            self._refresh_changed_masters()
         save_id = uuid.uuid4().hex
         if self._group is not None:
             ids = [save_id]
@@ -2493,21 +2568,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         torch.distributed.all_gather_object(out, obj, group=self._group)
         return out
 
-    def load_checkpoint(self, directory, restore_params=False):
+    def load_checkpoint(self, directory=None, restore_params=True):
         """Loads a checkpoint written by save_checkpoint.
 
         Refuses (StateMismatchError, naming the difference) a checkpoint of
         another model, optimizer, dtype or subgroup size. A checkpoint saved
         by another number of ranks is resharded: each rank reads its
         subgroups' records from the files of the ranks that saved them
-        (which must all be in `directory`, visible to every rank). With
-        restore_params, the model's parameters are set from the
-        checkpoint's master copy.
+        (which must all be in `directory`, visible to every rank; default:
+        the checkpoint_dir the optimizer was constructed with). The model's
+        parameters are set from the checkpoint's master copy (rounded to
+        their dtype), unless restore_params is False: then they are left as
+        they are, for the caller to load (a change of them after this goes
+        into the master copy at the next step; left unchanged, the next
+        step's update starts from the checkpoint's master copy and writes
+        it over them).
         """
         self._check_open()
+        directory = self._checkpoint_directory(directory, "load_checkpoint")
         self._commit_completed_step("load_checkpoint")
         self._retry_kept_commit("load_checkpoint")
-        directory = os.fspath(directory)
         with self._together(f"read the checkpoint manifest in {directory}"):
             view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
         # The same decisions on every rank, from what every rank sees.
@@ -2564,6 +2644,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._engine.set_step(steps)
         if restore_params:
             self._params_from_masters()
+        else:
+            # What the parameters hold now is the user's to set: a change
+            # after this (model.load_state_dict) goes into the master copy.
+            self._note_param_versions()
 
     def _load_checkpoint_files(self, directory, manifests):
         """This rank's part of load_checkpoint: checks, then the files.
