@@ -68,6 +68,31 @@ def test_two_ranks_match_plain_optimizer(tmp_path, name, mode):
     spawn(worker, tier_dirs(tmp_path), name, mode)
 
 
+def edited_params_worker(rank, tiers, name):
+    # Parameters edited in place on every rank between steps: each owner
+    # takes its subgroups' new values into its master copy, as torch would
+    # update them.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    opt = MLPOffloadOptimizer(OPTIMIZERS[name](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    pairs = ((opt, model), (ref_opt, ref))
+    train_same_batches(range(2), pairs)
+    with torch.no_grad():
+        for m in (model, ref):
+            m[0].weight.mul_(-0.5)
+            m[2].bias.fill_(0.25)
+    train_same_batches(range(2, 4), pairs)
+    assert_params_match(model, ref, rank)
+    opt.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "rmsprop"])
+def test_parameters_edited_between_steps_are_what_every_rank_updates(tmp_path, name):
+    spawn(edited_params_worker, tier_dirs(tmp_path), name)
+
+
 def add_group_worker(rank, tiers, name, spill, persistent):
     # A group added after two steps: each rank keeps its own subgroups'
     # state across the re-packing (held in a file on a tier with `spill`);
