@@ -530,7 +530,8 @@ def kept_commit_retry_worker(rank, tiers, after):
     the others'), rank 2 drops the directory of (0, 3), and a crash after
     that step resumes (2, 4). "fails": it fails again, so the step raises on
     every rank and changes nothing; a crash then resumes (0, 3). "load": a
-    load is refused alike while it fails, and goes through once it lands.
+    load (or a save, which takes edited parameters into the state) is
+    refused alike while it fails, and goes through once it lands.
     (Whether rank 0's step 5 lands on disk before the crash is a matter of
     timing: its records are written behind. If it does, a resume of (0, 3)
     fails there.)"""
@@ -568,7 +569,8 @@ def kept_commit_retry_worker(rank, tiers, after):
                 stack.enter_context(rank1_fails)
             calls = [lambda: train_same_batches(range(4, 5), ((opt, model),))] \
                 if after == "fails" else [lambda: opt.load_state_dict(state_at_add),
-                                          lambda: opt.load_checkpoint(ckpt)]
+                                          lambda: opt.load_checkpoint(ckpt),
+                                          lambda: opt.save_checkpoint(ckpt + "2")]
             for call in calls:
                 with pytest.raises(OffloadError, match=refusal) as raised:
                     call()

@@ -1265,3 +1265,40 @@ def test_a_fault_completed_inside_submit_does_not_deadlock(tmp_path, op):
     opt.step()
     assert opt.engine.steps == 2
     opt.close()
+
+
+@pytest.mark.parametrize("atomic_step", [True, False])
+def test_parameters_changed_while_a_failed_step_is_pending_are_refused(tmp_path,
+                                                                       atomic_step):
+    # The retry (step() with the same gradients) puts the parameters back to
+    # its own values: an edit in between would be lost, so it is refused by
+    # name, and a load gets out of it. A failed step that changed nothing
+    # leaves no work for the next step's check (no subgroup read).
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), fault_injection=True, atomic_step=atomic_step)
+    backward(model, 0)
+    opt.step()
+    saved = opt.state_dict()
+    opt.zero_grad()
+    backward(model, 1)
+    opt.engine.add_fault(1, nth=1, kind="error", op="read", error=errno.EIO)
+    with pytest.raises(errors.TierIOError):
+        opt.step()
+    opt.engine.clear_faults(1)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    with pytest.raises(errors.OffloadError, match="changed in place while a step that "
+                                                  "failed is pending"):
+        opt.step()
+    opt.load_state_dict(saved)
+    opt.step()  # the edited weights, with the loaded moments
+    reads = []
+    real = MLPOffloadOptimizer._read_subgroup
+    opt._read_subgroup = lambda g, alloc=None: reads.append(g) or real(opt, g, alloc)
+    opt.engine.add_fault(1, nth=1, kind="error", op="read", error=errno.EIO)
+    with pytest.raises(errors.TierIOError):
+        opt.step()
+    opt.engine.clear_faults(1)
+    opt.step()
+    assert reads == []
+    opt.close()

@@ -980,6 +980,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if failed is not None:
             if failed["partial"] is not None:
                 failed["partial"].restore()
+                self._note_param_versions()
             self._failed_step = {"before": None, "completed": True, "partial": None}
             _log.warning("%s: step %d completed but its commit record was not written; "
                          "the model's parameters now hold its update, and the next "
@@ -1284,14 +1285,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         by element, where the parameter no longer equals the master rounded
         to its dtype: a bf16/fp16 model's precise master stays where the
         parameter still agrees with it. A change through .data moves no
-        counter and is not seen. Not while a failed step is pending (its
-        retry puts the parameters back itself)."""
-        if not self._initialized or self._engine is None or self._failed_step is not None:
+        counter and is not seen. While a failed step is pending, whose retry
+        puts the parameters back itself, a change is refused
+        (OffloadError) instead of lost."""
+        if not self._initialized or self._engine is None:
             return
         for g in self._owned:
             sg = self._subgroups[g]
             if self._param_versions.get(g) == tuple(p._version for p in sg.params):
                 continue
+            if self._failed_step is not None:
+                raise OffloadError(
+                    f"parameters {sg.param_ids} were changed in place while a step that "
+                    f"failed is pending (its retry, step() with the same gradients, puts "
+                    f"them back to its own values): finish it before changing them, or "
+                    f"load a state dict or checkpoint")
             master, arrays, step = self._read_subgroup(g)
             moved = False
             with torch.no_grad():
@@ -1630,7 +1638,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if completed or incomplete:
                 self._hold_back(before, completed)
             elif before is not None:
-                before.restore()
+                before.restore()  # the values the master copy holds
+                self._note_param_versions()
             err = _recovery.annotate(exc, self._tiers, self._run_name,
                                      f"optimizer step {start if redo else start + 1}")
             if err is exc:
@@ -1665,6 +1674,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._failed_step = {"before": before, "completed": completed, "partial": partial}
         if before is not None:
             before.restore()
+        self._note_param_versions()  # as the engine left them, or put back
 
     def _agree_on_outcome(self, skipped, failure, stats, before):
         """Collective, after this rank's part of step(): whether any rank
@@ -2374,6 +2384,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"checkpoint directory {directory} is not a directory")
         self._refresh_hyperparams()
         self._ensure_initialized()
+        self._retry_kept_commit("save_checkpoint")
         with self._together("take the parameters changed since the last step into its "
                             "master copy"):
             self._refresh_changed_masters()
