@@ -93,6 +93,74 @@ def test_parameters_edited_between_steps_are_what_every_rank_updates(tmp_path, n
     spawn(edited_params_worker, tier_dirs(tmp_path), name)
 
 
+def mismatch_entry_worker(rank, tiers):
+    # What a rank does differently raises on every rank at once, naming it,
+    # and changes nothing: the ranks then go on together.
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    train_same_batches(range(1), ((opt, model),))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(OffloadError, match=r"ranks are in \{0: 'state_dict\(\)', 1: "
+                                           r"'step\(\)'\}"):
+        if rank == 0:  # a save on rank 0 alone
+            opt.state_dict()
+        else:
+            opt.step()
+    opt.param_groups[0]["lr"] = 0.5 if rank == 1 else 1e-2
+    with pytest.raises(ConfigError, match="differ in their hyperparameters.*0.5"):
+        train_same_batches(range(1, 2), ((opt, model),))
+    opt.param_groups[0]["lr"] = 1e-2
+    with pytest.raises(ConfigError, match="differ in the parameter group added"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4 + rank))]})
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q), rank
+    assert len(opt.param_groups) == 1 and opt.engine.steps == 1
+    opt.add_param_group({"params": (torch.nn.Parameter(torch.zeros(4)) for _ in range(2))})
+    assert len(opt.param_groups[1]["params"]) == 2  # a generator, taken once
+    sd = opt.state_dict()
+    train_same_batches(range(1, 2), ((opt, model),))
+    opt.load_state_dict(sd)
+    opt.close()
+
+
+def test_ranks_in_different_methods_or_settings_raise_at_once(tmp_path):
+    spawn(mismatch_entry_worker, tier_dirs(tmp_path))
+
+
+def lost_rank_state_worker(rank, tiers, phase):
+    # Rank 1's tiers come back empty (a new node, a file system not
+    # mounted): resume="auto" refuses on every rank and keeps rank 0's
+    # commits, instead of starting afresh over them.
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="lost", commit_every=2)
+    if phase == "train":
+        opt = wrap(OPTIMIZERS["adamw"](model.parameters()))
+        train_same_batches(range(3), ((opt, model),))
+        opt.close()
+        return
+    commit = [os.path.join(t, "lost.r0", "COMMIT") for t in tiers]
+    kept = [open(c, "rb").read() for c in commit] if rank == 0 else None
+    with pytest.raises(StateMismatchError, match=r"rank\(s\) \[1\] hold no commit of it "
+                                                 r"while other ranks hold commits up to "
+                                                 r"step 2 \(epoch 0\)"):
+        wrap(OPTIMIZERS["adamw"](model.parameters()), resume="auto")
+    if rank == 0:
+        assert [open(c, "rb").read() for c in commit] == kept
+    fresh = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="never")
+    assert fresh.resumed_from is None
+    fresh.close()
+
+
+def test_a_rank_whose_commits_are_gone_makes_every_rank_refuse_to_resume(tmp_path):
+    tiers = tier_dirs(tmp_path)
+    spawn(lost_rank_state_worker, tiers, "train")
+    for t in tiers:
+        shutil.rmtree(os.path.join(t, "lost.r1"))
+    spawn(lost_rank_state_worker, tiers, "resume")
+
+
 def add_group_worker(rank, tiers, name, spill, persistent):
     # A group added after two steps: each rank keeps its own subgroups'
     # state across the re-packing (held in a file on a tier with `spill`);
@@ -455,7 +523,10 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
     pairs = ((opt, model),)
     train_same_batches(range(2), pairs)
-    group = list(model[2].parameters()) + ([model[0].weight] if rank == 0 else [])
+    # The same shapes on every rank (else every rank refuses at once): on
+    # rank 0 a parameter the optimizer has, which torch refuses.
+    w = model[0].weight
+    group = list(model[2].parameters()) + [w if rank == 0 else torch.nn.Parameter(w.detach() * 1)]
 
     def refused(*args, **kwargs):
         raise OffloadError("tier full (injected)")
@@ -553,7 +624,8 @@ def kept_commit_retry_worker(rank, tiers, after):
 
     rank1_fails = mock.patch.object(MLPOffloadOptimizer, "_write_pystate", refused)
     extra = torch.nn.Parameter(torch.ones(8))
-    group = [extra] + ([model[0].weight] if rank < 2 else [])
+    w = model[0].weight  # on ranks 0 and 1 a parameter the optimizer has
+    group = [extra, w if rank < 2 else torch.nn.Parameter(w.detach() * 1)]
     with contextlib.ExitStack() as stack:
         if rank == 1:
             stack.enter_context(rank1_fails)

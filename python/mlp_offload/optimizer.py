@@ -32,6 +32,7 @@ import re
 import shutil
 import uuid
 import weakref
+import zlib
 
 import torch
 
@@ -60,6 +61,9 @@ _SHARD_KEY = "mlp_offload_shard"
 # layout.HostArena), which must have this much to spare besides.
 _REGROUP_MEMORY_FRACTION = 0.5
 _SPILL_HEADROOM_BYTES = 64 << 20
+# The collective methods, as _enter_collective tells them apart.
+_COLLECTIVE_OPS = ("step", "state_dict", "load_state_dict", "save_checkpoint",
+                   "load_checkpoint", "add_param_group")
 
 
 def _group_device_types(group):
@@ -843,6 +847,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"groups is on every rank, but "
                     f"{_recovery.describe_commit(max(others))} of other groups is on "
                     f"some: {groups_note}")
+            newest = max((k for h in held for k in h), default=-1)
+            if newest >= 0 and _recovery.split_commit_key(newest) != (0, 0):
+                # Not a crash before the first commits (they are of the
+                # initial state): a rank's state is gone, or out of sight.
+                ranks = [r for r, g in enumerate(gathered) if g is not None and not g[0]]
+                raise StateMismatchError(
+                    f"run {self._run_prefix!r}: rank(s) {ranks} hold no commit of it while "
+                    f"other ranks hold commits up to {_recovery.describe_commit(newest)}: "
+                    f"resuming needs every rank's part, and starting afresh would discard "
+                    f"theirs. If those ranks' tiers are missing (a file system not mounted, "
+                    f"a new node), restore them; to start afresh anyway, construct with "
+                    f"resume='never' (then load_checkpoint, if there is one); nothing was "
+                    f"changed")
             return -1
         common = set.intersection(*held)
         if not common:
@@ -1040,6 +1057,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return super().add_param_group(param_group)
         self._check_open()
         self._check_state_whole()  # a committed run commits what it reads below
+        if self._group is not None:
+            params = param_group.get("params") if isinstance(param_group, dict) else None
+            if params is not None and not isinstance(params, (torch.Tensor, list, tuple, set)):
+                param_group = dict(param_group, params=list(params))  # a generator, once
+                params = param_group["params"]
+            shapes = [] if params is None else [
+                repr((tuple(p.shape), str(p.dtype))) if isinstance(p, torch.Tensor)
+                else repr(type(p))
+                for p in ([params] if isinstance(params, torch.Tensor) else params)]
+            if isinstance(params, set):  # torch refuses it; in no order
+                shapes.sort()
+            self._enter_collective("add_param_group", repr((
+                shapes, self._settings_text(param_group) if isinstance(param_group, dict)
+                else repr(type(param_group)))))
         self._retry_kept_commit("add_param_group")
         pending = self._failed_step is not None
         if self._group is not None:
@@ -1418,6 +1449,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         self._check_open()
         self._check_state_whole()
+        if self._group is not None:
+            self._enter_collective("step", repr([self._settings_text(g)
+                                                 for g in self.optimizer.param_groups]))
         self._retry_kept_commit("step")
         loss = None
         if closure is not None:
@@ -1929,6 +1963,53 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _any_rank(self, flag):
         return bool(self._max_over_ranks(bool(flag))[0])
 
+    @staticmethod
+    def _settings_text(group):
+        """A param group's settings as text that is the same on every rank
+        for the same values (tensors by value; objects whose text would
+        name a memory address, such as functions, left out)."""
+        def plain(v):
+            if isinstance(v, torch.Tensor):
+                return v.tolist()
+            if isinstance(v, (list, tuple)):
+                items = [plain(x) for x in v]
+                return None if any(x is Ellipsis for x in items) else items
+            return v if v is None or isinstance(v, (bool, int, float, str)) else Ellipsis
+        items = ((k, plain(v)) for k, v in sorted(group.items()) if k != "params")
+        return repr([(k, v) for k, v in items if v is not Ellipsis])
+
+    def _enter_collective(self, what, detail=""):
+        """First thing in each collective method, in a process group: every
+        rank must be in the same one, and with the same `detail` (a step's
+        hyperparameters, an added group's shapes). Else every rank raises
+        before anything changed, naming what each rank does, instead of a
+        wait for the timeout or an abort in the first collective that does
+        not pair (a state dict taken on rank 0 only, a learning rate set on
+        one rank). One small all-gather."""
+        if self._group is None:
+            return
+        mine = torch.tensor([_COLLECTIVE_OPS.index(what), zlib.crc32(detail.encode())],
+                            dtype=torch.int64, device=self._comm_device)
+        got = [torch.empty_like(mine) for _ in range(self._world)]
+        torch.distributed.all_gather(got, mine, group=self._group)
+        got = [t.cpu().tolist() for t in got]
+        ops = {r: _COLLECTIVE_OPS[o] + "()" if 0 <= o < len(_COLLECTIVE_OPS) else f"op {o}"
+               for r, (o, _) in enumerate(got)}
+        if len(set(ops.values())) > 1:
+            raise OffloadError(
+                f"{what}() is collective in a process group and every rank must call it at "
+                f"the same point, but the ranks are in {ops}; nothing was changed. To save "
+                f"from one rank, call state_dict() (or save_checkpoint()) on every rank and "
+                f"write the result from rank 0")
+        if len({d for _, d in got}) > 1:
+            # Every rank is here (the same answer everywhere): the texts.
+            texts = self._gather(detail)
+            raise ConfigError(
+                f"{what}(): the ranks differ in "
+                f"{'the parameter group added' if what == 'add_param_group' else 'their hyperparameters'}"
+                f" (by rank: {dict(enumerate(texts))}); every rank must give the same, as "
+                f"each updates its own share of the parameters for all; nothing was changed")
+
     def _global_rank(self, rank):
         """The global rank of `rank` of the process group."""
         dist = torch.distributed
@@ -2194,6 +2275,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parameters' state and a "mlp_offload_shard" entry naming the rank.
         """
         self._check_open()
+        if self._state_dict_type == "full":
+            self._enter_collective("state_dict")
         self._check_state_whole()
         self._check_no_failed_step(
             "state_dict", collective=self._state_dict_type == "full")
@@ -2221,6 +2304,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         copy is taken from the parameters' current values.
         """
         self._check_open()
+        self._enter_collective("load_state_dict")
         self._commit_completed_step("load_state_dict")
         self._retry_kept_commit("load_state_dict")
         previous = self.optimizer.param_groups
@@ -2370,6 +2454,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         loads the previous save.
         """
         self._check_open()
+        self._enter_collective("save_checkpoint")
         self._check_state_whole()
         self._check_no_failed_step("save_checkpoint", collective=True)
         directory = self._checkpoint_directory(directory, "save_checkpoint")
@@ -2597,6 +2682,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         directory = self._checkpoint_directory(directory, "load_checkpoint")
+        self._enter_collective("load_checkpoint")
         self._commit_completed_step("load_checkpoint")
         self._retry_kept_commit("load_checkpoint")
         with self._together(f"read the checkpoint manifest in {directory}"):
