@@ -116,8 +116,11 @@ def mismatch_entry_worker(rank, tiers):
     for p, q in zip(model.parameters(), before):
         assert torch.equal(p, q), rank
     assert len(opt.param_groups) == 1 and opt.engine.steps == 1
-    opt.add_param_group({"params": (torch.nn.Parameter(torch.zeros(4)) for _ in range(2))})
-    assert len(opt.param_groups[1]["params"]) == 2  # a generator, taken once
+    # A generator, taken once; the optimizer's default lr given on rank 0
+    # only is the same setting.
+    opt.add_param_group({"params": (torch.nn.Parameter(torch.zeros(4)) for _ in range(2)),
+                         **({"lr": 1e-2} if rank == 0 else {})})
+    assert len(opt.param_groups[1]["params"]) == 2
     sd = opt.state_dict()
     train_same_batches(range(1, 2), ((opt, model),))
     opt.load_state_dict(sd)
@@ -151,6 +154,68 @@ def lost_rank_state_worker(rank, tiers, phase):
     fresh = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="never")
     assert fresh.resumed_from is None
     fresh.close()
+
+
+def first_commit_lost_worker(rank, tiers, ckpt, phase):
+    # A run started from a checkpoint makes no initial commit: its first is
+    # (1, 4). Rank 1 killed before writing it (its directory gone) is a
+    # crash before the first commits everywhere: the restart goes back to
+    # the checkpoint, as before.
+    model = make_model()
+    make = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1)
+    if phase == "save":
+        opt = make(OPTIMIZERS["adamw"](model.parameters()))
+        train_same_batches(range(2), ((opt, model),))
+        opt.save_checkpoint(ckpt)
+        opt.close()
+        return
+    opt = make(OPTIMIZERS["adamw"](model.parameters()), run_name="b", commit_every=2,
+               resume="auto", checkpoint_dir=ckpt)
+    assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 2)
+    if phase == "train":
+        train_same_batches(range(2, 4), ((opt, model),))
+        assert opt.engine.kept_commits == [(1, 4)]
+    opt.close()
+
+
+def test_a_rank_killed_before_its_first_commit_falls_back_to_the_checkpoint(tmp_path):
+    tiers, ckpt = tier_dirs(tmp_path), str(tmp_path / "ckpt")
+    spawn(first_commit_lost_worker, tiers, ckpt, "save")
+    spawn(first_commit_lost_worker, tiers, ckpt, "train")
+    for t in tiers:
+        shutil.rmtree(os.path.join(t, "b.r1"))
+    spawn(first_commit_lost_worker, tiers, ckpt, "resume")
+
+
+def ownerless_rank_worker(rank, tiers, phase):
+    # Rank 1 owns no subgroup: after a resume it takes the committed
+    # hyperparameters too (the ranks' settings must agree at each step).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=1000, compute_threads=1, run_name="own",
+                              commit_every=1, resume="auto")
+    assert (opt.engine is None) == (rank == 1)
+    x = torch.ones(2, 4)
+    if phase == "train":
+        for lr in (1e-2, 5e-3):
+            opt.param_groups[0]["lr"] = lr
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    else:
+        assert opt.resumed_step == 2 and opt.param_groups[0]["lr"] == 5e-3, rank
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    opt.close()
+
+
+def test_a_rank_without_subgroups_resumes_the_committed_hyperparameters(tmp_path):
+    tiers = tier_dirs(tmp_path)
+    spawn(ownerless_rank_worker, tiers, "train")
+    spawn(ownerless_rank_worker, tiers, "resume")
 
 
 def test_a_rank_whose_commits_are_gone_makes_every_rank_refuse_to_resume(tmp_path):

@@ -848,9 +848,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{_recovery.describe_commit(max(others))} of other groups is on "
                     f"some: {groups_note}")
             newest = max((k for h in held for k in h), default=-1)
-            if newest >= 0 and _recovery.split_commit_key(newest) != (0, 0):
-                # Not a crash before the first commits (they are of the
-                # initial state): a rank's state is gone, or out of sight.
+            if max(len(h) for h in held) >= 2:
+                # A rank committed twice: every rank committed once (the
+                # ranks step together), so this is not a crash before the
+                # first commits: a rank's state is gone, or out of sight.
                 ranks = [r for r, g in enumerate(gathered) if g is not None and not g[0]]
                 raise StateMismatchError(
                     f"run {self._run_prefix!r}: rank(s) {ranks} hold no commit of it while "
@@ -1069,8 +1070,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if isinstance(params, set):  # torch refuses it; in no order
                 shapes.sort()
             self._enter_collective("add_param_group", repr((
-                shapes, self._settings_text(param_group) if isinstance(param_group, dict)
-                else repr(type(param_group)))))
+                shapes, self._settings_text(dict(self.optimizer.defaults, **param_group))
+                if isinstance(param_group, dict) else repr(type(param_group)))))
         self._retry_kept_commit("add_param_group")
         pending = self._failed_step is not None
         if self._group is not None:
@@ -1837,12 +1838,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             with self._together("remove the run directory it did not resume"):
                 if engine is not None:
                     self._discard_other_run_dir(strict=True)
+            groups = state["param_groups"] if engine is not None else None
+            if self._group is not None:
+                # A rank without subgroups takes an owner's (the ranks'
+                # hyperparameters must agree at each step).
+                groups = next(g for g in self._gather(groups) if g is not None)
+            self.optimizer.load_state_dict({"state": {}, "param_groups": groups})
+            self.optimizer.state.clear()
+            self.param_groups = self.optimizer.param_groups
+            self._refresh_hyperparams()
             if engine is not None:
-                self.optimizer.load_state_dict({"state": {},
-                                                "param_groups": state["param_groups"]})
-                self.optimizer.state.clear()
-                self.param_groups = self.optimizer.param_groups
-                self._refresh_hyperparams()
                 self._py_state.update({int(k): v for k, v in state["py_state"].items()})
                 self._has_state.update({int(k): v for k, v in state["has_state"].items()})
             self._initialized = True
