@@ -1303,11 +1303,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- step
 
+    def _versions(self, g):
+        """Subgroup g's parameters' version counters."""
+        return tuple(p._version for p in self._subgroups[g].params)
+
     def _note_param_versions(self):
         """The engine's master copy matches this rank's parameters as they
         are now (it wrote them, or took them): their version counters."""
-        self._param_versions = {g: tuple(p._version for p in self._subgroups[g].params)
-                                for g in self._owned}
+        self._param_versions = {g: self._versions(g) for g in self._owned}
 
     def _refresh_changed_masters(self):
         """Parameters changed in place since the engine last wrote them
@@ -1324,7 +1327,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return
         for g in self._owned:
             sg = self._subgroups[g]
-            if self._param_versions.get(g) == tuple(p._version for p in sg.params):
+            if self._param_versions.get(g) == self._versions(g):
                 continue
             if self._failed_step is not None:
                 raise OffloadError(
@@ -1345,7 +1348,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if moved:
                 self._engine.write_subgroup(self._local[g], master.data_ptr(),
                                             [a.data_ptr() for a in arrays], step)
-            self._param_versions[g] = tuple(p._version for p in sg.params)
+            self._param_versions[g] = self._versions(g)
 
     def _segments(self, sg):
         segs = []
@@ -1978,7 +1981,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 return v.tolist()
             if isinstance(v, (list, tuple)):
                 items = [plain(x) for x in v]
-                return None if any(x is Ellipsis for x in items) else items
+                return Ellipsis if any(x is Ellipsis for x in items) else items
             return v if v is None or isinstance(v, (bool, int, float, str)) else Ellipsis
         items = ((k, plain(v)) for k, v in sorted(group.items()) if k != "params")
         return repr([(k, v) for k, v in items if v is not Ellipsis])
