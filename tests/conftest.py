@@ -55,3 +55,36 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def init_process_group(backend, rank, world, port, timeout_s=120):
+    """torch.distributed.init_process_group over TCP on 127.0.0.1, made so
+    that destroy_process_group really frees the group.
+
+    torch.optim imports torch._dynamo when the first optimizer is built;
+    imported while a group exists, dynamo keeps references to the default
+    group (torch 2.13: ten), so the group outlives destroy_process_group
+    and is torn down while the interpreter exits. A gloo thread that then
+    drops the last reference to a tensor takes the GIL of a finalizing
+    interpreter and the process aborts ("terminate called without an
+    active exception", now and then). Imported first, it holds none."""
+    import datetime
+    import importlib
+
+    import torch.distributed as dist
+    importlib.import_module("torch._dynamo")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def process_group_threads():
+    """The names of this process's threads that belong to a process group
+    (gloo's and the TCP store's): none once every group is destroyed."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore")))

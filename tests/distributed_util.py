@@ -2,13 +2,12 @@
 (torch.multiprocessing.spawn), the small model and optimizers they train,
 and comparisons with the plain optimizer."""
 
-import datetime
 import gc
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import free_port, init_process_group, process_group_threads
 
 WORLD = 2
 STEPS = 6
@@ -29,9 +28,7 @@ def make_model():
 def _in_group(rank, port, worker, args, world):
     torch.set_num_threads(1)
     # A rank left waiting for another fails in 2 minutes, not in gloo's 30.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    init_process_group("gloo", rank, world, port, timeout_s=120)
     try:
         worker(rank, *args)
         dist.barrier()  # no rank tears the group down while another uses it
@@ -42,6 +39,9 @@ def _in_group(rank, port, worker, args, world):
         # exits (gloo threads then abort the process).
         gc.collect()
         dist.destroy_process_group()
+    # Nothing (the optimizer, torch) kept the group: its threads are gone.
+    left = process_group_threads()
+    assert not left, f"rank {rank}: the group outlived destroy_process_group: {left}"
 
 
 def spawn(worker, *args, world=WORLD):

@@ -13,7 +13,6 @@ gradient statistics, and no pinned memory left after the optimizer is gone.
 
 import contextlib
 import copy
-import datetime
 import errno
 import gc
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port, tier_dirs
+from conftest import free_port, init_process_group, tier_dirs
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -431,8 +430,7 @@ def test_runs_in_a_nccl_process_group(tmp_path):
     if not dist.is_nccl_available():
         pytest.skip(f"torch {torch.__version__} was built without NCCL")
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=120))
+    init_process_group("nccl", 0, 1, free_port())
     try:
         _run_parity(tmp_path, "cuda", torch.bfloat16, ADAMW, steps=3)
         model = _model(torch.float32, "cuda")
@@ -462,8 +460,7 @@ def test_runs_in_a_nccl_process_group(tmp_path):
 
 def _two_ranks_on_one_gpu(rank, port, tiers):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=120))
+    init_process_group("gloo", rank, 2, port)
     try:
         # Each rank updates half the subgroups; the parity check after every
         # step sees the other half arrive through the broadcast.

@@ -210,6 +210,12 @@ def ownerless_rank_worker(rank, tiers, phase):
         model(x).sum().backward()
         opt.step()
     opt.close()
+    # A closed optimizer holds no group: kept past destroy_process_group,
+    # it does not keep the group alive (_in_group checks its threads).
+    _KEPT_PAST_THE_GROUP.append(opt)
+
+
+_KEPT_PAST_THE_GROUP = []
 
 
 def test_a_rank_without_subgroups_resumes_the_committed_hyperparameters(tmp_path):

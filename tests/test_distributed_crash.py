@@ -85,10 +85,16 @@ def train(cmd):
     if rank == 0:
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "state_dict": sd}, cmd["out"])
-    opt.close()
-    del opt  # it holds the group: gone before the group, not at exit
+    opt.close()  # the group is freed with the optimizer still referenced
     gc.collect()
     dist.destroy_process_group()
+    for tid in os.listdir("/proc/self/task"):  # no thread of the group is left
+        try:
+            with open("/proc/self/task/" + tid + "/comm") as f:
+                name = f.read()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        assert not name.startswith(("gloo", "pt_gloo")), "the group outlived it"
     report("finished")
 ''' % STEPS
 

@@ -1019,6 +1019,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._finalizer is not None:
             self._finalizer()
         self._engine = None
+        # Nor does it hold the process group: destroy_process_group then
+        # frees it while the optimizer object lives on.
+        self._group = None
 
     def clip_grad_norm_(self, max_norm):
         """Clips the gradients' global L2 norm to max_norm; returns the norm.
