@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -115,13 +116,24 @@ TEST(BandwidthProbeTest, ConcurrencyProbeMeasuresTheDevicesContention) {
   double measured[2] = {0, 0};
   int k = 0;
   for (double c : {0.0, 0.5}) {
-    absl::StatusOr<ConcurrencyBandwidth> r = ProbeEmulatedDevice(c, 3);
-    ASSERT_TRUE(r.ok()) << r.status();
+    // One engine reads and writes at once: both caps, 40 MB/s (less the
+    // engines' overhead). Each figure is a fraction of a second of real
+    // I/O, which a stall of the machine's disk (other tests' fsyncs) can
+    // slow past the bounds: a run within them among three is the check.
+    auto within = [c](const ConcurrencyBandwidth& b) {
+      return std::abs(b.one - 40e6) <= 10e6 &&
+             std::abs(b.many - 40e6 / (1 + 2 * c)) <= 10e6 &&
+             std::abs(b.contention - c) <= 0.2;
+    };
+    absl::StatusOr<ConcurrencyBandwidth> r;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      r = ProbeEmulatedDevice(c, 3);
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (kSanitized || within(*r)) break;
+    }
     EXPECT_EQ(r->streams, 3);
     measured[k++] = r->contention;
     if (kSanitized) continue;
-    // One engine reads and writes at once: both caps, 40 MB/s (less the
-    // engines' overhead).
     EXPECT_NEAR(r->one, 40e6, 10e6) << c;
     EXPECT_NEAR(r->many, 40e6 / (1 + 2 * c), 10e6) << c;
     EXPECT_NEAR(r->contention, c, 0.2);

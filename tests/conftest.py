@@ -57,9 +57,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def init_process_group(backend, rank, world, port, timeout_s=120):
-    """torch.distributed.init_process_group over TCP on 127.0.0.1, made so
-    that destroy_process_group really frees the group.
+def init_process_group(backend, rank, world, init_method, timeout_s=120):
+    """torch.distributed.init_process_group, made so that
+    destroy_process_group really frees the group.
 
     torch.optim imports torch._dynamo when the first optimizer is built;
     imported while a group exists, dynamo keeps references to the default
@@ -73,8 +73,8 @@ def init_process_group(backend, rank, world, port, timeout_s=120):
 
     import torch.distributed as dist
     importlib.import_module("torch._dynamo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def process_group_threads():

@@ -3,11 +3,14 @@
 and comparisons with the plain optimizer."""
 
 import gc
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port, init_process_group, process_group_threads
+from conftest import init_process_group, process_group_threads
 
 WORLD = 2
 STEPS = 6
@@ -25,10 +28,10 @@ def make_model():
                                torch.nn.Linear(32, 8))
 
 
-def _in_group(rank, port, worker, args, world):
+def _in_group(rank, store, worker, args, world):
     torch.set_num_threads(1)
     # A rank left waiting for another fails in 2 minutes, not in gloo's 30.
-    init_process_group("gloo", rank, world, port, timeout_s=120)
+    init_process_group("gloo", rank, world, f"file://{store}", timeout_s=120)
     try:
         worker(rank, *args)
         dist.barrier()  # no rank tears the group down while another uses it
@@ -46,7 +49,14 @@ def _in_group(rank, port, worker, args, world):
 
 def spawn(worker, *args, world=WORLD):
     """Runs worker(rank, *args) on `world` ranks of a fresh gloo group."""
-    mp.spawn(_in_group, args=(free_port(), worker, args, world), nprocs=world, join=True)
+    # The ranks meet in a file: a TCP store's port, picked free here, could
+    # be taken (by another test's group) before rank 0 binds it.
+    rendezvous = tempfile.mkdtemp(prefix="rendezvous_", dir=os.environ.get("TEST_TMPDIR"))
+    try:
+        mp.spawn(_in_group, args=(os.path.join(rendezvous, "store"), worker, args, world),
+                 nprocs=world, join=True)
+    finally:
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def assert_params_match(model, ref, rank):

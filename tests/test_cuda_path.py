@@ -430,7 +430,7 @@ def test_runs_in_a_nccl_process_group(tmp_path):
     if not dist.is_nccl_available():
         pytest.skip(f"torch {torch.__version__} was built without NCCL")
     torch.cuda.set_device(0)
-    init_process_group("nccl", 0, 1, free_port())
+    init_process_group("nccl", 0, 1, f"tcp://127.0.0.1:{free_port()}")
     try:
         _run_parity(tmp_path, "cuda", torch.bfloat16, ADAMW, steps=3)
         model = _model(torch.float32, "cuda")
@@ -460,7 +460,7 @@ def test_runs_in_a_nccl_process_group(tmp_path):
 
 def _two_ranks_on_one_gpu(rank, port, tiers):
     torch.set_num_threads(1)
-    init_process_group("gloo", rank, 2, port)
+    init_process_group("gloo", rank, 2, f"tcp://127.0.0.1:{port}")
     try:
         # Each rank updates half the subgroups; the parity check after every
         # step sees the other half arrive through the broadcast.

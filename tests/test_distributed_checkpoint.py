@@ -145,7 +145,13 @@ def checkpoint_worker(rank, tiers, ckpt, phase):
                     os._exit(17)
                 write(path, data, **kwargs)
             impl._recovery.write_file_atomically = die_before_manifest
-        opt.save_checkpoint(ckpt)  # rank 0 waits in its barrier until killed
+        try:
+            opt.save_checkpoint(ckpt)  # rank 0 waits in its barrier...
+        except Exception:
+            # ...which fails when rank 1 dies: rank 0 stays until spawn ends
+            # it, so that rank 1's exit is the failure spawn reports (rank
+            # 0's error could come first to a parent slow to look).
+            time.sleep(600)
         raise AssertionError("the save should not finish")
     assert_params_match(model, ref, rank)
     opt.save_checkpoint(ckpt)

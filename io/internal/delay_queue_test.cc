@@ -14,7 +14,9 @@ TEST(DelayQueueTest, RunsInTimeOrderAndDrainWaitsForAll) {
   DelayQueue queue;
   ::mlp_offload::Mutex mu;
   std::vector<int> order;
-  const absl::Time base = absl::Now();
+  // Far enough ahead that a stall of this thread while it queues (a loaded
+  // machine) cannot let an item come due before an earlier one is queued.
+  const absl::Time base = absl::Now() + absl::Milliseconds(300);
   for (int i : {3, 1, 2, 0}) {
     queue.RunAt(base + absl::Milliseconds(10 * i), [&, i] {
       ::mlp_offload::MutexLock lock(&mu);
