@@ -24,7 +24,9 @@
 #include <climits>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <thread>
@@ -746,6 +748,91 @@ struct Engine::Impl {
     }
     *claimed = true;
     return b;
+  }
+
+  // Calls visit(i, b) for each subgroup i of `which`, with its verified
+  // record in buffer b, outside a step. The tiers take turns, each
+  // streaming its own subgroups in order, and records are read ahead (one
+  // per tier in flight, as free buffers allow) while `visit` uses the
+  // current one: every tier reads meanwhile. The first error (a read, a
+  // record, or visit's) stops the walk.
+  absl::Status VisitRecords(
+      const std::vector<int>& which,
+      const std::function<absl::Status(int i, int b)>& visit)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<std::vector<int>> per_tier(tiers.size());
+    for (int i : which) per_tier[plan.tier_of_subgroup[i]].push_back(i);
+    std::vector<int> order;
+    for (size_t k = 0; order.size() < which.size(); ++k) {
+      for (const std::vector<int>& mine : per_tier) {
+        if (k < mine.size()) order.push_back(mine[k]);
+      }
+    }
+    struct Ahead {
+      int subgroup;
+      int buffer;
+    };
+    std::deque<Ahead> ahead;
+    // The first record of `order` not considered for reading ahead.
+    size_t next = 0;
+    auto read_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      while (ahead.size() < tiers.size() && next < order.size()) {
+        const int j = order[next];
+        if (buffer_of[j] >= 0) {  // in memory already
+          ++next;
+          continue;
+        }
+        if (!initialized[j]) return;  // Resident says so, in its turn
+        const int b = FindFreeBuffer();
+        if (b < 0) return;
+        Claim(b, j, BufState::kReading);
+        IssueRead(j, b);
+        ahead.push_back({j, b});
+        ++next;
+      }
+    };
+    auto drop_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      for (const Ahead& a : ahead) {
+        WaitIo(a.buffer).IgnoreError();
+        Free(a.buffer);
+      }
+      ahead.clear();
+    };
+    for (size_t k = 0; k < order.size(); ++k) {
+      const int i = order[k];
+      next = std::max(next, k + 1);
+      bool claimed = false;
+      int b = -1;
+      if (!ahead.empty() && ahead.front().subgroup == i) {
+        b = ahead.front().buffer;
+        ahead.pop_front();
+        claimed = true;
+        absl::Status s = WaitIo(b);
+        if (s.ok()) s = VerifyRecord(i, b);
+        if (!s.ok()) {
+          Free(b);
+          drop_ahead();
+          return s;
+        }
+      } else {
+        // Not read ahead: in memory, or there was no free buffer then (this
+        // iteration's Free left one).
+        absl::StatusOr<int> r = Resident(i, &claimed);
+        if (!r.ok()) {
+          drop_ahead();
+          return r.status();
+        }
+        b = *r;
+      }
+      read_ahead();
+      absl::Status s = visit(i, b);
+      if (claimed) Free(b);
+      if (!s.ok()) {
+        drop_ahead();
+        return s;
+      }
+    }
+    return absl::OkStatus();
   }
 
   // Subgroup i's state was replaced from outside (a checkpoint, a state
@@ -1948,6 +2035,26 @@ absl::Status Engine::ReadSubgroup(int i, float* master,
   return absl::OkStatus();
 }
 
+absl::Status Engine::ReadMasters(const std::vector<float*>& masters) {
+  Impl& e = *impl_;
+  if (e.in_step)
+    return absl::FailedPreconditionError("ReadMasters during a step");
+  if (static_cast<int>(masters.size()) != e.n()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ReadMasters: ", masters.size(),
+                     " pointers given, the engine has ", e.n(), " subgroups"));
+  }
+  std::vector<int> which;
+  for (int i = 0; i < e.n(); ++i) {
+    if (masters[i] != nullptr) which.push_back(i);
+  }
+  MutexLock l(&e.mu);
+  return e.VisitRecords(which, [&](int i, int b) {
+    std::memcpy(masters[i], e.Payload(b), e.numel[i] * 4);
+    return absl::OkStatus();
+  });
+}
+
 absl::Status Engine::WriteSubgroup(int i, const float* master,
                                    const std::vector<const float*>& state,
                                    int64_t step) {
@@ -2058,107 +2165,37 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   m.tier_of_subgroup = e.plan.tier_of_subgroup;
   {
     MutexLock l(&e.mu);
-    // The tiers take turns, each streaming its own subgroups in order, and
-    // records are read ahead (one per tier in flight, as free buffers allow)
-    // while the current one is written to the checkpoint: every tier reads
-    // while the checkpoint is written.
-    std::vector<std::vector<int>> per_tier(e.tiers.size());
-    for (int i = 0; i < e.n(); ++i)
-      per_tier[e.plan.tier_of_subgroup[i]].push_back(i);
-    std::vector<int> order;
-    for (size_t k = 0; order.size() < static_cast<size_t>(e.n()); ++k) {
-      for (const std::vector<int>& mine : per_tier) {
-        if (k < mine.size()) order.push_back(mine[k]);
-      }
-    }
-    struct Ahead {
-      int subgroup;
-      int buffer;
-    };
-    std::deque<Ahead> ahead;
-    size_t next =
-        0;  // the first record of `order` not considered for reading ahead
-    auto read_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
-      while (ahead.size() < e.tiers.size() && next < order.size()) {
-        const int j = order[next];
-        if (e.buffer_of[j] >= 0) {  // in memory already
-          ++next;
-          continue;
-        }
-        if (!e.initialized[j]) return;  // Resident says so, in its turn
-        const int b = e.FindFreeBuffer();
-        if (b < 0) return;
-        e.Claim(b, j, BufState::kReading);
-        e.IssueRead(j, b);
-        ahead.push_back({j, b});
-        ++next;
-      }
-    };
-    auto drop_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
-      for (const Ahead& a : ahead) {
-        e.WaitIo(a.buffer).IgnoreError();
-        e.Free(a.buffer);
-      }
-      ahead.clear();
-    };
-    for (size_t k = 0; k < order.size(); ++k) {
-      const int i = order[k];
-      next = std::max(next, k + 1);
-      bool claimed = false;
-      int b = -1;
-      if (!ahead.empty() && ahead.front().subgroup == i) {
-        b = ahead.front().buffer;
-        ahead.pop_front();
-        claimed = true;
-        absl::Status s = e.WaitIo(b);
-        if (s.ok()) s = e.VerifyRecord(i, b);
-        if (!s.ok()) {
-          e.Free(b);
-          drop_ahead();
+    std::vector<int> all(e.n());
+    std::iota(all.begin(), all.end(), 0);
+    MLP_RETURN_IF_ERROR(e.VisitRecords(
+        all, [&](int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+          RecordHeader h;
+          h.run_id = e.run_id;
+          h.subgroup = static_cast<uint32_t>(i);
+          h.num_arrays = static_cast<uint32_t>(e.arrays());
+          h.numel = e.numel[i];
+          h.step = e.sg_step[i];
+          h.payload_bytes = e.payload_bytes[i];
+          h.payload_checksum =
+              PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
+          std::vector<char> page(kRecordHeaderBytes);
+          EncodeRecordHeader(h, page.data());
+          std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
+          int fd =
+              open(path.c_str(),
+                   O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+          absl::Status s =
+              fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
+          // Header page first, then the payload right after it.
+          if (s.ok()) s = WriteFileAt(fd, page.data(), page.size(), 0, path);
+          if (s.ok()) {
+            s = WriteFileAt(fd, e.Payload(b), e.payload_bytes[i],
+                            kRecordHeaderBytes, path);
+          }
+          if (s.ok() && fsync(fd) != 0) s = ErrnoStatus(errno, "fsync", path);
+          if (fd >= 0) close(fd);
           return s;
-        }
-      } else {
-        // Not read ahead: in memory, or there was no free buffer then (this
-        // iteration's Free left one).
-        absl::StatusOr<int> r = e.Resident(i, &claimed);
-        if (!r.ok()) {
-          drop_ahead();
-          return r.status();
-        }
-        b = *r;
-      }
-      read_ahead();
-      RecordHeader h;
-      h.run_id = e.run_id;
-      h.subgroup = static_cast<uint32_t>(i);
-      h.num_arrays = static_cast<uint32_t>(e.arrays());
-      h.numel = e.numel[i];
-      h.step = e.sg_step[i];
-      h.payload_bytes = e.payload_bytes[i];
-      h.payload_checksum =
-          PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
-      std::vector<char> page(kRecordHeaderBytes);
-      EncodeRecordHeader(h, page.data());
-      std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
-      int fd =
-          open(path.c_str(),
-               O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-      absl::Status s =
-          fd < 0 ? ErrnoStatus(errno, "open", path) : absl::OkStatus();
-      // Header page first, then the payload right after it.
-      if (s.ok()) s = WriteFileAt(fd, page.data(), page.size(), 0, path);
-      if (s.ok()) {
-        s = WriteFileAt(fd, e.Payload(b), e.payload_bytes[i],
-                        kRecordHeaderBytes, path);
-      }
-      if (s.ok() && fsync(fd) != 0) s = ErrnoStatus(errno, "fsync", path);
-      if (fd >= 0) close(fd);
-      if (claimed) e.Free(b);
-      if (!s.ok()) {
-        drop_ahead();
-        return s;
-      }
-    }
+        }));
   }
   MLP_RETURN_IF_ERROR(
       WriteFileAtomically(tmp + "/MANIFEST", EncodeManifest(m)));

@@ -254,6 +254,10 @@ class Engine {
   absl::Status WriteSubgroup(int i, const float* master,
                              const std::vector<const float*>& state,
                              int64_t step);
+  // Copies each subgroup i's master parameters to masters[i] (fp32; none
+  // where it is null), reading ahead from every tier at once: what
+  // ReadSubgroup one subgroup after another would give, sooner.
+  absl::Status ReadMasters(const std::vector<float*>& masters);
 
   // Writes the whole state (every tier, every cached record) to `dir`
   // atomically: a crash mid-save leaves the previous checkpoint intact.

@@ -1436,6 +1436,30 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
   };
   fails_on_each(IoOp::kRead, [&] { return e.SaveCheckpoint(dir); });
   ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
+  // The master copies stream the same way (ReadMasters); a null pointer
+  // skips a subgroup.
+  std::vector<std::vector<float>> masters(4);
+  auto read_masters = [&](int skip) {
+    std::vector<float*> ptrs;
+    for (int i = 0; i < 4; ++i) {
+      masters[i].assign(cfg.subgroup_numel[i], -1.0f);
+      ptrs.push_back(i == skip ? nullptr : masters[i].data());
+    }
+    return e.ReadMasters(ptrs);
+  };
+  fails_on_each(IoOp::kRead, [&] { return read_masters(-1); });
+  for (int skip : {-1, 1}) {
+    ASSERT_TRUE(read_masters(skip).ok());
+    for (int i = 0; i < 4; ++i) {
+      const size_t n = cfg.subgroup_numel[i];
+      EXPECT_EQ(masters[i], i == skip ? std::vector<float>(n, -1.0f)
+                                      : std::vector<float>(want[i].begin(),
+                                                           want[i].begin() + n))
+          << "subgroup " << i << ", skipping " << skip;
+    }
+  }
+  EXPECT_EQ(e.ReadMasters({nullptr}).code(),
+            absl::StatusCode::kInvalidArgument);
   for (int i = 0; i < 4; ++i) {
     const size_t n = cfg.subgroup_numel[i];
     std::vector<float> got(3 * n);

@@ -156,9 +156,19 @@ def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
     opt2.close()
 
 
-def test_checkpoint_restores_master_and_param_groups(tmp_path):
-    model = make_model()
-    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "a"))
+@pytest.mark.parametrize("batch_bytes", [None, 1])
+def test_checkpoint_restores_master_and_param_groups(tmp_path, monkeypatch, batch_bytes):
+    # The parameters come from the master copies, read a batch of subgroups
+    # at a time (batch_bytes=1: the smallest batches, 2 per tier).
+    from mlp_offload import optimizer as impl
+    if batch_bytes is not None:
+        monkeypatch.setattr(impl, "_MASTER_READ_BYTES", batch_bytes)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 2, "a"),
+               subgroup_numel=100)
+    assert opt.engine.num_subgroups > 4  # several batches
     run(model, opt, range(3))
     saved = [p.detach().clone() for p in model.parameters()]
     opt.save_checkpoint(tmp_path / "ckpt")

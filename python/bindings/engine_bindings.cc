@@ -830,6 +830,17 @@ void RegisterEngineBindings(py::module_& parent) {
           "Copies subgroup i's master and state arrays into the given fp32 "
           "buffers (data pointers); returns its step count.")
       .def(
+          "read_masters",
+          [](PyEngine& e, const std::vector<uintptr_t>& masters) {
+            std::vector<float*> out = FloatPointers(masters);
+            e.WithoutGil(
+                [&](Engine& engine) { return engine.ReadMasters(out); });
+          },
+          py::arg("masters"),
+          "Copies every subgroup's master parameters into the given fp32 "
+          "buffers (data pointers, one per subgroup; 0 skips one), reading "
+          "from every tier at once.")
+      .def(
           "write_subgroup",
           [](PyEngine& e, int i, uintptr_t master,
              const std::vector<uintptr_t>& state, int64_t step) {
