@@ -2049,10 +2049,11 @@ absl::Status Engine::ReadMasters(const std::vector<float*>& masters) {
     if (masters[i] != nullptr) which.push_back(i);
   }
   MutexLock l(&e.mu);
-  return e.VisitRecords(which, [&](int i, int b) {
-    std::memcpy(masters[i], e.Payload(b), e.numel[i] * 4);
-    return absl::OkStatus();
-  });
+  return e.VisitRecords(which,
+                        [&](int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+                          std::memcpy(masters[i], e.Payload(b), e.numel[i] * 4);
+                          return absl::OkStatus();
+                        });
 }
 
 absl::Status Engine::WriteSubgroup(int i, const float* master,

@@ -159,7 +159,7 @@ def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
 @pytest.mark.parametrize("batch_bytes", [None, 1])
 def test_checkpoint_restores_master_and_param_groups(tmp_path, monkeypatch, batch_bytes):
     # The parameters come from the master copies, read a batch of subgroups
-    # at a time (batch_bytes=1: the smallest batches, 2 per tier).
+    # at a time (batch_bytes=1: the smallest batches, 1 per tier).
     from mlp_offload import optimizer as impl
     if batch_bytes is not None:
         monkeypatch.setattr(impl, "_MASTER_READ_BYTES", batch_bytes)

@@ -1822,10 +1822,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             with self._together("read its master weights"):
                 # Several subgroups at a time, every tier reading at once (one
                 # after another took twice as long on two tiers), in batches
-                # of bounded memory.
+                # of bounded memory: _MASTER_READ_BYTES, or one subgroup per
+                # tier where they are larger.
                 owned = list(self._owned)
                 largest = max([self._subgroups[g].numel for g in owned], default=1)
-                per = max(2 * len(self._tiers), _MASTER_READ_BYTES // (4 * largest))
+                per = max(len(self._tiers), _MASTER_READ_BYTES // (4 * largest))
                 for first in range(0, len(owned), per):
                     masters = {g: torch.empty(self._subgroups[g].numel, dtype=torch.float32)
                                for g in owned[first:first + per]}
