@@ -43,6 +43,7 @@ import gc
 import os
 import torch
 import torch.distributed as dist
+from conftest import process_group_threads
 from mlp_offload import MLPOffloadOptimizer
 
 STEPS = %d
@@ -90,13 +91,7 @@ def train(cmd):
     opt.close()  # the group is freed with the optimizer still referenced
     gc.collect()
     dist.destroy_process_group()
-    for tid in os.listdir("/proc/self/task"):  # no thread of the group is left
-        try:
-            with open("/proc/self/task/" + tid + "/comm") as f:
-                name = f.read()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        assert not name.startswith(("gloo", "pt_gloo")), "the group outlived it"
+    assert not process_group_threads(), "the group outlived destroy_process_group"
     report("finished")
 ''' % STEPS
 

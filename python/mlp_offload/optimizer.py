@@ -968,18 +968,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         holds, and a retry landing on some ranks only would let the load
         write over its slots there. Nothing is written once a load changed
         the state (the engine drops the failed commit then)."""
-        failed = self._failed_step
-        pending = self._engine is not None and failed is not None and failed["completed"] \
-            and self._incomplete_load is None
+        failed, engine = self._failed_step, self._engine
+        completed = engine is not None and failed is not None and failed["completed"]
+        pending = completed and self._incomplete_load is None
         if self._group is not None:
             # Collective, on every rank: only where some rank's commit of
             # that step landed. If none did, every rank's last commit is the
             # one before, which the load must not turn into slots that this
             # rank's commit (alone) would let it write over.
-            engine = self._engine
-            landed = engine is not None and failed is not None and failed["completed"] \
-                and (engine.committed_epoch, engine.committed_step) == (engine.epoch,
-                                                                         engine.steps)
+            landed = completed and (engine.committed_epoch, engine.committed_step) == (
+                engine.epoch, engine.steps)
             if not self._any_rank(landed):
                 return
         if not pending:
