@@ -133,11 +133,26 @@ absl::Status CheckBytes(const char* who, const ProbeOptions& options) {
 
 constexpr char kProbePrefix[] = ".mlp_offload_probe.";
 
-// Removes the probe files that processes no longer alive left in `dir`
-// (killed mid-probe): ".mlp_offload_probe.<pid>.<n>.tmp".
+// This host's name, as it goes into probe file names ("" if unknown). A pid
+// is only meaningful on its host: on a file system that several nodes share,
+// a probe judges only its own host's files.
+std::string ProbeHost() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "";
+  std::string name = host;
+  for (char& c : name) {
+    if (c == '/') c = '_';
+  }
+  return name;
+}
+
+// Removes the probe files that processes of this host no longer alive left
+// in `dir` (killed mid-probe): ".mlp_offload_probe.<host>.<pid>.<n>.tmp".
+// Another host's files are left alone: its pids mean nothing here.
 void RemoveStaleProbeFiles(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return;  // the probe itself reports the problem
+  const std::string host = ProbeHost();
   std::vector<std::string> stale;
   while (struct dirent* entry = readdir(d)) {
     absl::string_view name = entry->d_name;
@@ -145,11 +160,18 @@ void RemoveStaleProbeFiles(const std::string& dir) {
         !absl::ConsumeSuffix(&name, ".tmp")) {
       continue;
     }
-    std::vector<absl::string_view> parts = absl::StrSplit(name, '.');
+    // The host name may hold dots: the pid and counter are the last parts.
+    const size_t last = name.rfind('.');
+    if (last == absl::string_view::npos || last == 0) continue;
+    const size_t before = name.rfind('.', last - 1);
+    if (before == absl::string_view::npos || name.substr(0, before) != host) {
+      continue;
+    }
     int pid = 0;
     uint64_t n = 0;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &pid) ||
-        !absl::SimpleAtoi(parts[1], &n) || pid <= 0 || pid == getpid()) {
+    if (!absl::SimpleAtoi(name.substr(before + 1, last - before - 1), &pid) ||
+        !absl::SimpleAtoi(name.substr(last + 1), &n) || pid <= 0 ||
+        pid == getpid()) {
       continue;
     }
     if (kill(pid, 0) < 0 && errno == ESRCH) stale.emplace_back(entry->d_name);
@@ -179,7 +201,7 @@ absl::Status CreateProbeFile(const std::string& dir, uint64_t bytes,
                              DirProbe& p) {
   p.dir = dir;
   RemoveStaleProbeFiles(dir);
-  p.path = absl::StrCat(dir, "/", kProbePrefix, getpid(), ".",
+  p.path = absl::StrCat(dir, "/", kProbePrefix, ProbeHost(), ".", getpid(), ".",
                         g_probe_counter.fetch_add(1), ".tmp");
   FileOptions file_options;
   file_options.create = true;
@@ -201,14 +223,18 @@ absl::Status CreateProbeFile(const std::string& dir, uint64_t bytes,
 absl::StatusOr<double> Measure(DirProbe& p, IoOp op,
                                const ProbeOptions& options) {
   if (op == IoOp::kRead && !p.file->direct()) {
-    // Without O_DIRECT the read would come from the page cache.
+    // Without O_DIRECT the read would come from the page cache, and
+    // POSIX_FADV_DONTNEED drops only clean pages: write back the dirty ones.
+    MLP_RETURN_IF_ERROR(p.file->Sync());
     (void)posix_fadvise(p.file->fd(), 0, 0, POSIX_FADV_DONTNEED);
   }
+  // The fdatasync is timed with the writes: without O_DIRECT they would
+  // otherwise only reach the page cache.
   MLP_ASSIGN_OR_RETURN(
       const double seconds,
       TimeSequentialTransfer(*p.engine, *p.file, op, options.bytes,
                              options.block_size, options.queue_depth,
-                             /*sync=*/false));
+                             /*sync=*/true));
   return static_cast<double>(options.bytes) / std::max(seconds, 1e-9);
 }
 

@@ -3,9 +3,11 @@
 #include <dirent.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -16,6 +18,21 @@
 #include "io/internal/test_util.h"
 #include "io/shared_throttle.h"
 #include "mlp_offload/base/status_macros.h"
+
+namespace mlp_offload {
+namespace {
+
+// fdatasync calls made so far: the fdatasync below stands in for libc's in
+// this test binary.
+std::atomic<int> g_fdatasyncs{0};
+
+}  // namespace
+}  // namespace mlp_offload
+
+extern "C" int fdatasync(int fd) {
+  ++mlp_offload::g_fdatasyncs;
+  return static_cast<int>(syscall(SYS_fdatasync, fd));
+}
 
 namespace mlp_offload {
 namespace {
@@ -56,6 +73,20 @@ TEST(BandwidthProbeTest, TwoDirsOnOneDeviceAreReportedAsSharing) {
   // The temporary files are gone.
   EXPECT_EQ(CountEntries(a), 0);
   EXPECT_EQ(CountEntries(b), 0);
+}
+
+TEST(BandwidthProbeTest, WritesAreTimedWithTheirFdatasync) {
+  const std::string dir = internal_io::ScratchDir("probe_sync");
+  ProbeOptions options;
+  options.bytes = 1 << 20;
+  options.block_size = 1 << 20;
+  options.queue_depth = 1;
+  const int before = g_fdatasyncs.load();
+  absl::StatusOr<std::vector<PathBandwidth>> result =
+      ProbeBandwidth({dir}, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  // One directory: one write pass, and (if buffered) one more before the read.
+  EXPECT_GE(g_fdatasyncs.load() - before, 1);
 }
 
 TEST(BandwidthProbeTest, ErrorsNameTheDirectory) {
@@ -211,12 +242,19 @@ TEST(BandwidthProbeTest, FilesOfKilledProbesAreRemoved) {
   ASSERT_GE(child, 0);
   if (child == 0) _exit(0);
   ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  char host_buf[256] = {};
+  ASSERT_EQ(gethostname(host_buf, sizeof(host_buf) - 1), 0);
+  const std::string host = host_buf;
   const std::string dead =
-      absl::StrCat(dir, "/.mlp_offload_probe.", child, ".0.tmp");
+      absl::StrCat(dir, "/.mlp_offload_probe.", host, ".", child, ".0.tmp");
   const std::string alive =  // this process's parent runs
-      absl::StrCat(dir, "/.mlp_offload_probe.", getppid(), ".0.tmp");
+      absl::StrCat(dir, "/.mlp_offload_probe.", host, ".", getppid(), ".0.tmp");
+  // Another node's, on a shared file system: its pid means nothing here,
+  // though no process of this host has it. A host name may hold dots.
+  const std::string remote = absl::StrCat(dir, "/.mlp_offload_probe.", host,
+                                          ".other.node.", child, ".0.tmp");
   const std::string other = dir + "/.mlp_offload_probe.notes.tmp";
-  for (const std::string& path : {dead, alive, other}) {
+  for (const std::string& path : {dead, alive, remote, other}) {
     std::ofstream(path) << "x";
   }
   ProbeOptions options;
@@ -226,8 +264,9 @@ TEST(BandwidthProbeTest, FilesOfKilledProbesAreRemoved) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_NE(access(dead.c_str(), F_OK), 0);
   EXPECT_EQ(access(alive.c_str(), F_OK), 0);
+  EXPECT_EQ(access(remote.c_str(), F_OK), 0);
   EXPECT_EQ(access(other.c_str(), F_OK), 0);
-  EXPECT_EQ(CountEntries(dir), 2);
+  EXPECT_EQ(CountEntries(dir), 3);
 }
 
 }  // namespace

@@ -15,23 +15,64 @@
 namespace mlp_offload {
 namespace {
 
-// Some filesystems accept O_DIRECT at open() and only reject it on the first
-// transfer (FUSE, some network filesystems), so a successful open is not proof.
-// A one-block aligned read settles it: a filesystem without direct I/O answers
-// EINVAL. Reading past EOF (a new file) is fine: it returns 0.
-absl::Status ProbeDirectRead(int fd, const std::string& path) {
-  absl::StatusOr<AlignedBuffer> block =
-      AlignedBuffer::Allocate(kDirectIoAlignment);
-  if (!block.ok()) return block.status();
+// pread or pwrite of all of `block` at offset 0, retried on EINTR; the error
+// names the probe's call.
+absl::Status ProbeTransfer(bool write, int fd, const AlignedBuffer& block,
+                           const std::string& path) {
   ssize_t n;
   do {
-    n = pread(fd, block->data(), block->size(), 0);
+    n = write ? pwrite(fd, block.data(), block.size(), 0)
+              : pread(fd, block.data(), block.size(), 0);
   } while (n < 0 && errno == EINTR);
   if (n < 0) {
-    return ErrnoStatus(errno, "pread (O_DIRECT probe)",
-                       absl::StrCat(path, " at offset 0"));
+    return ErrnoStatus(
+        errno, write ? "pwrite (O_DIRECT probe)" : "pread (O_DIRECT probe)",
+        absl::StrCat(path, " at offset 0"));
   }
   return absl::OkStatus();
+}
+
+// Some filesystems accept O_DIRECT at open() and only reject it on the first
+// transfer (FUSE, some network filesystems), so a successful open is not
+// proof. OK if direct transfers of kDirectIoAlignment work on `fd`;
+// InvalidArgument if the filesystem refuses them (the caller falls back to
+// buffered I/O); another error if the probe itself failed.
+absl::Status ProbeDirect(int fd, const std::string& path, bool read_only) {
+#ifdef STATX_DIOALIGN
+  // Where the filesystem reports its direct I/O alignment (ext4, xfs, btrfs,
+  // block devices...), that settles it without a transfer.
+  struct statx stx;
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
+      (stx.stx_mask & STATX_DIOALIGN) != 0) {
+    if (stx.stx_dio_mem_align == 0 || stx.stx_dio_offset_align == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("statx of ", path, " reports no direct I/O"));
+    }
+    if (stx.stx_dio_mem_align > kDirectIoAlignment ||
+        stx.stx_dio_offset_align > kDirectIoAlignment) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "statx of ", path, " reports direct I/O alignments of ",
+          stx.stx_dio_mem_align, " (memory) and ", stx.stx_dio_offset_align,
+          " (offsets), above ", kDirectIoAlignment));
+    }
+    return absl::OkStatus();
+  }
+#endif
+  MLP_ASSIGN_OR_RETURN(AlignedBuffer block,
+                       AlignedBuffer::Allocate(kDirectIoAlignment));
+  struct stat st;
+  if (fstat(fd, &st) < 0) return ErrnoStatus(errno, "fstat", path);
+  // A read past the end of a file (a new or truncated one) returns 0 without
+  // checking anything, so an empty file is probed by writing a block, reading
+  // it back and truncating it again. A read-only empty file cannot be written,
+  // and nothing can be read from it either.
+  if (st.st_size > 0 || read_only) return ProbeTransfer(false, fd, block, path);
+  absl::Status probe = ProbeTransfer(true, fd, block, path);
+  if (probe.ok()) probe = ProbeTransfer(false, fd, block, path);
+  if (ftruncate(fd, 0) < 0) {
+    return ErrnoStatus(errno, "ftruncate to 0 bytes (O_DIRECT probe)", path);
+  }
+  return probe;
 }
 
 }  // namespace
@@ -62,7 +103,7 @@ absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
       fd = open(path.c_str(), flags | O_DIRECT, 0600);
     } while (fd < 0 && errno == EINTR);
     if (fd >= 0) {
-      absl::Status probe = ProbeDirectRead(fd, path);
+      absl::Status probe = ProbeDirect(fd, path, options.read_only);
       if (probe.ok()) {
         direct = true;
       } else if (!absl::IsInvalidArgument(probe)) {

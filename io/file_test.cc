@@ -1,9 +1,14 @@
 #include "io/file.h"
 
 #include <fcntl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "io/aligned_buffer.h"
@@ -12,7 +17,42 @@
 namespace mlp_offload {
 namespace {
 
+// While set, an O_DIRECT pwrite fails with EINVAL, as on a filesystem that
+// accepts O_DIRECT at open and refuses direct transfers (FUSE): a read past
+// the end returns 0 there unchecked, so only writes need faking. The pwrite
+// below stands in for libc's in this test binary.
+std::atomic<bool> g_refuse_direct_writes{false};
+
+}  // namespace
+}  // namespace mlp_offload
+
+extern "C" ssize_t pwrite(int fd, const void* buf, size_t n, off_t offset) {
+  if (mlp_offload::g_refuse_direct_writes.load()) {
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0 && (flags & O_DIRECT) != 0) {
+      errno = EINVAL;
+      return -1;
+    }
+  }
+  return syscall(SYS_pwrite64, fd, buf, n, offset);
+}
+
+namespace mlp_offload {
+namespace {
+
 using internal_io::ScratchPath;
+
+// A file on tmpfs, whose direct I/O support statx does not report (so the
+// probe transfers), or "" if /dev/shm is missing or refuses O_DIRECT at open.
+std::string TmpfsPath(const std::string& name) {
+  const std::string path =
+      "/dev/shm/mlp_offload_file_test." + name + "." + std::to_string(getpid());
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+  if (fd < 0) return "";
+  close(fd);
+  unlink(path.c_str());
+  return path;
+}
 
 TEST(FileTest, DirectOnExt4AndPreallocated) {
   const std::string path = ScratchPath("file_direct");
@@ -58,6 +98,55 @@ TEST(FileTest, FallbackAlwaysHasAReason) {
   absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ((*file)->direct(), (*file)->direct_fallback_reason().empty());
+  unlink(path.c_str());
+}
+
+TEST(FileTest, NewFileReportsDirectLikeItsReopening) {
+  // ext4 answers through statx; tmpfs is probed with a written block.
+  std::vector<std::string> paths = {ScratchPath("file_new")};
+  if (std::string tmpfs = TmpfsPath("new"); !tmpfs.empty())
+    paths.push_back(tmpfs);
+  for (const std::string& path : paths) {
+    SCOPED_TRACE(path);
+    FileOptions options;
+    options.create = true;
+    options.truncate = true;
+    absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);
+    ASSERT_TRUE(file.ok()) << file.status();
+    EXPECT_EQ(*(*file)->Size(), 0u);  // the probe leaves nothing behind
+    absl::StatusOr<AlignedBuffer> out = AlignedBuffer::Allocate(8192);
+    absl::StatusOr<AlignedBuffer> in = AlignedBuffer::Allocate(8192);
+    ASSERT_TRUE(out.ok() && in.ok());
+    internal_io::FillRandom(out->data(), out->size(), 7);
+    ASSERT_EQ(pwrite((*file)->fd(), out->data(), out->size(), 0), 8192);
+    ASSERT_EQ(pread((*file)->fd(), in->data(), in->size(), 0), 8192);
+    EXPECT_EQ(std::memcmp(out->data(), in->data(), 8192), 0);
+    absl::StatusOr<std::unique_ptr<File>> again =
+        File::Open(path, FileOptions());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ((*again)->direct(), (*file)->direct())
+        << (*file)->direct_fallback_reason() << " / "
+        << (*again)->direct_fallback_reason();
+    unlink(path.c_str());
+  }
+}
+
+TEST(FileTest, NewFileFallsBackWhereDirectTransfersAreRefused) {
+  const std::string path = TmpfsPath("refused");
+  if (path.empty()) GTEST_SKIP() << "no tmpfs accepting O_DIRECT at open";
+  FileOptions options;
+  options.create = true;
+  g_refuse_direct_writes = true;
+  absl::StatusOr<std::unique_ptr<File>> file = File::Open(path, options);
+  g_refuse_direct_writes = false;
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_FALSE((*file)->direct());
+  EXPECT_NE((*file)->direct_fallback_reason().find("pwrite (O_DIRECT probe)"),
+            std::string::npos)
+      << (*file)->direct_fallback_reason();
+  EXPECT_EQ(*(*file)->Size(), 0u);
+  char byte = 7;
+  EXPECT_EQ(pwrite((*file)->fd(), &byte, 1, 1), 1);  // buffered now
   unlink(path.c_str());
 }
 

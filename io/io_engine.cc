@@ -10,6 +10,14 @@
 #include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
+namespace {
+
+// Largest block_size: liburing takes a piece's length as an unsigned int, and
+// a piece's count and offsets must not wrap in size_t; 1 GiB is far past the
+// size where larger pieces stop helping.
+constexpr size_t kMaxBlockSize = size_t{1} << 30;
+
+}  // namespace
 
 struct IoFuture::State {
   ::mlp_offload::Mutex mu;
@@ -89,6 +97,11 @@ absl::StatusOr<std::unique_ptr<IoEngine>> CreateIoEngine(
     return absl::InvalidArgumentError(
         absl::StrCat("CreateIoEngine: block_size ", options.block_size,
                      " must be a positive multiple of ", kDirectIoAlignment));
+  }
+  if (options.block_size > kMaxBlockSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CreateIoEngine: block_size ", options.block_size,
+                     " is above the limit of ", kMaxBlockSize, " (1 GiB)"));
   }
   switch (options.kind) {
     case IoEngineOptions::Kind::kUring:

@@ -63,7 +63,7 @@ struct IoEngineOptions {
   enum class Kind { kAuto, kUring, kThreadPool };
   Kind kind = Kind::kAuto;    // kAuto: io_uring if it works, else threads
   unsigned queue_depth = 32;  // requests (pieces) in flight, 1..kMaxQueueDepth
-  size_t block_size = 1 << 20;  // large requests are split into pieces
+  size_t block_size = 1 << 20;  // pieces of a large request; at most 1 GiB
   int num_threads = 4;          // thread-pool engine only, 1..kMaxIoThreads
 };
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -535,6 +536,25 @@ TEST(IoEngineFactoryTest, RejectsBadOptions) {
     EXPECT_NE(s.message().find("num_threads"), absl::string_view::npos) << s;
   }
   options.num_threads = kMaxIoThreads;
+  options.kind = IoEngineOptions::Kind::kThreadPool;
+  EXPECT_TRUE(CreateIoEngine(options).ok());
+}
+
+TEST(IoEngineFactoryTest, RefusesBlockSizesAboveOneGiB) {
+  // liburing takes a transfer's length as an unsigned int (4 GiB would be 0
+  // bytes), and near SIZE_MAX splitting a request wraps around.
+  IoEngineOptions options;
+  options.num_threads = 1;
+  for (size_t block_size :
+       {size_t{2} << 30, size_t{4} << 30, SIZE_MAX & ~size_t{4095}, SIZE_MAX}) {
+    options.block_size = block_size;
+    absl::Status s = CreateIoEngine(options).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << block_size;
+    EXPECT_NE(s.message().find(absl::StrCat("block_size ", block_size)),
+              absl::string_view::npos)
+        << s;
+  }
+  options.block_size = size_t{1} << 30;
   options.kind = IoEngineOptions::Kind::kThreadPool;
   EXPECT_TRUE(CreateIoEngine(options).ok());
 }

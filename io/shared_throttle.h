@@ -1,6 +1,6 @@
 // A bandwidth cap shared by every engine, in any process, that opens the same
 // state file: it emulates one storage device used by several processes (the
-// ranks of a node sharing a tier, PAPER.md), optionally one that loses
+// ranks of a node sharing a tier, as in the paper), optionally one that loses
 // bandwidth when several of them stream at once.
 #ifndef MLP_OFFLOAD_IO_SHARED_THROTTLE_H_
 #define MLP_OFFLOAD_IO_SHARED_THROTTLE_H_

@@ -1,4 +1,4 @@
-// Cross-process tier lock (technique 4 of PAPER.md): at most K processes of a
+// Cross-process tier lock (technique 4 of the paper): at most K processes of a
 // node do I/O on a tier at a time. Blocking without busy waiting, FIFO-fair
 // enough that no process starves, and released by the kernel when a holder
 // dies (file locks), so a SIGKILLed holder never wedges the others.

@@ -44,6 +44,10 @@ namespace {
 // user_data of the eventfd poll; pieces are heap pointers, never this value.
 constexpr uint64_t kWakeTag = 1;
 
+// MAX_RW_COUNT (INT_MAX rounded down to a page): also fits the unsigned
+// length liburing takes.
+constexpr size_t kMaxKernelTransfer = 0x7ffff000;
+
 // Failing ring submissions: back-off between attempts, and how long they
 // may fail (with nothing completing) before new requests are refused.
 constexpr absl::Duration kMinBackoff = absl::Microseconds(50);
@@ -232,7 +236,9 @@ class UringEngine final : public IoEngine {
   void PrepPiece(Piece* piece, int fixed_index) {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     const IoRequest& request = piece->tracker->request();
-    size_t len = piece->length - piece->done;
+    // Linux moves at most kMaxKernelTransfer bytes per read or write; the
+    // rest of a longer piece is resubmitted, as after a short transfer.
+    size_t len = std::min(piece->length - piece->done, kMaxKernelTransfer);
     if (const size_t cap = MaxTransferForTesting(); cap > 0)
       len = std::min(len, cap);
     char* buf = piece->buffer + piece->done;

@@ -353,6 +353,28 @@ absl::StatusOr<TierCommitFiles> ReadTierCommitFiles(const std::string& dir,
   return files;
 }
 
+// fsyncs directory `dir`: the creation, rename or removal of an entry in it is
+// durable only after this. Errors name the directory.
+absl::Status SyncDirectory(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "open directory", dir);
+  if (fsync(fd) != 0) {
+    const int e = errno;
+    close(fd);
+    return ErrnoStatus(e, "fsync directory", dir);
+  }
+  close(fd);
+  return absl::OkStatus();
+}
+
+// The directory holding `path` ("." for a bare name).
+std::string ParentDirectory(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
@@ -1078,7 +1100,12 @@ absl::Status Engine::Impl::OpenTiers() {
   for (int t = 0; t < num_tiers; ++t) {
     Tier& tier = tiers[t];
     tier.dir = absl::StrCat(real[t], "/", config.run_name);
-    if (mkdir(tier.dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    if (mkdir(tier.dir.c_str(), 0700) == 0) {
+      // A new directory survives a crash only once its parent is synced (the
+      // commits written in it would go with it).
+      absl::Status synced = SyncDirectory(real[t]);
+      if (!synced.ok()) return Annotate(synced, absl::StrCat("tier ", t));
+    } else if (errno != EEXIST) {
       return ErrnoStatus(errno, absl::StrCat("tier ", t, ": mkdir"), tier.dir);
     }
     struct stat st;
@@ -2209,7 +2236,12 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   if (rename(tmp.c_str(), dir.c_str()) != 0) {
     return ErrnoStatus(errno, "rename", absl::StrCat(tmp, " to ", dir));
   }
-  return RemoveTree(old);
+  // Returns only once the renames, then the removal, are on disk: else a crash
+  // after a successful save could bring the previous one back.
+  const std::string parent = ParentDirectory(dir);
+  MLP_RETURN_IF_ERROR(SyncDirectory(parent));
+  MLP_RETURN_IF_ERROR(RemoveTree(old));
+  return SyncDirectory(parent);
 }
 
 absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {

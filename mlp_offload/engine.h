@@ -5,8 +5,8 @@
 // hit, or wait for its prefetch), run the kernel (or hand the record to the
 // caller, for optimizers without a native kernel), then write it back unless
 // the next step starts with it. Reads run ahead and writes behind, within the
-// host budget. Every technique of PAPER.md can be switched off; all off is
-// the ZeRO-Infinity-like baseline, in the same engine.
+// host budget. Every technique of the paper (arXiv 2509.02480) can be switched
+// off; all off is the ZeRO-Infinity-like baseline, in the same engine.
 #ifndef MLP_OFFLOAD_MLP_OFFLOAD_ENGINE_H_
 #define MLP_OFFLOAD_MLP_OFFLOAD_ENGINE_H_
 
@@ -82,7 +82,7 @@ struct EngineConfig {
   // where there is none). A tier's lock is named after its resolved path and
   // the user (TierLockPrefix), so the processes of one node that share a tier
   // take turns on it, while the other nodes that share it (a parallel file
-  // system) have their own turns, as in PAPER.md, and no lock ever depends on
+  // system) have their own turns, as in the paper, and no lock ever depends on
   // a network file system's locking.
   std::string tier_lock_dir;
   bool verify_checksums = true;  // on every read

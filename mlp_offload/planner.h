@@ -13,8 +13,8 @@
 
 namespace mlp_offload {
 
-// The four techniques of PAPER.md, each switchable. All false is the
-// ZeRO-Infinity-like baseline.
+// The four techniques of the paper (arXiv 2509.02480), each switchable. All
+// false is the ZeRO-Infinity-like baseline.
 struct Techniques {
   bool multipath = true;                // 1: spread subgroups over all tiers
   bool cache_reuse = true;              // 2: alternating order, keep the last K

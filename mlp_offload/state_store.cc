@@ -364,13 +364,20 @@ absl::Status WriteFileAtomically(const std::string& path,
     unlink(tmp.c_str());
     return ErrnoStatus(e, "rename", absl::StrCat(tmp, " to ", path));
   }
-  std::string dir = path.substr(0, path.find_last_of('/'));
-  if (dir.empty()) dir = "/";
+  // The rename is durable only once the directory's entry is: a crash
+  // before that may bring the old file back.
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
   int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    fsync(dfd);
+  if (dfd < 0) return ErrnoStatus(errno, "open directory", dir);
+  if (fsync(dfd) != 0) {
+    int e = errno;
     close(dfd);
+    return ErrnoStatus(e, "fsync directory", dir);
   }
+  close(dfd);
   return absl::OkStatus();
 }
 

@@ -1,5 +1,12 @@
 #include "mlp_offload/state_store.h"
 
+#include <limits.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <random>
 #include <vector>
@@ -8,6 +15,35 @@
 
 namespace mlp_offload {
 namespace {
+
+// While set, fsync of a directory fails with EIO: the fsync defined below
+// stands in for libc's in this test binary, the only cheap way to reach a
+// failing directory fsync (no fault hook covers these syscalls, and the
+// tests run as root, so permissions cannot make the directory's open fail).
+std::atomic<bool> g_fail_directory_fsync{false};
+
+}  // namespace
+}  // namespace mlp_offload
+
+extern "C" int fsync(int fd) {
+  struct stat st;
+  if (mlp_offload::g_fail_directory_fsync.load() && fstat(fd, &st) == 0 &&
+      S_ISDIR(st.st_mode)) {
+    errno = EIO;
+    return -1;
+  }
+  return static_cast<int>(syscall(SYS_fsync, fd));
+}
+
+namespace mlp_offload {
+namespace {
+
+std::string TestDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+  mkdir(dir.c_str(), 0700);
+  return dir;
+}
 
 TEST(StateStoreTest, HeaderRoundTripsAndDetectsEveryFlippedByte) {
   RecordHeader h;
@@ -151,6 +187,29 @@ TEST(StateStoreTest, AtomicWriteReplacesWholeFile) {
   absl::Status s = WriteFileAtomically(dir + "/no/such/dir/f", "x");
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(s.message().find("/no/such/dir/f"), std::string::npos);
+}
+
+TEST(StateStoreTest, AtomicWriteOfABareNameSyncsTheCurrentDirectory) {
+  const std::string dir = TestDir("bare_name");
+  char cwd[PATH_MAX];
+  ASSERT_NE(getcwd(cwd, sizeof(cwd)), nullptr);
+  ASSERT_EQ(chdir(dir.c_str()), 0);
+  absl::Status s = WriteFileAtomically("bare", "contents");
+  absl::StatusOr<std::string> read = ReadSmallFile("bare");
+  ASSERT_EQ(chdir(cwd), 0);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "contents");
+}
+
+TEST(StateStoreTest, AtomicWriteReportsAFailedDirectoryFsync) {
+  const std::string dir = TestDir("dir_fsync_fails");
+  g_fail_directory_fsync = true;
+  absl::Status s = WriteFileAtomically(dir + "/f", "x");
+  g_fail_directory_fsync = false;
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("fsync directory " + dir + ":"), std::string::npos)
+      << s;
 }
 
 }  // namespace

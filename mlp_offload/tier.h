@@ -1,5 +1,5 @@
 // What the engine knows about a storage tier (one path of the multi-path
-// virtual tier of PAPER.md).
+// virtual tier of the paper (arXiv 2509.02480)).
 #ifndef MLP_OFFLOAD_MLP_OFFLOAD_TIER_H_
 #define MLP_OFFLOAD_MLP_OFFLOAD_TIER_H_
 

@@ -1,7 +1,7 @@
 // The update phase of MLP-Offload against its ZeRO-Infinity-like baseline on
 // the same data: baseline, each technique alone, and all together, over two
 // throttled tiers (a fast local drive and a shared file system with half its
-// bandwidth, PAPER.md's 2:1 split).
+// bandwidth, the paper's 2:1 split).
 //
 // With --ranks=N, N processes (the ranks of a node, each owning params/N as
 // in ZeRO-3) update at once, step after step in lockstep like data-parallel

@@ -198,3 +198,14 @@ def test_cli_export(saved, tmp_path):
         assert err.getvalue().count("\n") == 1
     assert sorted(os.listdir(saved["ckpt"])) == before
     json.loads(open(manifest).read())
+
+
+def test_cli_export_missing_names_file_names_the_flag(tmp_path):
+    names = tmp_path / "missing.txt"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"),
+                       "--names", str(names)])
+    assert rc == 1
+    assert err.getvalue() == (f"mlp-offload export: error: --names {names}: "
+                              f"No such file or directory\n"), err.getvalue()

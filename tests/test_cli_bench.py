@@ -2,6 +2,9 @@
 is written."""
 import json
 import re
+import tempfile
+
+import pytest
 
 from mlp_offload import cli
 from mlp_offload.whatif import CONFIGS
@@ -71,3 +74,37 @@ def test_bench_budget_too_small_is_one_line_error(capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1 and "host budget" in err
+
+
+@pytest.mark.parametrize("bad", [["--threads", "1e12"], ["--threads", "1025"],
+                                 ["--threads", "0"],
+                                 ["--seed", "99999999999999999999999"], ["--seed", "-1"],
+                                 ["--seed", "4294967296"]])
+def test_bench_out_of_range_arguments_exit_2(tmp_path, monkeypatch, capsys, bad):
+    # Refused by argparse: no header printed, no temporary tier made.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--out", ""] + TINY + bad)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"argument {bad[0]}: " in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_budget_beyond_an_int_is_one_line_error_before_the_header(capsys):
+    code = cli.main(["bench", "--quiet", "--out", ""] + TINY + ["--budget-fraction", "1e300"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out
+    assert err.count("\n") == 1 and "budget_fraction 1e+300" in err and "host budget" in err, err
+
+
+def test_bench_tier_that_is_a_file_is_one_line_error_without_a_bar(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "slow").mkdir()
+    # No --quiet: a progress bar made before the check would be drawn.
+    code = cli.main(["bench", "--out", "", "--tiers", str(tmp_path / "file"),
+                     str(tmp_path / "slow")] + TINY)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == f"mlp-offload bench: error: tier directory {tmp_path / 'file'} is not a " \
+        f"directory\n", err

@@ -111,7 +111,9 @@ def test_capacity_too_small_is_one_line_error(capsys):
                                  ["--tier", "nvme:/x:6"], ["--configs", "fast"],
                                  ["--params", "1e400"], ["--host-cache", "1e30TB"],
                                  ["--compute-rate", "nan"], ["--compute-rate", "-1"],
-                                 ["--compute-rate", "inf"], ["--tier", "n:/x:6:3:0.1"]])
+                                 ["--compute-rate", "inf"], ["--tier", "n:/x:6:3:0.1"],
+                                 # The bindings take a C int.
+                                 ["--ranks", "3e9"], ["--ranks", "0"]])
 def test_bad_arguments_exit_2(capsys, bad):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan"] + bad)
@@ -137,13 +139,30 @@ def test_capacity_under_a_byte_is_refused(capsys, capacity):
 
 @pytest.mark.parametrize("argv,want", [
     (["--tier", "a:/x:6:3", "--tier", "b:/x/:3:1"], "two tiers have the path '/x'"),
-    (["--tier", "a:/x:6:3", "--tier", "a:/y:3:1"], "two tiers have the name 'a'"),
+    (["--tier", "a:/x:6:3", "--tier", "a:/y:3:1"],
+     "two tiers have the name 'a': give each tier its own name"),
     (["--params", "1e15", "--subgroup-numel", "1", "--ranks", "1"],
      "the planner takes at most 1000000"),
 ])
 def test_bad_plans_are_one_line_errors(capsys, argv, want):
     code, out, err = run(capsys, "plan", *argv)
     assert code == 1 and want in err and err.count("\n") == 1, err
+
+
+def test_unforeseen_error_is_one_line_with_the_traceback_logged(capsys, caplog, monkeypatch):
+    # A bug (or a case no check foresaw) still ends in one line, exit 1; the
+    # traceback goes to the log at debug level.
+    def boom(args, out):
+        raise RuntimeError("boom\nsecond line")
+    monkeypatch.setattr(cli, "_cmd_plan", boom)
+    caplog.set_level("DEBUG", logger="mlp_offload")
+    code, out, err = run(capsys, "plan", "--log-level", "debug")
+    assert code == 1 and out == ""
+    assert err == ("mlp-offload plan: error: RuntimeError: boom [...] (run with "
+                   "--log-level debug for the traceback)\n"), err
+    logged = [r for r in caplog.records if r.exc_info]
+    assert logged and logged[0].levelname == "DEBUG"
+    assert "second line" in str(logged[0].exc_info[1])
 
 
 def test_log_level_after_the_command(capsys):

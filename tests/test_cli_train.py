@@ -81,19 +81,34 @@ def test_train_bad_heads_is_one_line_error(capsys):
     assert code == 1 and "multiple of heads" in err and err.count("\n") == 1
 
 
+def test_train_largest_seed_runs(capsys):
+    code = cli.main(["train", "--json", "--no-compare", "--out", "", "--seed", "4294967295"]
+                    + TINY)
+    assert code == 0 and len(json.loads(capsys.readouterr().out)["runs"]["mlp"]["loss"]) == 6
+
+
 @pytest.mark.parametrize("argv,want", [
     (["--corpus-chars", "10", "--seq-len", "16"], "must be more than --seq-len + 1"),
+    # Its first linear layer alone would take 192 TB (more than any address
+    # space): torch's allocation error becomes a ConfigError.
+    (["--model-dim", "4000000", "--layers", "1"],
+     "cannot build the model: its 192,"),
+    (["--tiers", "{tmp}/file", "{tmp}"], "tier directory {tmp}/file is not a directory"),
     (["--out", "{tmp}/file/sub/x.png"], "/file is not a directory"),
 ])
 def test_train_bad_setups_are_one_line_errors_before_training(tmp_path, capsys, argv, want):
     (tmp_path / "file").write_text("")
     code = cli.main(["train"] + TINY + [a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err
-    assert code == 1 and want in err and err.count("\n") == 1, err
+    assert code == 1 and want.format(tmp=tmp_path) in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("bad", [["--lr", "nan"], ["--lr", "-1"], ["--lr", "0"],
-                                 ["--warmup", "-1"]])
+                                 ["--warmup", "-1"],
+                                 # The batches' seeds, seed * 1_000_003 + step,
+                                 # must stay below 2**64.
+                                 ["--seed", "100000000000000"], ["--seed", "4294967296"],
+                                 ["--seed", "99999999999999999999999"], ["--seed", "-1"]])
 def test_train_bad_numbers_exit_2(bad):
     with pytest.raises(SystemExit) as e:
         cli.main(["train"] + TINY + bad)

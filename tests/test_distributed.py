@@ -11,6 +11,7 @@ import os
 import shutil
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,6 +111,10 @@ def mismatch_entry_worker(rank, tiers):
     opt.param_groups[0]["lr"] = 0.5 if rank == 1 else 1e-2
     with pytest.raises(ConfigError, match="differ in their hyperparameters.*0.5"):
         train_same_batches(range(1, 2), ((opt, model),))
+    # A numpy float32 (no Python float) that differs is seen too.
+    opt.param_groups[0]["lr"] = np.float32(0.5 if rank == 1 else 1e-2)
+    with pytest.raises(ConfigError, match="differ in their hyperparameters.*0.5"):
+        train_same_batches(range(1, 2), ((opt, model),))
     opt.param_groups[0]["lr"] = 1e-2
     with pytest.raises(ConfigError, match="differ in the parameter group added"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4 + rank))]})
@@ -129,6 +134,45 @@ def mismatch_entry_worker(rank, tiers):
 
 def test_ranks_in_different_methods_or_settings_raise_at_once(tmp_path):
     spawn(mismatch_entry_worker, tier_dirs(tmp_path))
+
+
+def dcp_state_dict_worker(rank, tiers, subgroup_numel):
+    # torch.distributed.checkpoint's get_optimizer_state_dict steps an
+    # optimizer whose `state` is empty: each rank's view holds its shard, so
+    # with a subgroup per rank nothing steps; a rank that owns none would step
+    # alone, and every rank raises at once instead.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = make_model()
+    ref = copy.deepcopy(model)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=subgroup_numel, compute_threads=1)
+    train_same_batches(range(2), ((opt, model), (ref_opt, ref)))
+    for o in (opt, ref_opt):
+        o.zero_grad(set_to_none=True)
+    owns = bool(opt._owned)
+    assert bool(opt.state) == owns, rank
+    if not owns:
+        with pytest.raises(OffloadError, match=r"ranks are in"):
+            get_optimizer_state_dict(model, opt)
+    else:
+        with pytest.raises(OffloadError, match=r"ranks are in") if subgroup_numel > 10**4 \
+                else contextlib.nullcontext():
+            got = get_optimizer_state_dict(model, opt)
+            want = get_optimizer_state_dict(ref, ref_opt)
+            assert got["state"].keys() == want["state"].keys()
+            for name, st in want["state"].items():
+                assert float(got["state"][name]["step"]) == float(st["step"]) == 2.0
+                for k in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(got["state"][name][k], st[k], rtol=1e-5,
+                                               atol=1e-7)
+    opt.close()
+
+
+@pytest.mark.parametrize("subgroup_numel", [200, 10**6])
+def test_distributed_checkpoint_state_dict_takes_no_step(tmp_path, subgroup_numel):
+    spawn(dcp_state_dict_worker, tier_dirs(tmp_path), subgroup_numel)
 
 
 def lost_rank_state_worker(rank, tiers, phase):

@@ -1020,3 +1020,81 @@ def test_load_checkpoint_sets_the_parameters_unless_told_not_to(tmp_path):
         loss_of(mm, 2).backward()
         oo.step()
     assert_close(m, ref)
+
+
+def _a_schedule_fn(step):
+    return 0.5 ** step
+
+
+def test_settings_text_compares_values_not_their_python_types():
+    # The text whose checksum the ranks compare at each step (in a process
+    # group): equal values give equal texts whatever their Python type, and
+    # what differs shows, numpy scalars, dicts and functions included.
+    import numpy as np
+
+    text = MLPOffloadOptimizer._settings_text
+    base = {"params": [1], "lr": 0.5, "betas": (0.9, 0.999), "foreach": None}
+    assert text(base) == text(dict(base, lr=np.float64(0.5)))
+    assert text(base) == text(dict(base, betas=[0.9, np.float64(0.999)]))
+    assert text(base) == text(dict(base, lr=torch.tensor(0.5, dtype=torch.float64)))
+    assert text(base) == text(dict(base, params=[2, 3]))  # not a setting
+    assert text(dict(base, lr=np.float32(0.5))) != text(dict(base, lr=np.float32(0.25)))
+    assert text(dict(base, lr=np.float64(0.5))) != text(dict(base, lr=0.25))
+    assert text(dict(base, n=np.int64(3))) == text(dict(base, n=3))
+    assert text(dict(base, n=np.int64(3))) != text(dict(base, n=np.int64(4)))
+    extra = {"decay": {"b": 1, "a": [0.5, np.float32(2)]}}
+    assert text(dict(base, **extra)) == text(dict(base, decay={"a": [0.5, 2.0], "b": 1}))
+    assert text(dict(base, **extra)) != text(dict(base, decay={"a": [0.5, 2.0], "b": 2}))
+    assert text(dict(base, fn=_a_schedule_fn)) != text(dict(base, fn=make_model))
+    assert text(dict(base, fn=_a_schedule_fn)) == text(dict(base, fn=_a_schedule_fn))
+    assert text(dict(base, s={2, 1})) == text(dict(base, s={1, 2}))
+    # Objects whose text names an address are left out, alike on every rank.
+    assert text(dict(base, o=object())) == text(base)
+    assert text(dict(base, d={"o": object()})) == text(base)
+    assert "0x" not in text(dict(base, o=object(), fn=_a_schedule_fn))
+
+
+def test_partial_gradients_in_a_subgroup_are_refused_with_the_fix_that_applies(tmp_path):
+    # A subgroup is stepped whole: some of its parameters without a gradient
+    # is refused before anything changes, with advice for the case at hand.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8),
+                                torch.nn.Linear(8, 8))
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)  # packed with model[0], both frozen
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path,
+               subgroup_numel=10**6)
+    model[1].requires_grad_(True)  # gradual unfreezing
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(errors.OffloadError,
+                       match=r"parameters \[0, 1\] have no gradient.*parameters \[0, 1\] are "
+                             r"frozen \(requires_grad=False\).*param group of its own"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.close()
+    # An unused head: no gradient, though trainable.
+    head = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    opt = wrap(torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-2),
+               tmp_path, subgroup_numel=10**6)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(errors.OffloadError,
+                       match=r"parameters \[2, 3\] have no gradient.*an auxiliary head.*"
+                             r"zero_grad\(set_to_none=False\)"):
+        opt.step()
+    opt.close()
+
+
+def test_a_step_without_gradients_leaves_no_stale_stats(tmp_path):
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path)
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert not opt.last_step_stats.get("skipped") and opt.engine.steps == 1
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # torch does nothing: nor does the engine, and says so
+    assert opt.last_step_stats == {"skipped": True, "no_gradients": True}
+    assert opt.engine.steps == 1
+    opt.close()

@@ -156,3 +156,50 @@ def test_matches_plain_optimizer(tmp_path, name, num_tiers, cache, mode):
         # Multi-path: every tier moved bytes in the last step.
         assert all(b > 0 for b in stats["bytes_read"]), stats
     opt.close()
+
+
+# The generic path's probe takes the kinds of parameters a group has: Muon
+# takes matrices only (a vector probe would be refused), a conv weight has 3
+# dimensions, Adafactor keeps a full variance for vectors only.
+GENERIC_BY_SHAPE = {
+    "muon_matrices": (lambda ps: torch.optim.Muon(ps, lr=2e-2),
+                      lambda: torch.nn.Sequential(torch.nn.Linear(8, 24, bias=False),
+                                                  torch.nn.Linear(24, 4, bias=False)),
+                      ["momentum_buffer"]),
+    "adamax_conv": (lambda ps: torch.optim.Adamax(ps, lr=2e-3),
+                    lambda: torch.nn.Conv1d(4, 6, kernel_size=3),
+                    ["exp_avg", "exp_inf"]),
+    "adafactor_matrices": (lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+                           lambda: torch.nn.Linear(8, 6, bias=False), []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC_BY_SHAPE))
+def test_generic_probe_takes_the_groups_kinds_of_parameters(tmp_path, name):
+    make, make_net, keys = GENERIC_BY_SHAPE[name]
+    torch.manual_seed(0)
+    ref = make_net()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=[str(tmp_path)],
+                              subgroup_numel=64, compute_threads=1)
+    assert opt._keys == [keys]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        for m in (ref, model):
+            m.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = torch.randn(q.shape, generator=gen)
+            p.grad = q.grad.clone()
+        ref_opt.step()
+        opt.step()
+    assert_params_close(model, ref)
+    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sd.keys() == ref_sd.keys()
+    for pid, st in ref_sd.items():
+        assert sd[pid].keys() == st.keys()
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(sd[pid][k].float(), v.float(), rtol=1e-5,
+                                           atol=1e-7)
+    opt.close()

@@ -2,10 +2,11 @@
 
 Mirrors the C++ benchmark //mlp_offload:update_benchmark: AdamW with bf16
 gradients and parameters, two throttled tiers (a fast one and a slow one at
-`slow_ratio` of its cap, PAPER.md's local drive + shared file system), a
-host budget of `budget_fraction` of the fp32 state, one warm-up step (the
-caches fill) and then `steps` measured steps, per configuration: the
-ZeRO-Infinity-like baseline, each technique alone, and all of them (mlp).
+`slow_ratio` of its cap: the paper's local drive + shared file system,
+arXiv 2509.02480), a host budget of `budget_fraction` of the fp32 state, one
+warm-up step (the caches fill) and then `steps` measured steps, per
+configuration: the ZeRO-Infinity-like baseline, each technique alone, and
+all of them (mlp).
 The baseline's step time includes its eager gradient offload (converted to
 fp32 and written out, which it does during backward); every configuration
 makes the same offload_gradients calls (a no-op with delayed conversion).
@@ -23,6 +24,7 @@ import torch
 from mlp_offload import _C
 from mlp_offload import config as _config
 from mlp_offload.errors import ConfigError
+from mlp_offload.units import MAX_INT
 from mlp_offload.whatif import CONFIGS, techniques_of
 
 _log = logging.getLogger(__name__)
@@ -38,6 +40,18 @@ def subgroup_sizes(params, subgroup_numel):
                           f"{subgroup_numel}")
     full, rest = divmod(params, subgroup_numel)
     return [subgroup_numel] * full + ([rest] if rest else [])
+
+
+def host_budget(state_bytes, budget_fraction):
+    """The host budget in bytes: `budget_fraction` (finite, >= 0) of
+    `state_bytes`, at most units.MAX_INT."""
+    budget_fraction = _config.check_number("budget_fraction", budget_fraction)
+    budget = state_bytes * budget_fraction
+    if budget > MAX_INT:
+        raise ConfigError(f"budget_fraction {budget_fraction:g} of {state_bytes} bytes of "
+                          f"state is a host budget of {budget:.3g} bytes, more than "
+                          f"{MAX_INT:.3g}")
+    return int(budget)
 
 
 def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
@@ -56,15 +70,15 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if not fast_bytes_per_sec > 0 or not slow_ratio > 0:
         raise ConfigError("the tiers' caps must be > 0")
-    if not 0 <= budget_fraction:
-        raise ConfigError(f"budget_fraction must be >= 0, got {budget_fraction}")
+    threads = _config.check_int("threads", threads, minimum=1, maximum=1024)
+    seed = _config.check_int("seed", seed, minimum=-2 ** 63, maximum=2 ** 64 - 1)  # torch's
     sizes = subgroup_sizes(int(params), int(subgroup_numel))
     n = len(sizes)
     fast = float(fast_bytes_per_sec)
     slow = fast * slow_ratio
     caps = [fast, slow]
     state_bytes = sum(sizes) * 12
-    budget = int(state_bytes * budget_fraction)
+    budget = host_budget(state_bytes, budget_fraction)
 
     made = []
     if tiers is None:

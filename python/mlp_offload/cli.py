@@ -7,7 +7,9 @@
     mlp-offload export CKPT OUT   a checkpoint's fp32 master weights as safetensors
     mlp-offload info              build information (JSON)
 
-Errors print one line and exit with status 1 (bad arguments: status 2).
+Errors print one line and exit with status 1; arguments that argparse
+refuses (an unknown flag, a malformed or out-of-range value) exit with
+status 2 and the usage.
 """
 
 import argparse
@@ -28,6 +30,7 @@ from mlp_offload import units
 from mlp_offload.errors import ConfigError, OffloadError
 
 PROG = "mlp-offload"
+_log = logging.getLogger("mlp_offload.cli")
 
 
 # ------------------------------------------------------------------ helpers
@@ -59,6 +62,14 @@ def _bounded_int(lo, hi):
 
 
 _positive_int = _bounded_int(1, units.MAX_INT)
+# Seeds: the batches of `train` seed torch with seed * 1_000_003 + step,
+# which must stay below 2**64.
+_MAX_SEED = 2 ** 32 - 1
+_seed = _bounded_int(0, _MAX_SEED)
+# What the engine's bindings take as a C int.
+_MAX_C_INT = 2 ** 31 - 1
+# compute_threads' range (the engine's kMaxComputeThreads).
+_MAX_THREADS = 1024
 
 
 def _number(lo=None, hi=None, lo_open=False):
@@ -160,8 +171,10 @@ def _tier_dirs(paths, prefix):
     """The given directories, or two fresh temporary ones (removed after)."""
     if paths:
         for p in paths:
-            if not os.path.isdir(p):
+            if not os.path.lexists(p):
                 raise ConfigError(f"tier directory {p} does not exist")
+            if not os.path.isdir(p):
+                raise ConfigError(f"tier directory {p} is not a directory")
         yield list(paths)
         return
     made = [tempfile.mkdtemp(prefix=f"{prefix}{i}_") for i in range(2)]
@@ -258,11 +271,12 @@ _DEFAULT_PLAN_TIERS = ("nvme:/local/nvme:6.5:3.2:3.5TB", "pfs:/lustre/run:3.0:1.
 def _cmd_plan(args, out):
     from mlp_offload import whatif
     tiers = args.tier or [whatif.parse_tier(t, i) for i, t in enumerate(_DEFAULT_PLAN_TIERS)]
+    advice = {"name": "give each tier its own name", "path": "give each path once"}
     for key in ("name", "path"):
         values = [os.path.normpath(t[key]) if key == "path" else t[key] for t in tiers]
         dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
         if dup is not None:
-            raise ConfigError(f"two tiers have the {key} {dup!r}: give each path once")
+            raise ConfigError(f"two tiers have the {key} {dup!r}: {advice[key]}")
     result = whatif.what_if(args.params, tiers, args.host_cache, ranks=args.ranks,
                             subgroup_numel=args.subgroup_numel, optimizer=args.optimizer,
                             dtype=args.dtype, compute_params_per_sec=args.compute_rate,
@@ -326,8 +340,9 @@ def _cmd_bench(args, out):
     _writable_out(args.out)
     if args.tiers:
         _distinct_dirs(args.tiers, "tier directory")
-    bench.subgroup_sizes(args.params, args.subgroup_numel)  # checked before the header
-    bar = _progress_bar(len(args.configs) * (args.steps + 1), "bench", args.json or args.quiet)
+    # Checked before the header.
+    bench.subgroup_sizes(args.params, args.subgroup_numel)
+    bench.host_budget(args.params * 12, args.budget_fraction)
 
     def progress(config, done, total):
         bar.set_postfix_str(config)
@@ -345,6 +360,9 @@ def _cmd_bench(args, out):
                       f"{dirs[1]} at {args.fast_mbps * args.slow_ratio:g} MB/s (read and "
                       f"write each); 1 warm-up + {args.steps} measured steps per config\n")
             out.flush()
+        # After _tier_dirs's checks: no bar is left drawn above an error.
+        bar = _progress_bar(len(args.configs) * (args.steps + 1), "bench",
+                            args.json or args.quiet)
         try:
             results = bench.run_benchmark(
                 params=args.params, subgroup_numel=args.subgroup_numel, tiers=dirs,
@@ -513,6 +531,8 @@ def _cmd_export(args, out):
         except UnicodeDecodeError as e:
             raise ConfigError(f"--names {args.names} is not UTF-8 text "
                               f"(byte {e.start}: {e.reason})") from None
+        except OSError as e:
+            raise ConfigError(f"--names {args.names}: {e.strerror or e}") from None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
     t0 = time.perf_counter()
@@ -571,7 +591,7 @@ def build_parser():
                        "baseline and of MLP-Offload.")
     p.add_argument("--params", type=_positive_int, default="70B",
                    help="model parameters (70e9, 70B, 1.5M...)")
-    p.add_argument("--ranks", type=_positive_int, default=4,
+    p.add_argument("--ranks", type=_bounded_int(1, _MAX_C_INT), default=4,
                    help="ranks (GPUs/processes) per node; each owns params/ranks and they "
                    "share the node's tiers and host cache")
     p.add_argument("--tier", action="append", type=_arg(parse_tier), metavar="NAME:PATH:READ:WRITE[:CAPACITY]",
@@ -612,11 +632,13 @@ def build_parser():
                    help="host budget as a fraction of the state")
     p.add_argument("--steps", type=_positive_int, default=3,
                    help="measured steps per configuration (after one warm-up)")
-    p.add_argument("--threads", type=_positive_int, default=max(1, min(8, os.cpu_count() or 1)),
-                   help="compute threads")
+    p.add_argument("--threads", type=_bounded_int(1, _MAX_THREADS),
+                   default=max(1, min(8, os.cpu_count() or 1)),
+                   help=f"compute threads (1..{_MAX_THREADS})")
     p.add_argument("--configs", type=_list_of(CONFIGS), default=",".join(CONFIGS),
                    help="comma-separated configurations, in order")
-    p.add_argument("--seed", type=int, default=1, help="random seed")
+    p.add_argument("--seed", type=_seed, default=1,
+                   help=f"random seed of the parameters and gradients (0..{_MAX_SEED})")
     p.add_argument("--out", default="mlp_offload_bench.png",
                    help="PNG of the time breakdown ('' for none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -649,7 +671,8 @@ def build_parser():
                    help="steps of linear learning-rate warm-up (0: none)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="parameter and gradient dtype (the state is fp32 either way)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help=f"seed of the weights and the data (0..{_MAX_SEED})")
     p.add_argument("--corpus-chars", type=_positive_int, default="200K",
                    help="size of the generated corpus")
     p.add_argument("--no-compare", action="store_true",
@@ -728,6 +751,13 @@ def _main(argv):
         return 1
     except KeyboardInterrupt as e:
         return _interrupted(e)
+    except Exception as e:  # a bug, or a case no check foresaw: still one line
+        _log.debug("%s %s failed", PROG, args.command, exc_info=True)
+        lines = str(e).strip().splitlines() or [""]
+        msg = lines[0] + (" [...]" if len(lines) > 1 else "")
+        sys.stderr.write(f"{PROG} {args.command}: error: {type(e).__name__}: {msg} "
+                         f"(run with --log-level debug for the traceback)\n")
+        return 1
 
 
 def _interrupted(e):

@@ -22,11 +22,19 @@ from mlp_offload.errors import ConfigError, OffloadError
 
 _log = logging.getLogger(__name__)
 
-# A matrix and a vector: some optimizers keep other state for each
-# (Adafactor: factored row/column variances for a matrix, a full variance
-# for a vector).
-_PROBE_SHAPES = ((5, 3), (7,))
+# A probe parameter per number of dimensions: some optimizers keep other
+# state for each (Adafactor: factored row/column variances for a matrix, a
+# full variance for a vector), and some take only some (Muon: matrices).
+_PROBE_SHAPES = {0: (), 1: (7,), 2: (5, 3)}
 _PROBE_STEPS = 3
+
+
+def _probe_shapes(params):
+    """A probe shape for each number of dimensions among `params` (a matrix
+    and a vector for a group without parameters); a matrix first, then a
+    vector, as the keys come in the order the probes find them."""
+    dims = sorted({p.dim() for p in params}, key=lambda d: (d != 2, d != 1, d)) or [2, 1]
+    return [_PROBE_SHAPES.get(d, (5, 3) + (2,) * (d - 2)) for d in dims]
 
 
 def offloaded_keys_of(has_state, keys):
@@ -72,7 +80,7 @@ def discover_state_keys(optimizer, group_index):
     kwargs = _constructor_kwargs(cls, group)
     gen = torch.Generator().manual_seed(1234)
     keys = []
-    for shape in _PROBE_SHAPES:
+    for shape in _probe_shapes(group["params"]):
         probe = torch.nn.Parameter(torch.randn(shape, generator=gen))
         try:
             throwaway = cls([probe], **kwargs)

@@ -43,6 +43,7 @@ from mlp_offload import generic as _generic
 from mlp_offload import hyperparams as _hp
 from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
+from mlp_offload import state_view as _state_view
 from mlp_offload import _C
 from mlp_offload.errors import (ConfigError, CorruptStateError, NonFiniteGradientError,
                                 OffloadError, StateMismatchError, TierError, TierFullError,
@@ -326,6 +327,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._in_super_init = False
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
+        # Read-only, torch's layout (state_view.py): the state is the engine's.
+        self.state = _state_view.OffloadedState(self)
         # GradScaler: unscaling happens inside the kernel (or the fp32
         # conversion of the generic path), not in place on the gradients.
         self._step_supports_amp_scaling = True
@@ -459,6 +462,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
         self._owned = [sg.index for sg in self._subgroups
                        if sg.index % self._world == self._rank]
+        # Where each parameter is, by identity: {id(param): (subgroup, param index)}.
+        self._slot_of = {id(p): (sg.index, pid) for sg in self._subgroups
+                         for p, pid, _, _ in sg.slices()}
         self._local = {g: j for j, g in enumerate(self._owned)}
         # Per parameter: which offloaded state keys it has (False: none yet;
         # see generic.offloaded_keys_of) and, generic path, its Python-side state.
@@ -1399,12 +1405,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._skip[sg.index] = True
             else:
                 missing = [pid for pid, h in zip(sg.param_ids, have) if not h]
+                frozen = [pid for p, pid, h in zip(sg.params, sg.param_ids, have)
+                          if not h and not p.requires_grad]
+                if frozen:
+                    # Packed while all were frozen, some unfrozen since.
+                    hint = (f"parameters {frozen[:8]}{'...' if len(frozen) > 8 else ''} are "
+                            f"frozen (requires_grad=False) and were packed with parameters "
+                            f"unfrozen since: unfreeze a subgroup's parameters together, or "
+                            f"give each part that is unfrozen at its own time a param group "
+                            f"of its own when the optimizer is built (subgroups never span "
+                            f"param groups)")
+                else:
+                    hint = ("give parameters that get a gradient on some steps only (an "
+                            "auxiliary head, MoE experts) a param group of their own "
+                            "(subgroups never span param groups), or keep their gradients "
+                            "with zero_grad(set_to_none=False) once they have one: they then "
+                            "step with zero")
                 raise OffloadError(
                     f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
                     f"gradient while others of their subgroup {sg.index} do; the offloaded "
                     f"state is updated per subgroup, so a subgroup's parameters need a "
-                    f"gradient together or not at all (pass only trainable parameters, "
-                    f"or zero_grad(set_to_none=False))")
+                    f"gradient together or not at all: {hint}")
         return any_grad
 
     def _check_params_unchanged(self):
@@ -1482,7 +1503,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                      else scale)
 
         if not self._grad_presence():
-            return loss  # torch skips parameters without gradients
+            # torch skips parameters without gradients; no stats of an
+            # earlier step are left to look like this one's.
+            self.last_step_stats = {"skipped": True, "no_gradients": True}
+            return loss
         self._refresh_hyperparams()
         self._check_momentum_switch()
         skip_nonfinite = amp or self._nonfinite != "ignore"
@@ -1989,15 +2013,36 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _settings_text(group):
         """A param group's settings as text that is the same on every rank
-        for the same values (tensors by value; objects whose text would
-        name a memory address, such as functions, left out)."""
+        for the same values: tensors and numpy values by value, containers
+        by their items, functions and classes by their qualified name;
+        other objects, whose text may name a memory address, left out."""
         def plain(v):
-            if isinstance(v, torch.Tensor):
-                return v.tolist()
+            if isinstance(v, torch.Tensor) or type(v).__module__ == "numpy":
+                try:
+                    # numpy scalars too: np.float32 is no float, and the
+                    # text of np.float64 (a float) is not a float's.
+                    return v.tolist()
+                except (AttributeError, TypeError, ValueError, RuntimeError):
+                    return Ellipsis
+            if v is None:
+                return v
+            for kind in (bool, int, float, complex, str, bytes):
+                if isinstance(v, kind):
+                    return kind(v)
             if isinstance(v, (list, tuple)):
                 items = [plain(x) for x in v]
                 return Ellipsis if any(x is Ellipsis for x in items) else items
-            return v if v is None or isinstance(v, (bool, int, float, str)) else Ellipsis
+            if isinstance(v, (set, frozenset)):
+                items = [repr(plain(x)) for x in v]
+                return Ellipsis if "Ellipsis" in items else sorted(items)
+            if isinstance(v, dict):
+                items = [(repr(plain(k)), plain(x)) for k, x in v.items()]
+                if any(k == "Ellipsis" or x is Ellipsis for k, x in items):
+                    return Ellipsis
+                return sorted(items, key=lambda kx: kx[0])
+            if callable(v) and isinstance(getattr(v, "__qualname__", None), str):
+                return f"{getattr(v, '__module__', None)}.{v.__qualname__}"
+            return Ellipsis
         items = ((k, plain(v)) for k, v in sorted(group.items()) if k != "params")
         return repr([(k, v) for k, v in items if v is not Ellipsis])
 
@@ -2138,6 +2183,69 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if k in present:
                 st[k] = copy(arr)
         return st
+
+    # ------------------------------------------------------ the state view
+
+    def _state_view_keys(self, g, pid):
+        """The keys of parameter pid's state (in subgroup g) as state_dict()
+        gives them, from the bookkeeping alone (no I/O); None: no state.
+        The same rules as _param_state."""
+        sg = self._subgroups[g]
+        has_state = self._has_state[pid]
+        if self._family is None:
+            if not has_state:
+                return None
+            keys = list(self._py_state.get(pid, {}))
+            present = _generic.offloaded_keys_of(has_state, self._keys[sg.group])
+            return keys + [k for k in self._keys[sg.group] if k in present and k not in keys]
+        hp = self._group_hps[sg.group]
+        names = self._array_names(sg.group)
+        if has_state:
+            present = _generic.offloaded_keys_of(has_state, names)
+        elif _hp.state_exists_at_step0(hp):
+            present = _hp.state_names(hp)
+        else:
+            return None
+        keys = (["step"] if _hp.has_step_key(hp) else []) + [k for k in names if k in present]
+        return keys or None
+
+    def _state_view_prepare(self):
+        self._check_open()
+        self._refresh_hyperparams()
+        if not self._initialized and self._pending_state is not None:
+            self._ensure_initialized()  # the wrapped optimizer's state moves in
+
+    def _state_view_entries(self):
+        """[(subgroup, param, param index, keys or None)] of this rank's
+        subgroups' parameters (see state_view.OffloadedState)."""
+        self._state_view_prepare()
+        return [(g, p, pid, self._state_view_keys(g, pid)) for g in self._owned
+                for p, pid, _, _ in self._subgroups[g].slices()]
+
+    def _state_view_entry(self, param):
+        """(subgroup, param index, keys or None) of `param`, or None if it is
+        not a parameter of this rank's subgroups."""
+        self._state_view_prepare()
+        slot = self._slot_of.get(id(param))
+        if slot is None or slot[0] not in self._local:
+            return None
+        g, pid = slot
+        return g, pid, self._state_view_keys(g, pid)
+
+    def _state_view_read(self, g):
+        """{param index: torch-format state} of subgroup g (this rank's),
+        read from the engine."""
+        self._check_open()
+        self._refresh_hyperparams()
+        self._ensure_initialized()
+        sg = self._subgroups[g]
+        _, arrays, step = self._read_subgroup(g)
+        out = {}
+        for p, pid, off, n in sg.slices():
+            st = self._param_state(sg, pid, p, off, n, arrays, step, self._has_state[pid])
+            if st is not None:
+                out[pid] = st
+        return out
 
     def _owned_param_ids(self):
         return sorted(pid for g in self._owned for pid in self._subgroups[g].param_ids)
