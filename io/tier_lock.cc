@@ -9,11 +9,20 @@
 //    read lock on byte kTicketBase + t - K with F_OFD_SETLKW, which sleeps in
 //    the kernel until the holder of t - K unlocks it (Release, close or death)
 //    and is then dropped at once.
+//  - Entering: ticket t writes t + 1 into its mark slot (the 8 bytes at
+//    kMarkBase + 8 * (t mod M), M a multiple of K) before Acquire returns.
+//    A waiter granted its predecessor's byte checks that mark: a predecessor
+//    that died (or failed) while waiting released its byte without entering,
+//    while the one it waited for may still hold the lock, so the waiter goes
+//    on to wait for t - 2K, and so on, until a predecessor that entered (and
+//    so left, as its byte was granted) or the start of its lane. The slot of
+//    t - K is next written by t - K + M, a later ticket of t's own lane, which
+//    cannot enter before t.
 //  - Releasing: unlock byte kTicketBase + t.
 // Why this gives the guarantees:
 //  - at most K holders: tickets with the same residue mod K form a chain in
-//    which each enters only after its predecessor left, so each residue has at
-//    most one holder at a time;
+//    which each enters only after the last of its predecessors that entered
+//    left, so each residue has at most one holder at a time;
 //  - FIFO and no starvation: tickets are handed out in arrival order and each
 //    waits only for a finite chain of earlier tickets (K round-robin lanes; a
 //    lane does not lend its turn to another, which costs some utilisation when
@@ -63,10 +72,13 @@ namespace mlp_offload {
 namespace {
 
 // Byte 0 guards the ticket counter; byte 1 is the presence lock; ticket t is
-// byte kTicketBase + t. Lock ranges may lie far beyond EOF, so the file stays
-// 8 bytes long.
+// byte kTicketBase + t. Lock ranges may lie far beyond EOF: the file holds the
+// counter (8 bytes) and the entered marks, M = K * kMarkLanes slots of 8 bytes
+// from kMarkBase.
 constexpr off_t kPresenceByte = 1;
 constexpr off_t kTicketBase = 4096;
+constexpr off_t kMarkBase = 8;
+constexpr int64_t kMarkLanes = 16;
 
 // Applies an OFD lock of `type` (F_RDLCK, F_WRLCK, F_UNLCK) to byte `offset`;
 // `wait` sleeps until it is granted. Returns errno (0 on success).
@@ -108,6 +120,31 @@ struct TierLock::Impl {
 
   std::string Where(int64_t t) const {
     return absl::StrCat(path, " at offset ", kTicketBase + t);
+  }
+
+  off_t MarkOffset(int64_t t) const {
+    return kMarkBase + 8 * (t % (int64_t{max_holders} * kMarkLanes));
+  }
+
+  // Records that ticket t entered (see the design note).
+  absl::Status MarkEntered(int64_t t) {
+    const int64_t mark = t + 1;  // a zeroed slot names no ticket
+    if (pwrite(fd, &mark, sizeof(mark), MarkOffset(t)) != sizeof(mark)) {
+      return ErrnoStatus(errno == 0 ? EIO : errno, "pwrite of an entered mark",
+                         absl::StrCat(path, " at offset ", MarkOffset(t)));
+    }
+    return absl::OkStatus();
+  }
+
+  // Whether ticket t entered (false for one that died while waiting).
+  absl::StatusOr<bool> Entered(int64_t t) const {
+    int64_t mark = 0;
+    const ssize_t n = pread(fd, &mark, sizeof(mark), MarkOffset(t));
+    if (n < 0) {
+      return ErrnoStatus(errno, "pread of an entered mark",
+                         absl::StrCat(path, " at offset ", MarkOffset(t)));
+    }
+    return n == sizeof(mark) && mark == t + 1;
   }
 
   absl::StatusOr<int64_t> TakeTicket() {
@@ -204,15 +241,26 @@ absl::Status TierLock::Acquire() {
                      ": already held by this object (not reentrant)"));
   }
   MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket());
-  const int64_t predecessor = t - impl_->max_holders;
-  if (predecessor >= 0) {
-    const off_t byte = kTicketBase + predecessor;
+  // Waits for the lane's earlier tickets back to one that entered (a ticket
+  // that died waiting never did; the one it waited for may hold the lock).
+  absl::Status status;
+  for (int64_t p = t - impl_->max_holders; p >= 0 && status.ok();
+       p -= impl_->max_holders) {
+    const off_t byte = kTicketBase + p;
     if (int err = OfdLock(impl_->fd, F_RDLCK, byte, /*wait=*/true); err != 0) {
-      OfdLock(impl_->fd, F_UNLCK, kTicketBase + t, false);
-      return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
-                         impl_->Where(predecessor));
+      status = ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
+                           impl_->Where(p));
+      break;
     }
     OfdLock(impl_->fd, F_UNLCK, byte, false);
+    absl::StatusOr<bool> entered = impl_->Entered(p);
+    if (!entered.ok()) status = entered.status();
+    if (!entered.ok() || *entered) break;
+  }
+  if (status.ok()) status = impl_->MarkEntered(t);
+  if (!status.ok()) {
+    OfdLock(impl_->fd, F_UNLCK, kTicketBase + t, false);
+    return status;
   }
   impl_->ticket = t;
   impl_->held = true;

@@ -178,6 +178,47 @@ TEST(TierLockTest, WaitersEnterInArrivalOrder) {
   for (pid_t pid : children) EXPECT_TRUE(WaitOk(pid));
 }
 
+// A waiter killed while it waits releases its ticket without having entered:
+// the next ticket of its lane still waits for the holder that one waited for
+// (with K=2, a lane is every other ticket).
+TEST(TierLockTest, AWaiterKilledWhileWaitingLetsNobodyPastTheHolder) {
+  for (int k : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat("K=", k));
+    const std::string path = ScratchPath(absl::StrCat("tier_dead_waiter", k));
+    std::vector<std::unique_ptr<TierLock>> holders;
+    for (int i = 0; i < k; ++i) {
+      holders.push_back(*TierLock::Open(path, k));
+      ASSERT_TRUE(holders.back()->Acquire().ok());
+    }
+    int fds[2];
+    ASSERT_EQ(pipe(fds), 0);
+    std::vector<pid_t> waiters;
+    for (int i = 0; i < 2 * k; ++i) {  // tickets k..3k-1: two per lane
+      const int64_t before = Tickets(path);
+      waiters.push_back(Spawn([&] {
+        auto lock = *TierLock::Open(path, k);
+        if (!lock->Acquire().ok()) return false;
+        return write(fds[1], "w", 1) == 1;
+      }));
+      for (int j = 0; j < 30000 && Tickets(path) == before; ++j) usleep(1000);
+      ASSERT_EQ(Tickets(path), before + 1);
+    }
+    // The first waiter of each lane dies while it waits.
+    for (int i = 0; i < k; ++i) {
+      ASSERT_EQ(kill(waiters[i], SIGKILL), 0);
+      int status;
+      ASSERT_EQ(waitpid(waiters[i], &status, 0), waiters[i]);
+    }
+    EXPECT_EQ(ReadByte(fds[0], 300), -1)
+        << "a waiter entered while " << k << " holders held the lock";
+    for (auto& h : holders) h->Release();
+    for (int i = 0; i < k; ++i) EXPECT_EQ(ReadByte(fds[0], 30000), 'w');
+    for (int i = k; i < 2 * k; ++i) EXPECT_TRUE(WaitOk(waiters[i]));
+    close(fds[0]);
+    close(fds[1]);
+  }
+}
+
 bool Exists(const std::string& path) {
   struct stat st;
   return lstat(path.c_str(), &st) == 0;

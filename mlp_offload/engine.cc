@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -264,6 +265,7 @@ struct Buffer {
   int write_slot = -1;          // slot being written
   uint64_t write_checksum = 0;  // that record's payload checksum
   bool grad_write = false;      // the baseline's gradient write is in flight
+  int grad_subgroup = -1;       // whose gradient that is
   bool scratch = false;         // claimed for that write only: free when done
 };
 
@@ -375,7 +377,48 @@ std::string ParentDirectory(std::string path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+std::atomic<internal_engine::TierFreeBytesFn> g_tier_free_bytes{nullptr};
+
+// The free bytes of the file system holding `path` (nullopt: unknown).
+std::optional<uint64_t> TierFreeBytes(const std::string& path) {
+  if (internal_engine::TierFreeBytesFn fn = g_tier_free_bytes.load()) {
+    return fn(path);
+  }
+  struct statvfs vfs;
+  if (statvfs(path.c_str(), &vfs) != 0) return std::nullopt;
+  return static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+}
+
+// The disk space that the state files of a run of subgroups `numel` (and
+// `arrays` fp32 arrays per parameter; `grads`: the baseline's gradient files
+// too) already hold in its directory `run_dir`: each file's allocated bytes,
+// up to the size the run gives it. A resume (or a run that reuses the
+// directory) rewrites these files in place, so that space is the run's.
+uint64_t ExistingRunBytes(const std::string& run_dir,
+                          const std::vector<uint64_t>& numel, int arrays,
+                          bool grads) {
+  uint64_t total = 0;
+  auto held = [&total](const std::string& path, uint64_t size) {
+    struct stat st;
+    if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+    total += std::min(static_cast<uint64_t>(st.st_blocks) * 512, size);
+  };
+  for (size_t i = 0; i < numel.size(); ++i) {
+    const uint64_t slot = kRecordHeaderBytes + RoundUp(numel[i] * 4 * arrays);
+    held(absl::StrCat(run_dir, "/sg_", i, ".state"), 2 * slot);
+    if (grads)
+      held(absl::StrCat(run_dir, "/sg_", i, ".grad"), RoundUp(numel[i] * 4));
+  }
+  return total;
+}
+
 }  // namespace
+
+namespace internal_engine {
+void SetTierFreeBytesForTesting(TierFreeBytesFn fn) {
+  g_tier_free_bytes.store(fn);
+}
+}  // namespace internal_engine
 
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
                                            const std::string& tier_dir) {
@@ -444,6 +487,9 @@ struct Engine::Impl {
   int grad_writes ABSL_GUARDED_BY(mu) =
       0;  // baseline gradient writes in flight
   absl::Status grad_error ABSL_GUARDED_BY(mu);  // the first one that failed
+  // Per subgroup: its gradient writes in flight (at most one: a new one
+  // waits, so that the last offload is the one that lands last).
+  std::vector<int> grad_writes_of ABSL_GUARDED_BY(mu);
   int peak_in_use ABSL_GUARDED_BY(mu) = 0;
 
   int64_t steps_done = 0;
@@ -514,18 +560,77 @@ struct Engine::Impl {
     buffers[b].pending = 0;
     --buffers_in_use;
   }
+  bool IoInFlight() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return std::any_of(buffers.begin(), buffers.end(),
+                       [](const Buffer& buf) { return buf.pending > 0; });
+  }
   // Blocks until a buffer is free (writes behind complete) and claims it;
-  // the I/O error that makes that impossible otherwise.
+  // the I/O error that makes that impossible otherwise. When no request in
+  // flight can free one (every buffer holds a record: after a step whose
+  // writes failed, say), outside a step a cached record is written back to
+  // make room (its write's error otherwise); within a step that cannot
+  // happen, and Internal names the counts instead of waiting forever.
   absl::StatusOr<int> WaitAndClaimFree(int subgroup, BufState state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      return FindFreeBuffer() >= 0 || !step_error.ok();
-    };
-    mu.Await(any_free);
-    int b = FindFreeBuffer();
-    if (b < 0) return step_error;
-    Claim(b, subgroup, state);
-    return b;
+    for (;;) {
+      auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+        return FindFreeBuffer() >= 0 || !step_error.ok() || !IoInFlight();
+      };
+      mu.Await(any_free);
+      const int b = FindFreeBuffer();
+      if (b >= 0) {
+        Claim(b, subgroup, state);
+        return b;
+      }
+      if (!step_error.ok()) return step_error;
+      if (!in_step) {
+        MLP_RETURN_IF_ERROR(EvictCached(subgroup));
+        continue;
+      }
+      int cached = 0;
+      for (const Buffer& buf : buffers)
+        cached += buf.state == BufState::kCached;
+      return absl::InternalError(absl::StrCat(
+          "no host buffer can become free for subgroup ", subgroup, ": all ",
+          buffers.size(), " are held (", cached,
+          " cached, plan: ", plan.num_cached, " cached and ", plan.num_buffers,
+          " streaming) and no I/O is in flight"));
+    }
+  }
+  // Outside a step: frees the buffer of a cached record (other than
+  // subgroup `for_subgroup`'s), writing it back first unless its latest
+  // version is on disk; a record already there is taken first. The write's
+  // error (naming the subgroup) leaves the record cached.
+  absl::Status EvictCached(int for_subgroup) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    int victim = -1;
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      const Buffer& buf = buffers[b];
+      const int i = buf.subgroup;
+      if (buf.state != BufState::kCached || buf.pending > 0 || i < 0 ||
+          i == for_subgroup) {
+        continue;
+      }
+      if (victim < 0 || OnDisk(i)) victim = static_cast<int>(b);
+      if (OnDisk(i)) break;
+    }
+    if (victim < 0) {
+      return absl::InternalError(absl::StrCat(
+          "no host buffer can become free for subgroup ", for_subgroup,
+          ": all ", buffers.size(), " hold records in use"));
+    }
+    const int i = buffers[victim].subgroup;
+    if (!OnDisk(i)) {
+      MLP_RETURN_IF_ERROR(
+          Annotate(WriteNow(i, victim),
+                   absl::StrCat("writing back subgroup ", i,
+                                " to make room for subgroup ", for_subgroup)));
+    }
+    Free(victim);
+    return absl::OkStatus();
+  }
+  // Whether subgroup i's latest version is the one on disk.
+  bool OnDisk(int i) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return current_slot[i] >= 0 && disk_step[i] == sg_step[i] && !rewritten[i];
   }
   float* Payload(int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return PayloadUnlocked(b);
@@ -565,6 +670,8 @@ struct Engine::Impl {
       if (buf.pending == 0) {
         buf.grad_write = false;
         --grad_writes;
+        --grad_writes_of[buf.grad_subgroup];
+        buf.grad_subgroup = -1;
         if (!buf.io_status.ok()) {
           if (grad_error.ok()) grad_error = buf.io_status;
           buf.io_status = absl::OkStatus();
@@ -694,6 +801,11 @@ struct Engine::Impl {
       } else if (!s.ok() && buf.state == BufState::kReading) {
         if (first.ok()) first = s;
         Free(static_cast<int>(b));
+      } else if (!s.ok() && buf.state == BufState::kCached) {
+        // A failed read into a cached record (the baseline's gradient): the
+        // record stays, and the next read into it must not inherit the error.
+        if (first.ok()) first = s;
+        buf.io_status = absl::OkStatus();
       }
     }
     step_error = absl::OkStatus();
@@ -705,6 +817,15 @@ struct Engine::Impl {
     Buffer& buf = buffers[b];
     if (!buf.from_disk) return absl::OkStatus();
     std::string w = where(i, current_slot[i]);
+    if (sg_step[i] > disk_step[i] || rewritten[i]) {
+      // The latest version was held in memory only, and is gone: the disk's
+      // older record must not silently take its place.
+      return absl::DataLossError(
+          absl::StrCat("subgroup ", i, ": its latest version (step ",
+                       sg_step[i], rewritten[i] ? ", rewritten" : "",
+                       ") was held in memory only and is lost; ", w,
+                       " holds step ", disk_step[i]));
+    }
     MLP_ASSIGN_OR_RETURN(
         RecordHeader h,
         DecodeRecordHeader(buf.mem.data(), kRecordHeaderBytes, w));
@@ -884,6 +1005,24 @@ struct Engine::Impl {
     return s;
   }
 
+  // Whether a record of subgroup i outside a step (initialised or loaded,
+  // its latest version on disk) stays cached in buffer b: with cache reuse,
+  // if the next step's order starts with it (the plan's cached records) and
+  // the other records cached leave room for it.
+  bool KeepInCache(int i, int b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const int k = plan.num_cached;
+    if (!config.techniques.cache_reuse || k <= 0) return false;
+    const std::vector<int> next = plan.Order(steps_done);
+    const auto first_k = next.begin() + std::min<size_t>(k, next.size());
+    if (std::find(next.begin(), first_k, i) == first_k) return false;
+    int others = 0;
+    for (size_t c = 0; c < buffers.size(); ++c) {
+      others +=
+          static_cast<int>(c) != b && buffers[c].state == BufState::kCached;
+    }
+    return others < k;
+  }
+
   // What Step and GradientsNonfinite check before touching anything.
   absl::Status ValidateStepInputs(
       const std::vector<SubgroupStepInput>& inputs) const;
@@ -994,6 +1133,10 @@ absl::Status Engine::Impl::WriteCommit() {
   // its latest version on disk (the caller flushed the cached ones), and
   // durably so before a commit record names it.
   for (int i = 0; i < n(); ++i) {
+    if (current_slot[i] < 0) {
+      return absl::InternalError(absl::StrCat(
+          "commit: subgroup ", i, " has no record on disk (no slot written)"));
+    }
     if (disk_step[i] != sg_step[i]) {
       return absl::InternalError(
           absl::StrCat("commit: subgroup ", i, " is not on disk"));
@@ -1350,20 +1493,26 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   }
   in.host_budget_bytes = config.host_budget_bytes;
   in.techniques = config.techniques;
-  // Capacity: what the filesystem has free, unless given.
-  for (TierSpec& t : in.tiers) {
-    if (t.capacity_bytes == 0) {
-      struct statvfs vfs;
-      if (statvfs(t.path.c_str(), &vfs) == 0) {
-        t.capacity_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-      }
-    }
-  }
   Impl& e = *impl;
   const int n = static_cast<int>(config.subgroup_numel.size());
   // Check the tiers before planning so a bad path is named as such, and
   // plan before creating anything, so a refused config leaves no trace.
   MLP_RETURN_IF_ERROR(e.CheckTiers());
+  // Capacity, unless given: what the file system has free, plus what this
+  // run's state files there hold already (a resume rewrites them in place;
+  // without them, a run that takes more than half the free space could never
+  // be resumed). Unknown: unlimited.
+  for (size_t t = 0; t < in.tiers.size(); ++t) {
+    if (in.tiers[t].capacity_bytes != 0) continue;
+    const std::optional<uint64_t> free = TierFreeBytes(in.tiers[t].path);
+    if (!free.has_value()) continue;
+    const uint64_t own =
+        ExistingRunBytes(absl::StrCat(e.real_paths[t], "/", config.run_name),
+                         config.subgroup_numel, 1 + config.num_state_arrays,
+                         !config.techniques.delayed_grad_conversion);
+    // A full tier holds nothing (0 would tell the planner "unlimited").
+    in.tiers[t].capacity_bytes = std::max<uint64_t>(1, *free + own);
+  }
   MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
   MLP_RETURN_IF_ERROR(e.OpenTiers());
   e.numel = config.subgroup_numel;
@@ -1429,6 +1578,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     MutexLock l(&e.mu);
     e.buffers.resize(num_buffers);
     e.buffer_of.assign(n, -1);
+    e.grad_writes_of.assign(n, 0);
     for (int b = 0; b < num_buffers; ++b) {
       MLP_ASSIGN_OR_RETURN(e.buffers[b].mem,
                            AlignedBuffer::Allocate(e.plan.buffer_bytes));
@@ -1551,7 +1701,8 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   MutexLock l(&e.mu);
   e.failed_commit.reset();  // the state is no longer that commit's
   int b = e.buffer_of[i];
-  if (b >= 0) {
+  const bool was_cached = b >= 0;
+  if (was_cached) {
     MLP_RETURN_IF_ERROR(e.WaitIo(b));
   } else {
     MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(i, BufState::kInUse));
@@ -1568,27 +1719,48 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   if (state_init != nullptr && e.config.num_state_arrays <= 3) {
     InitState(*state_init, state, n, &e.pool);
   }
-  e.sg_step[i] = 0;
-  e.initialized[i] = true;
   e.buffers[b].from_disk = false;
-  e.SupersedeIncompleteStep(i);
+  // The record's header carries its step count: 0 while it is written, the
+  // old count back if the write fails.
+  const int64_t old_step = e.sg_step[i];
+  e.sg_step[i] = 0;
   absl::Status s = e.WriteNow(i, b);
-  if (s.ok() && commit_initial && e.config.commit_every > 0 &&
-      e.committed.step < 0 &&
+  if (!s.ok()) {
+    if (was_cached) {
+      // The cached copy, this subgroup's only one if it was newer than the
+      // disk's, is overwritten already: keep the new record as the latest
+      // version instead (a commit or an eviction writes it), as a failed
+      // write of a step does.
+      e.initialized[i] = true;
+      e.rewritten[i] = true;
+      e.buffers[b].state = BufState::kCached;
+      e.SupersedeIncompleteStep(i);
+    } else {
+      // Nothing changed: the subgroup keeps the version on disk, or stays
+      // uninitialised (no commit may name a slot it never wrote).
+      e.sg_step[i] = old_step;
+      e.Free(b);
+    }
+    return Annotate(s, absl::StrCat("initialising subgroup ", i));
+  }
+  e.initialized[i] = true;
+  e.SupersedeIncompleteStep(i);
+  // Keep the record in memory if it is one the next step starts with (cache
+  // reuse) and the cache has room for it: after a step the cache already
+  // holds those records, and one kept beyond its size takes a streaming
+  // buffer that the steps and reads need.
+  if (e.KeepInCache(i, b)) {
+    e.buffers[b].state = BufState::kCached;
+  } else {
+    e.Free(b);
+  }
+  if (commit_initial && e.config.commit_every > 0 && e.committed.step < 0 &&
       std::all_of(e.initialized.begin(), e.initialized.end(),
                   [](bool x) { return x; })) {
     // The initial state is resumable too (records another call left in
     // memory go to disk first).
     s = e.FlushCached();
     if (s.ok()) s = e.WriteCommit();
-  }
-  // Keep the records that step 0 starts with (cache reuse) in memory.
-  const int k = e.plan.num_cached;
-  bool keep = e.config.techniques.cache_reuse && i < k;
-  if (keep && s.ok()) {
-    e.buffers[b].state = BufState::kCached;
-  } else {
-    e.Free(b);
   }
   return s;
 }
@@ -1659,6 +1831,13 @@ absl::Status Engine::OffloadGradients(int i,
   int b;
   {
     MutexLock l(&e.mu);
+    // An earlier offload of this gradient still being written (from another
+    // buffer) must land first: two writes of one file in flight may land in
+    // either order, and the last offload is the one that counts.
+    auto earlier_landed = [&e, i]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+      return e.grad_writes_of[i] == 0;
+    };
+    e.mu.Await(earlier_landed);
     b = e.buffer_of[i];
     if (b < 0) {
       MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(-1, BufState::kInUse));
@@ -1667,7 +1846,9 @@ absl::Status Engine::OffloadGradients(int i,
       MLP_RETURN_IF_ERROR(e.WaitIo(b));
     }
     e.buffers[b].grad_write = true;
+    e.buffers[b].grad_subgroup = i;
     ++e.grad_writes;
+    ++e.grad_writes_of[i];
   }
   float* g32 = reinterpret_cast<float*>(
       reinterpret_cast<char*>(e.PayloadUnlocked(b)) + e.record_bytes[i]);
@@ -1766,6 +1947,10 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   e.IssueReads();
   absl::Time wait_start = absl::Now();
   int b = e.buffer_of[i];
+  // A cache hit: the record in memory may be the only copy of its latest
+  // version (kept after the last step's update, never written), so a failed
+  // read (the baseline's gradient) must not drop it.
+  const bool hit = b >= 0 && e.buffers[b].state == BufState::kCached;
   if (b < 0) {
     // Not yet issued (all buffers were busy): wait for one, then read.
     auto claimed = e.WaitAndClaimFree(i, BufState::kReading);
@@ -1781,7 +1966,11 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   if (s.ok()) s = e.VerifyRecord(i, b);
   e.stats.read_wait_seconds += Seconds(wait_start);
   if (!s.ok()) {
-    e.Free(b);
+    if (hit) {
+      e.buffers[b].io_status = absl::OkStatus();  // the retry reads again
+    } else {
+      e.Free(b);
+    }
     return Annotate(s, absl::StrCat("step ", e.steps_done + 1, ", subgroup ", i,
                                     ", tier ", e.plan.tier_of_subgroup[i]));
   }
@@ -2118,17 +2307,27 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
       std::memcpy(rec + (k + 1) * n, state[k], n * 4);
     }
   }
-  e.sg_step[i] = step;
-  e.initialized[i] = true;
   e.buffers[b].from_disk = false;
-  e.SupersedeIncompleteStep(i);
   if (cached) {
+    e.sg_step[i] = step;
+    e.initialized[i] = true;
+    e.SupersedeIncompleteStep(i);
     e.rewritten[i] = true;
     return absl::OkStatus();  // written back when evicted
   }
+  // The header carries the step count; a failed write changes nothing (the
+  // subgroup keeps its version on disk, or stays uninitialised).
+  const int64_t old_step = e.sg_step[i];
+  e.sg_step[i] = step;
   absl::Status s = e.WriteNow(i, b);
   e.Free(b);
-  return s;
+  if (!s.ok()) {
+    e.sg_step[i] = old_step;
+    return Annotate(s, absl::StrCat("writing subgroup ", i));
+  }
+  e.initialized[i] = true;
+  e.SupersedeIncompleteStep(i);
+  return absl::OkStatus();
 }
 
 namespace {

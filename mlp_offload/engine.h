@@ -58,6 +58,11 @@ absl::Status CheckRunLayout(const std::vector<std::string>& tier_dirs,
 inline constexpr int kMaxComputeThreads = 1024;
 
 struct EngineConfig {
+  // A tier's capacity_bytes of 0 (the default) is taken as its file system's
+  // free space plus the space this run's state files in its directory hold
+  // already (a resume, or a run that reuses the directory, rewrites them in
+  // place); a capacity given is the room for all of the run's files on the
+  // tier, those included.
   std::vector<TierSpec> tiers;
   uint64_t host_budget_bytes = 0;
   std::vector<uint64_t> subgroup_numel;
@@ -331,6 +336,16 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
+namespace internal_engine {
+
+// Test hook (process-wide; nullptr turns it off): the free bytes of the file
+// system that holds the tier directory `path`, asked by Engine::Create in
+// place of statvfs for tiers whose capacity_bytes is 0. Lets a test stand in
+// a small file system (one that its own files fill up) for a real one.
+using TierFreeBytesFn = uint64_t (*)(const std::string& path);
+void SetTierFreeBytesForTesting(TierFreeBytesFn fn);
+
+}  // namespace internal_engine
 }  // namespace mlp_offload
 
 #endif  // MLP_OFFLOAD_MLP_OFFLOAD_ENGINE_H_

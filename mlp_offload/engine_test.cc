@@ -1,20 +1,25 @@
 #include "mlp_offload/engine.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <future>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "io/fault_injection.h"
 #include "io/tier_lock.h"
@@ -1672,6 +1677,342 @@ TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
   ASSERT_TRUE(e0.ok());
   auto r = (*e0)->Step(in, StepOptions());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Runs `body` on another thread and fails if it has not returned within
+// `limit`. An engine that hangs cannot be shut down, so this ends the test
+// process (with a message) instead of letting the suite hang.
+void FinishesWithin(absl::Duration limit, const std::string& what,
+                    const std::function<void()>& body) {
+  std::promise<void> finished;
+  std::future<void> done = finished.get_future();
+  std::thread runner([&] {
+    body();
+    finished.set_value();
+  });
+  if (done.wait_for(absl::ToChronoSeconds(limit)) !=
+      std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: %s did not finish within %s (a hang)\n",
+                 what.c_str(), absl::FormatDuration(limit).c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  runner.join();
+}
+
+// One tier, `n` subgroups of 1024 parameters (AdamW), every technique but
+// the tier lock, and a host budget of six buffers: three cached records and
+// three streaming buffers. `eager`: the baseline's gradient conversion
+// (delayed_grad_conversion off).
+EngineConfig SixBuffers(int n, bool eager) {
+  EngineConfig cfg;
+  TierSpec spec;
+  spec.path = TempDir("six");
+  cfg.tiers.push_back(spec);
+  cfg.subgroup_numel.assign(n, 1024);
+  cfg.num_state_arrays = 2;
+  cfg.techniques.tier_lock = false;
+  cfg.techniques.delayed_grad_conversion = !eager;
+  cfg.host_budget_bytes = 6 * (4096 + AlignedRecordBytes(1024, 3) +
+                               (eager ? AlignedRecordBytes(1024, 1) : 0));
+  cfg.tier_lock_dir = TempDir("locks");
+  return cfg;
+}
+
+TEST(EngineTest, InitializingAfterAStepKeepsTheCacheWithinItsSize) {
+  // After a step the cache holds the records the next step starts with.
+  // Initialising every subgroup again (a load of a state dict without
+  // state) keeps no more than that in memory: the other records go to their
+  // tier, and the streaming buffers stay free for them.
+  EngineConfig cfg = SixBuffers(10, /*eager=*/false);
+  Model model(cfg.subgroup_numel, 31);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_EQ(e.plan().num_cached, 3);
+  ASSERT_EQ(e.plan().num_buffers, 3);
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 1));
+  FinishesWithin(absl::Seconds(60), "initialising every subgroup again", [&] {
+    for (int i = 0; i < e.num_subgroups(); ++i) {
+      absl::Status s =
+          e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32);
+      EXPECT_TRUE(s.ok()) << "subgroup " << i << ": " << s;
+    }
+  });
+  // The state is the initial one again: the next step is a first update.
+  Reference ref(model);
+  model.NewGrads(2);
+  ref.Step(model, 1, 1.0f);
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  absl::StatusOr<StepStats> stats;
+  FinishesWithin(absl::Seconds(60), "the step after that",
+                 [&] { stats = e.Step(in, StepOptions()); });
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->cache_hits, 3);
+  auto got = Take(e, cfg.subgroup_numel);
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    EXPECT_EQ(got.step[i], 1) << i;
+    EXPECT_EQ(got.master[i], ref.master[i]) << i;
+  }
+}
+
+TEST(EngineTest, RecordsHeldByAFailedStepMakeRoomForReadsInsteadOfHanging) {
+  // Every write of a step fails: the records it updated stay in memory,
+  // until every buffer holds one. Reading a subgroup that is not in memory
+  // then (a state dict after the error) writes one of them back to make
+  // room, and the step retried afterwards finishes as if nothing happened.
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques.cache_reuse = false;
+  cfg.fault_injection = true;
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  Model model(cfg.subgroup_numel, 41);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  Reference ref(model);
+  model.NewGrads(1);
+  ref.Step(model, 1, 1.0f);
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  FaultSpec fault;
+  fault.op = IoOp::kWrite;
+  fault.nth = -1;
+  e.fault_injector(0)->AddFault(fault);
+  ASSERT_FALSE(e.Step(in, StepOptions()).ok());
+  // Still failing: the write that would make room fails, and says so.
+  std::vector<float> p(3000), m(3000), v(3000);
+  FinishesWithin(absl::Seconds(60), "a read while the tier fails", [&] {
+    absl::Status s = e.ReadSubgroup(3, p.data(), {m.data(), v.data()}, nullptr);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s;
+  });
+  e.fault_injector(0)->ClearFaults();
+  FinishesWithin(absl::Seconds(60), "a read after the failed step", [&] {
+    int64_t step = -1;
+    absl::Status s = e.ReadSubgroup(3, p.data(), {m.data(), v.data()}, &step);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(step, 0);
+    EXPECT_EQ(std::vector<float>(p.begin(), p.begin() + 1500), model.init[3]);
+  });
+  ASSERT_TRUE(e.Step(in, StepOptions()).ok());
+  auto got = Take(e, cfg.subgroup_numel);
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    EXPECT_EQ(got.step[i], 1) << i;
+    EXPECT_EQ(got.master[i], ref.master[i]) << i;
+  }
+}
+
+constexpr int kNoFault = -2;
+
+// Two steps of the baseline's gradient conversion with cache reuse; unless
+// `fault_nth` is kNoFault, the second step's gradient read number fault_nth
+// (-1: every one) fails, and the step is retried once the fault is gone.
+// `steps` and `state` get each subgroup's step count and arrays at the end.
+void TwoEagerSteps(int fault_nth, std::vector<int64_t>* steps,
+                   std::vector<std::vector<float>>* state) {
+  EngineConfig cfg = SixBuffers(10, /*eager=*/true);
+  cfg.fault_injection = true;
+  Model model(cfg.subgroup_numel, 51);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_EQ(e.plan().num_cached, 3);
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  for (int step = 1; step <= 2; ++step) {
+    model.NewGrads(step);
+    std::vector<SubgroupStepInput> in = AdamWInputs(model);
+    for (int i = 0; i < e.num_subgroups(); ++i) {
+      ASSERT_TRUE(e.OffloadGradients(i, in[i].segments).ok());
+    }
+    if (step == 2 && fault_nth != kNoFault) {
+      FaultSpec fault;
+      fault.op = IoOp::kRead;
+      fault.nth = fault_nth;
+      fault.path_substring = ".grad";
+      e.fault_injector(0)->AddFault(fault);
+      absl::StatusOr<StepStats> failed = e.Step(in, StepOptions());
+      EXPECT_FALSE(failed.ok()) << "fault " << fault_nth;
+      EXPECT_GE(e.fault_injector(0)->fired(), 1);
+      e.fault_injector(0)->ClearFaults();
+    }
+    absl::StatusOr<StepStats> stats = e.Step(in, StepOptions());
+    ASSERT_TRUE(stats.ok()) << "fault " << fault_nth << ": " << stats.status();
+  }
+  auto got = Take(e, cfg.subgroup_numel);
+  *steps = got.step;
+  *state = got.master;
+  for (size_t i = 0; i < got.m.size(); ++i) {
+    state->push_back(got.m[i]);
+    state->push_back(got.v[i]);
+  }
+}
+
+TEST(EngineTest, AGradientReadErrorOnACacheHitLosesNoUpdate) {
+  // A failed gradient read must not drop the record it was read for: on a
+  // cache hit that record is the only copy of its latest version.
+  std::vector<int64_t> want_steps;
+  std::vector<std::vector<float>> want;
+  ASSERT_NO_FATAL_FAILURE(TwoEagerSteps(kNoFault, &want_steps, &want));
+  EXPECT_EQ(want_steps, std::vector<int64_t>(10, 2));
+  // Each subgroup's read in turn, then all of them: the cached records whose
+  // reads failed after the step had stopped must not keep the error either.
+  for (int nth = -1; nth < 10; ++nth) {
+    std::vector<int64_t> steps;
+    std::vector<std::vector<float>> got;
+    ASSERT_NO_FATAL_FAILURE(TwoEagerSteps(nth, &steps, &got));
+    EXPECT_EQ(steps, want_steps) << "fault " << nth;
+    EXPECT_TRUE(got == want) << "fault " << nth;
+  }
+}
+
+// A file system of g_fake_fs_bytes that holds only the files under the
+// tier directory (what the test's runs write there).
+uint64_t g_fake_fs_bytes = 0;
+
+uint64_t BytesUnder(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return 0;
+  uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+  if (!S_ISDIR(st.st_mode)) return bytes;
+  DIR* d = opendir(path.c_str());
+  if (d == nullptr) return bytes;
+  while (struct dirent* ent = readdir(d)) {
+    const std::string name = ent->d_name;
+    if (name != "." && name != "..") bytes += BytesUnder(path + "/" + name);
+  }
+  closedir(d);
+  return bytes;
+}
+
+uint64_t FakeFreeBytes(const std::string& path) {
+  const uint64_t used = BytesUnder(path);
+  return used >= g_fake_fs_bytes ? 0 : g_fake_fs_bytes - used;
+}
+
+TEST(EngineTest, AResumeCountsTheRunsOwnFilesAsRoomOnTheTier) {
+  // A tier whose free space fits the state once, not twice: a fresh run
+  // fits, and so does its resume, whose files already take that space.
+  EngineConfig cfg = SmallConfig(1);
+  cfg.commit_every = 1;
+  uint64_t need = 0;
+  for (uint64_t n : cfg.subgroup_numel) {
+    need += 2 * (4096 + AlignedRecordBytes(n, 3));
+  }
+  struct HookGuard {
+    ~HookGuard() { internal_engine::SetTierFreeBytesForTesting(nullptr); }
+  } guard;
+  internal_engine::SetTierFreeBytesForTesting(&FakeFreeBytes);
+  g_fake_fs_bytes = need - 4096;  // the hook is what the plan goes by
+  auto refused = Engine::Create(cfg);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused.status();
+  g_fake_fs_bytes = need + need / 2;
+  Model model(cfg.subgroup_numel, 61);
+  std::vector<std::vector<float>> want;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 2));
+    ASSERT_EQ(e.committed_step(), 2);
+    want = Take(e, cfg.subgroup_numel).master;
+  }
+  ASSERT_LT(FakeFreeBytes(cfg.tiers[0].path), need);  // the files take room
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_TRUE((*engine)->resumed());
+  EXPECT_EQ((*engine)->step(), 2);
+  EXPECT_EQ(Take(**engine, cfg.subgroup_numel).master, want);
+  ASSERT_NO_FATAL_FAILURE(RunSteps(**engine, model, 3, 3));
+  // A fresh run in the same directory reuses those files too.
+  engine->reset();
+  cfg.resume = false;
+  EXPECT_TRUE(Engine::Create(cfg).ok());
+}
+
+TEST(EngineTest, AFailedFirstInitialisationLeavesTheSubgroupUninitialised) {
+  // The write of a subgroup's first record fails: the subgroup stays
+  // uninitialised (nothing may commit it), and initialising it again makes
+  // the run committed and resumable.
+  EngineConfig cfg = SmallConfig(1);
+  cfg.fault_injection = true;
+  cfg.commit_every = 1;
+  Model model(cfg.subgroup_numel, 71);
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    FaultSpec fault;
+    fault.op = IoOp::kWrite;
+    fault.path_substring = "sg_0.state";
+    e.fault_injector(0)->AddFault(fault);
+    EXPECT_FALSE(
+        e.InitializeSubgroup(0, model.init[0].data(), DType::kFloat32).ok());
+    e.fault_injector(0)->ClearFaults();
+    for (int i = 1; i < e.num_subgroups(); ++i) {
+      ASSERT_TRUE(
+          e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32).ok());
+    }
+    EXPECT_EQ(e.committed_step(), -1);
+    EXPECT_EQ(e.Commit().code(), absl::StatusCode::kFailedPrecondition);
+    std::vector<float> p(1000), m(1000), v(1000);
+    EXPECT_EQ(e.ReadSubgroup(0, p.data(), {m.data(), v.data()}, nullptr).code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(e.BeginStep().code(), absl::StatusCode::kFailedPrecondition);
+    ASSERT_TRUE(
+        e.InitializeSubgroup(0, model.init[0].data(), DType::kFloat32).ok());
+    EXPECT_EQ(e.committed_step(), 0);
+  }
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto got = Take(**engine, cfg.subgroup_numel);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(got.step[i], 0) << i;
+    EXPECT_EQ(got.master[i], model.init[i]) << i;
+  }
+}
+
+TEST(EngineTest, AGradientOffloadedTwiceLandsInTheOrderGiven) {
+  // The baseline: a subgroup's gradient offloaded again (gradients changed
+  // after the first offload) while the first write is still in flight. The
+  // step must see the second one, however the writes are scheduled.
+  EngineConfig cfg;
+  TierSpec spec;
+  spec.path = TempDir("gradorder");
+  cfg.tiers.push_back(spec);
+  cfg.subgroup_numel = {4096};
+  cfg.num_state_arrays = 0;
+  cfg.techniques = Techniques::Baseline();
+  cfg.fault_injection = true;
+  cfg.host_budget_bytes = 3 * (4096 + 2 * AlignedRecordBytes(4096, 1));
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  std::vector<float> zeros(4096, 0.0f);
+  ASSERT_TRUE(e.InitializeSubgroup(0, zeros.data(), DType::kFloat32).ok());
+  std::vector<uint16_t> stale(4096, ToBf16(2.0f)),
+      final_grad(4096, ToBf16(1.0f));
+  FaultSpec slow;  // the first gradient write is late
+  slow.kind = FaultSpec::Kind::kDelay;
+  slow.op = IoOp::kWrite;
+  slow.path_substring = ".grad";
+  slow.delay = absl::Milliseconds(300);
+  e.fault_injector(0)->AddFault(slow);
+  ASSERT_TRUE(e.OffloadGradients(0, {{0, 4096, stale.data(), nullptr}}).ok());
+  ASSERT_TRUE(
+      e.OffloadGradients(0, {{0, 4096, final_grad.data(), nullptr}}).ok());
+  std::vector<SubgroupStepInput> in(1);
+  in[0].hp.kind = OptimizerKind::kSGD;
+  in[0].hp.lr = 1.0f;
+  in[0].segments = {{0, 4096, final_grad.data(), nullptr}};
+  ASSERT_TRUE(e.Step(in, StepOptions()).ok());
+  std::vector<float> master(4096);
+  ASSERT_TRUE(e.ReadSubgroup(0, master.data(), {}, nullptr).ok());
+  EXPECT_EQ(master, std::vector<float>(4096, -1.0f));
 }
 
 }  // namespace

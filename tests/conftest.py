@@ -1,6 +1,7 @@
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -88,3 +89,16 @@ def process_group_threads():
         except OSError:  # the thread ended meanwhile
             pass
     return sorted(n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore")))
+
+
+def process_group_threads_after(timeout_s=5.0):
+    """process_group_threads() once none is left, or as they are after
+    timeout_s: a group's thread may end a moment after
+    destroy_process_group returned, while one that a reference kept alive
+    stays until the interpreter exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = process_group_threads()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)

@@ -10,7 +10,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import init_process_group, process_group_threads
+from conftest import init_process_group, process_group_threads_after
 
 WORLD = 2
 STEPS = 6
@@ -43,7 +43,7 @@ def _in_group(rank, store, worker, args, world):
         gc.collect()
         dist.destroy_process_group()
     # Nothing (the optimizer, torch) kept the group: its threads are gone.
-    left = process_group_threads()
+    left = process_group_threads_after()
     assert not left, f"rank {rank}: the group outlived destroy_process_group: {left}"
 
 

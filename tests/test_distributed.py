@@ -200,6 +200,100 @@ def lost_rank_state_worker(rank, tiers, phase):
     fresh.close()
 
 
+def lost_after_add_worker(rank, tiers, phase):
+    # Right after add_param_group each rank holds one commit, the re-packed
+    # state's: rank 1's tiers coming back empty then is no crash before the
+    # first commits, and resume="auto" refuses on every rank, keeping rank
+    # 0's commit (before, every rank started afresh and discarded it).
+    model = make_model()
+    wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
+                             compute_threads=1, run_name="added", commit_every=1)
+    if phase == "train":
+        opt = wrap(OPTIMIZERS["adamw"](model[0].parameters()))
+        train_same_batches(range(2), ((opt, model),))
+        opt.add_param_group({"params": list(model[2].parameters())})
+        assert opt.engine.kept_commits == [(1, 2)], (rank, opt.engine.kept_commits)
+        opt.close()
+        return
+    groups = [{"params": list(model[0].parameters())},
+              {"params": list(model[2].parameters())}]
+    with pytest.raises(StateMismatchError, match=r"rank\(s\) \[1\] hold no commit of it "
+                                                 r"while other ranks hold commits up to "
+                                                 r"step 2 \(epoch 1\)"):
+        wrap(OPTIMIZERS["adamw"](groups), resume="auto")
+
+
+def test_a_rank_whose_commit_after_add_param_group_is_gone_makes_every_rank_refuse(
+        tmp_path):
+    tiers = tier_dirs(tmp_path)
+    spawn(lost_after_add_worker, tiers, "train")
+    for t in tiers:
+        for d in ("added.r1", "added.r1.alt"):
+            shutil.rmtree(os.path.join(t, d), ignore_errors=True)
+
+    def records():
+        return {os.path.join(t, d, f): open(os.path.join(t, d, f), "rb").read()
+                for t in tiers for d in os.listdir(t)
+                for f in sorted(os.listdir(os.path.join(t, d)))
+                if f.startswith(("COMMIT", "pystate"))}
+    before = records()
+    assert any("added.r0" in path for path in before), before
+    spawn(lost_after_add_worker, tiers, "resume")
+    assert records() == before
+
+
+def moved_rank_worker(rank, nodes, mapping, phase):
+    # Node-local tiers: rank r runs on nodes[mapping[r]].
+    model = make_model()
+    opt = None
+    wrap = functools.partial(MLPOffloadOptimizer, OPTIMIZERS["adamw"](model.parameters()),
+                             tiers=[nodes[mapping[rank]]], subgroup_numel=200,
+                             compute_threads=1, run_name="moved", commit_every=1)
+    if phase in ("train", "fresh"):
+        opt = wrap(resume="auto" if phase == "train" else "never")
+        assert opt.resumed_from is None
+        train_same_batches(range(3), ((opt, model),))
+        opt.close()
+    elif phase == "swapped":
+        # Each rank finds the other's run directory, none of its own.
+        with pytest.raises(StateMismatchError,
+                           match=r"rank\(s\) \[0, 1\] find no commit of their own.*"
+                                 r"rank 0's tiers hold moved.r1.*rank 1's tiers hold "
+                                 r"moved.r0.*resume='never'"):
+            wrap(resume="auto")
+    else:
+        # Node a holds rank 0's directory of the first start and rank 1's of
+        # the second: both at step 3, never one state.
+        with pytest.raises(StateMismatchError, match=r"commits of step 3 \(epoch 0\) are "
+                                                     r"of different starts of the run"):
+            wrap(resume="auto")
+
+
+def test_ranks_started_on_other_nodes_neither_start_afresh_nor_mix_runs(tmp_path):
+    """Before, ranks were matched by (epoch, step) alone: swapped nodes found
+    no run directory of their own and started afresh (leaving their state
+    on the other node), and later two ranks on one node resumed "step 3" of
+    two different starts of the run."""
+    nodes = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for n in nodes:
+        os.mkdir(n)
+
+    def snapshot():
+        return {os.path.join(n, d, f): open(os.path.join(n, d, f), "rb").read()
+                for n in nodes for d in os.listdir(n)
+                for f in sorted(os.listdir(os.path.join(n, d)))
+                if f.startswith(("COMMIT", "pystate", "MANIFEST"))}
+    spawn(moved_rank_worker, nodes, (0, 1), "train")
+    before = snapshot()
+    spawn(moved_rank_worker, nodes, (1, 0), "swapped")
+    assert snapshot() == before
+    # A deliberate fresh start on the swapped nodes, then both ranks on a.
+    spawn(moved_rank_worker, nodes, (1, 0), "fresh")
+    before = snapshot()
+    spawn(moved_rank_worker, nodes, (0, 0), "mixed")
+    assert snapshot() == before
+
+
 def first_commit_lost_worker(rank, tiers, ckpt, phase):
     # A run started from a checkpoint makes no initial commit: its first is
     # (1, 4). Rank 1 killed before writing it (its directory gone) is a

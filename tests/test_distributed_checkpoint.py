@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -173,6 +174,91 @@ def test_checkpoint_interrupted_on_one_rank_loads_the_previous_save_everywhere(t
     for r in range(WORLD):
         assert len([n for n in names if n.startswith(f"engine-r{r}-")]) == 1, names
         assert len([n for n in names if n.startswith(f"python-r{r}-")]) == 1, names
+
+
+def die():
+    # As kill -9: nothing after it runs, no collective is joined. The file
+    # says it came here (exit status 0 tells the spawn nothing).
+    with open(os.environ["MLP_TEST_DIED"] + str(dist.get_rank()), "w"):
+        pass
+    os._exit(0)
+
+
+def killed_save(opt, ckpt, writer):
+    """A save killed once rank `writer` has written its part (manifest
+    included) and before the other rank wrote anything."""
+    write = MLPOffloadOptimizer._write_save
+
+    def write_then_die(self, *args, **kwargs):
+        if self._rank == writer:
+            write(self, *args, **kwargs)
+        die()
+    with mock.patch.object(MLPOffloadOptimizer, "_write_save", write_then_die):
+        opt.save_checkpoint(ckpt)
+    raise AssertionError("not reached")
+
+
+def killed_saves_worker(rank, tiers, ckpt, phase, variant):
+    """Phase "first": a complete save after step 2 (its state kept in
+    want.pt), then a save killed after one rank's manifest: rank 0's
+    ("killed_twice"), rank 1's ("full_disk"). Phase "again", a restart that
+    loads nothing: "killed_twice" is killed the same way again; in
+    "full_disk" rank 1 cannot write its manifest (a full disk). Either way
+    the save of step 2 is the newest every rank finished, and loads."""
+    make = OPTIMIZERS["adamw"]
+    model = make_model()
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1)
+    want_path = os.path.join(os.path.dirname(ckpt), "want.pt")
+    if phase == "load":
+        opt.load_checkpoint(ckpt, restore_params=True)
+        assert_loaded(opt, model, torch.load(want_path, weights_only=True), rank)
+        opt.close()
+        return
+    if phase == "first":
+        train_same_batches(range(2), ((opt, model),))
+        opt.save_checkpoint(ckpt)
+        sd = opt.state_dict()  # collective
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": sd}, want_path)
+        train_same_batches(range(2, 3), ((opt, model),))
+        killed_save(opt, ckpt, writer=0 if variant == "killed_twice" else 1)
+    train_same_batches(range(5, 6), ((opt, model),))
+    if variant == "killed_twice":
+        killed_save(opt, ckpt, writer=0)
+    import mlp_offload.optimizer as impl
+    write = impl._recovery.write_file_atomically
+
+    def full_disk(path, data, **kwargs):
+        if os.path.basename(path) == "manifest.rank1.json":
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        write(path, data, **kwargs)
+    if rank == 1:
+        impl._recovery.write_file_atomically = full_disk
+    with pytest.raises(OffloadError):
+        opt.save_checkpoint(ckpt)
+    impl._recovery.write_file_atomically = write
+    opt.load_checkpoint(ckpt, restore_params=True)
+    assert_loaded(opt, model, torch.load(want_path, weights_only=True), rank)
+    opt.close()
+
+
+@pytest.mark.parametrize("variant", ["killed_twice", "full_disk"])
+def test_saves_killed_in_a_row_keep_the_last_complete_save(tmp_path, monkeypatch, variant):
+    """Before, a rank kept its current manifest as .prev whether or not every
+    rank had finished that save: two interrupted saves in a row left rank 0
+    with the two unfinished ones and rank 1 with the last complete one, and
+    no save loaded ("no checkpoint ... complete")."""
+    tiers, ckpt = tier_dirs(tmp_path), str(tmp_path / "ckpt")
+    monkeypatch.setenv("MLP_TEST_DIED", str(tmp_path / "died"))
+    phases = ["first", "again", "load"] if variant == "killed_twice" else ["first", "again"]
+    for phase in phases:
+        for r in range(WORLD):
+            if os.path.exists(tmp_path / f"died{r}"):
+                os.remove(tmp_path / f"died{r}")
+        spawn(killed_saves_worker, tiers, ckpt, phase, variant)
+        if phase != phases[-1]:
+            assert all(os.path.exists(tmp_path / f"died{r}") for r in range(WORLD)), phase
 
 
 def trained_and_saved(tiers, ckpt):
@@ -384,6 +470,16 @@ def reshard_worker(rank, phase, tiers, out, name):
                        os.path.join(out, "want.pt"))
         opt.close()
         return
+    if phase == "load_fewer":
+        # The three ranks' save, under an interrupted save by two.
+        model = make_model()
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1)
+        opt.load_checkpoint(os.path.join(out, "fewer"), restore_params=True)
+        assert_loaded(opt, model, torch.load(os.path.join(out, "want3.pt"), weights_only=True),
+                      (rank, "fewer"))
+        opt.close()
+        return
     want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
     if phase == "load_interrupted":
         model = make_model()
@@ -411,6 +507,10 @@ def reshard_worker(rank, phase, tiers, out, name):
         train_same_batches(range(3, 5), ((ref_opt, ref), (opt, model)))
         assert_params_match(model, ref, rank)
         if ckpt == "by2":
+            sd = opt.state_dict()  # collective
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": sd},
+                           os.path.join(out, "want3.pt"))
             opt.save_checkpoint(os.path.join(out, "by3"))
         opt.close()
 
@@ -472,3 +572,17 @@ def test_a_checkpoint_loads_on_another_rank_count(tmp_path, name):
         assert torch.equal(got, value), key
     opt.close()
     spawn(reshard_worker, "load_interrupted", tiers, out, name, world=3)
+    # The three ranks' save (complete), then a save by two that only rank 0
+    # finished: two ranks load the three ranks' save, resharded. Before,
+    # each loaded its own part alone as if it were the whole save ("another
+    # model").
+    fewer = os.path.join(out, "fewer")
+    shutil.copytree(by3, fewer)
+    os.replace(os.path.join(fewer, "manifest.rank0.json"),
+               os.path.join(fewer, "manifest.rank0.prev.json"))
+    by2 = os.path.join(out, "by2")
+    for entry in os.listdir(by2):
+        if entry.startswith(("engine-r0-", "python-r0-", "manifest.rank0.")):
+            copy = shutil.copytree if os.path.isdir(os.path.join(by2, entry)) else shutil.copy2
+            copy(os.path.join(by2, entry), os.path.join(fewer, entry))
+    spawn(reshard_worker, "load_fewer", tiers, out, name)

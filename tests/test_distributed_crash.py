@@ -43,7 +43,7 @@ import gc
 import os
 import torch
 import torch.distributed as dist
-from conftest import process_group_threads
+from conftest import process_group_threads_after
 from mlp_offload import MLPOffloadOptimizer
 
 STEPS = %d
@@ -91,7 +91,7 @@ def train(cmd):
     opt.close()  # the group is freed with the optimizer still referenced
     gc.collect()
     dist.destroy_process_group()
-    assert not process_group_threads(), "the group outlived destroy_process_group"
+    assert not process_group_threads_after(), "the group outlived destroy_process_group"
     report("finished")
 ''' % STEPS
 

@@ -157,6 +157,47 @@ def saved_world(directory):
     return None
 
 
+def _parts_of_save(directory, key, world):
+    """(the manifests of ranks 0..world-1 of the save `key`, each rank's
+    current or previous one; None) or (None, what is missing)."""
+    manifests = []
+    for k in range(world):
+        found = [m for m in (read_manifest(directory, k, prev=prev, missing_ok=True)
+                             for prev in (False, True)) if m is not None]
+        if not found:
+            return None, (f"saved by {world} ranks and "
+                          f"{os.path.basename(manifest_path(directory, k))} (rank {k}) is "
+                          f"missing")
+        same = [m for m in found if save_key(m) == key]
+        if not same:
+            return None, f"save {key} by {world} ranks: rank {k} did not finish it"
+        manifests.append(same[0])
+    for k, m in enumerate(manifests):
+        if m["layout"].get("world_size") != world or m.get("rank", k) != k:
+            raise StateMismatchError(
+                f"checkpoint manifest {manifest_path(directory, k)} says rank "
+                f"{m.get('rank')} of {m['layout'].get('world_size')}, expected rank "
+                f"{k} of {world}")
+    return manifests, None
+
+
+def _incomplete_error(directory, problems, reader):
+    return StateMismatchError(
+        f"no checkpoint in {directory} is complete on all the ranks that saved it "
+        f"({'; '.join(problems)}): {reader}every saving rank's files are read, so they "
+        f"must all be in that directory, visible to every reader")
+
+
+def save_manifests(directory, key, world, reader=""):
+    """The manifests, one per saving rank, of the save `key` by `world`
+    ranks (each rank's current or previous manifest);
+    StateMismatchError naming the rank whose part is missing."""
+    manifests, problem = _parts_of_save(directory, key, world)
+    if manifests is None:
+        raise _incomplete_error(directory, [problem], reader)
+    return manifests
+
+
 def newest_complete_save(directory, reader=""):
     """The manifests, one per saving rank, of the newest save in `directory`
     that all the ranks that wrote it finished: rank 0's current save, else
@@ -168,33 +209,12 @@ def newest_complete_save(directory, reader=""):
         read_manifest(directory, 0)  # raises, naming the missing manifest
     problems = []
     for first in candidates:
-        world, key = first["layout"].get("world_size"), save_key(first)
-        manifests = [first]
-        for k in range(1, world):
-            found = [m for m in (read_manifest(directory, k, prev=prev, missing_ok=True)
-                                 for prev in (False, True)) if m is not None]
-            if not found:
-                problems.append(
-                    f"saved by {world} ranks and "
-                    f"{os.path.basename(manifest_path(directory, k))} (rank {k}) is missing")
-                break
-            same = [m for m in found if save_key(m) == key]
-            if not same:
-                problems.append(f"save {key} by {world} ranks: rank {k} did not finish it")
-                break
-            manifests.append(same[0])
-        else:
-            for k, m in enumerate(manifests):
-                if m["layout"].get("world_size") != world or m.get("rank", k) != k:
-                    raise StateMismatchError(
-                        f"checkpoint manifest {manifest_path(directory, k)} says rank "
-                        f"{m.get('rank')} of {m['layout'].get('world_size')}, expected rank "
-                        f"{k} of {world}")
+        manifests, problem = _parts_of_save(directory, save_key(first),
+                                            first["layout"].get("world_size"))
+        if manifests is not None:
             return manifests
-    raise StateMismatchError(
-        f"no checkpoint in {directory} is complete on all the ranks that saved it "
-        f"({'; '.join(problems)}): {reader}every saving rank's files are read, so they "
-        f"must all be in that directory, visible to every reader")
+        problems.append(problem)
+    raise _incomplete_error(directory, problems, reader)
 
 
 def record_source(directory, manifests, g):

@@ -130,7 +130,7 @@ def _tier_bandwidth(i, bw):
 _TIER_CHECKS = {
     "read_bytes_per_sec": check_rate,
     "write_bytes_per_sec": check_rate,
-    "capacity_bytes": check_int,  # 0: the file system's free space
+    "capacity_bytes": check_int,  # 0: free space + the run's own files there
     "shared_by": lambda name, v: check_int(name, v, minimum=1, maximum=2 ** 31 - 1),
     # Caps that emulate a slower tier: 0 for none.
     "throttle_read_bytes_per_sec":

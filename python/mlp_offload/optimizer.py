@@ -297,6 +297,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self.resumed_step = None
             self._generation = 0
             self._commit_dir = None  # of a persistent run: holds its last commit
+            # A persistent run's id, in every commit's Python-side state: made
+            # by rank 0 at a fresh start, taken from the commit at a resume
+            # (see _agree_on_commit). None: not a persistent run.
+            self._run_id = None
             self._epoch = 0  # of the commits made from now (see _next_epoch)
             if generic_state_keys is not None and (
                     not isinstance(generic_state_keys, (list, tuple)) or not all(
@@ -491,7 +495,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                          self._rank, len(self._subgroups), self._world)
             if agree:
                 self._raise_together(None, "read its committed state")
-                self._agreed_key = self._agree_on_commit(None)
+                self._agreed_key = self._agree_on_commit(None, at_start=True)
                 self._check_require(self._agreed_key)
                 self._raise_together(None, "open the commit every rank has"
                                      if self._agreed_key >= 0
@@ -502,6 +506,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             elif self._persistent and self._group is not None and not rebuild:
                 # resume='never': the owners raise together (_open_committed).
                 self._raise_together(None, "clear the run's state for a fresh start")
+                self._run_id = self._new_run_id()
             return
         numel = [self._subgroups[g].numel for g in self._owned]
         arrays = 1 + self._num_arrays
@@ -548,17 +553,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 for name in names for d in _recovery.run_dirs(self._tiers, name)):
             _log.warning("run %r has committed state on these tiers: resume='never' "
                          "starts afresh and discards it", self._run_prefix)
-        held, other, failure, engine = {}, [], None, None  # held: commit_key -> directory
+        # held: commit_key -> directory; info: commit_key -> (run id, first?)
+        held, other, info, failure, engine = {}, [], {}, None, None
         try:
             if self._want_resume:
-                held, other = self._held_commits(names, numel)
+                held, other, info = self._held_commits(names, numel)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             failure = e
         # Before the agreement, which would wait for a failed rank.
         self._raise_opening(agree, None, failure, "read its committed state")
         kept = sorted(held, reverse=True)  # newest first
         mine = kept[0] if kept else -1
-        agreed = self._agree_on_commit(kept, other) if agree or self._group is None else mine
+        agreed = self._agree_on_commit(kept, other, info, at_start=True) \
+            if agree or self._group is None else mine
         self._agreed_key = agreed
         self._check_require(agreed)
         if agreed != mine:
@@ -588,19 +595,23 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._raise_opening(agree or self._group is not None, engine, failure,
                             "open the commit every rank has" if agreed >= 0
                             else "clear the run's state for a fresh start")
+        if not agree and self._group is not None:
+            self._run_id = self._new_run_id()  # resume='never': a fresh start
         if agreed >= 0:
             self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
         return engine
 
     def _held_commits(self, names, numel):
-        """({commit_key: run directory name}, [commit_key]): the commits that
-        all tiers hold in this rank's run directories `names`, of this
-        optimizer's layout, and those of another layout (a crash during
-        add_param_group can leave one directory of each; see
-        _agree_on_commit). If this rank has commits but none of this layout,
-        the error saying so (before the agreement: a rank without commits
-        would otherwise make every rank start afresh over them)."""
-        held, other, mismatch = {}, [], None
+        """({commit_key: run directory name}, [commit_key], {commit_key:
+        (run id, first commit?)}): the commits that all tiers hold in this
+        rank's run directories `names`, of this optimizer's layout, those of
+        another layout (a crash during add_param_group can leave one
+        directory of each; see _agree_on_commit), and what the Python-side
+        state of each of the first says (see _pystate). If this rank has
+        commits but none of this layout, the error saying so (before the
+        agreement: a rank without commits would otherwise make every rank
+        start afresh over them)."""
+        held, other, info, mismatch = {}, [], {}, None
         for name in names:
             keys = self._dir_commits(name)
             if not keys:
@@ -629,12 +640,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 other.extend((k, None) for k in keys[1:])
                 continue
             for k in keys:
-                held.setdefault(k, name)
+                if k in held:
+                    continue
+                held[k] = name
+                st = state if k == keys[0] else self._read_pystate_or_none(dirs[0], k)
+                st = st or {}
+                # The initial commit (0, 0) is a run's first also where older
+                # files do not say so.
+                info[k] = (st.get("run_id"), bool(st.get("first_commit")) or k == 0)
         # (A re-packing of no commit every rank held, -1, can be passed over:
         # it holds nothing older that a resume could lose.)
         if not held and any(base != -1 for _, base in other):
             raise mismatch
-        return held, other
+        return held, other, info
 
     def _dir_commits(self, name):
         """The commits (commit_key, newest first) that every tier holds in
@@ -824,7 +842,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             failure = exc
         self._raise_together(failure, what, note)
 
-    def _agree_on_commit(self, kept, other=()):
+    def _agree_on_commit(self, kept, other=(), info=None, at_start=False):
         """Collective: the newest commit that every rank holds, as
         commit_key, from each rank's commits that all its tiers hold (`kept`;
         None for a rank with no subgroup); -1 if some rank has none (a fresh
@@ -838,9 +856,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         commit it was re-packed from or None). Resuming these groups must
         lose nothing: StateMismatchError if some rank holds such a commit
         newer than the one agreed on that is not its re-packing, or if no
-        commit of these groups is on every rank."""
-        gathered = self._gather(None if kept is None else
-                                (sorted(kept), sorted(other, key=lambda o: o[0])))
+        commit of these groups is on every rank.
+
+        `info`: {key: (run id, whether it is the run's first commit)} of
+        `kept` (_held_commits). Commits of different run ids are of two
+        starts of the run (a rank moved to another node's tiers), never
+        one state: StateMismatchError (a commit without an id, written
+        before ids, matches any). Some ranks without commits start every
+        rank afresh only where the others' commits are all the run's first
+        (a crash before every rank made it), else StateMismatchError.
+        `at_start` (the constructor): also sets the run's id (the agreed
+        commit's, else a new one of rank 0's), and refuses a fresh start
+        where a rank without commits has committed state on another rank's
+        tiers (_refuse_moved_ranks)."""
+        entry = None if kept is None else (sorted(kept), sorted(other, key=lambda o: o[0]),
+                                           {k: v for k, v in (info or {}).items()
+                                            if k in kept})
+        both = self._gather((entry, uuid.uuid4().hex if at_start and self._rank == 0
+                             else None))
+        gathered = [e for e, _ in both]
+        if at_start:
+            self._run_id = both[0][1]  # a fresh start's; a resume's below
         held = [set(g[0]) for g in gathered if g is not None]
         # (A re-packing of no commit every rank held, -1, holds nothing
         # older that a resume could lose: it is passed over.)
@@ -857,11 +893,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{_recovery.describe_commit(max(others))} of other groups is on "
                     f"some: {groups_note}")
             newest = max((k for h in held for k in h), default=-1)
-            if max(len(h) for h in held) >= 2:
-                # A rank committed twice: every rank committed once (the
-                # ranks step together), so this is not a crash before the
-                # first commits: a rank's state is gone, or out of sight.
-                ranks = [r for r, g in enumerate(gathered) if g is not None and not g[0]]
+            first = {k for g in gathered if g is not None
+                     for k, (_, is_first) in g[2].items() if is_first}
+            ranks = [r for r, g in enumerate(gathered) if g is not None and not g[0]]
+            if any(k not in first for h in held for k in h):
+                # A commit other than the run's first (a rank committed
+                # twice, or after an add_param_group or a resume): every rank
+                # made its first (the ranks step together), so this is not a
+                # crash before the first commits: a rank's state is gone, or
+                # out of sight.
                 raise StateMismatchError(
                     f"run {self._run_prefix!r}: rank(s) {ranks} hold no commit of it while "
                     f"other ranks hold commits up to {_recovery.describe_commit(newest)}: "
@@ -870,6 +910,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"a new node), restore them; to start afresh anyway, construct with "
                     f"resume='never' (then load_checkpoint, if there is one); nothing was "
                     f"changed")
+            if at_start and self._group is not None:
+                self._refuse_moved_ranks(ranks)
             return -1
         common = set.intersection(*held)
         if not common:
@@ -879,7 +921,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"run {self._run_prefix!r}: the ranks hold no commit in common (by rank: "
                 f"{have}), so no state of one moment can be resumed; nothing was "
                 f"changed (resume='never' starts afresh, or load a checkpoint)")
+        runs = {}  # commit_key -> {run id: [ranks]}
+        for r, g in enumerate(gathered):
+            for k, (run_id, _) in (g[2].items() if g is not None else ()):
+                if k in common and run_id is not None:
+                    runs.setdefault(k, {}).setdefault(run_id, []).append(r)
+        mixed = {k: ids for k, ids in runs.items() if len(ids) > 1}
+        if mixed:
+            k = max(mixed)
+            by_run = "; ".join(f"rank(s) {rs} of run id {run_id}"
+                               for run_id, rs in mixed[k].items())
+            raise StateMismatchError(
+                f"run {self._run_prefix!r}: the ranks' commits of "
+                f"{_recovery.describe_commit(k)} are of different starts of the run "
+                f"({by_run}), so resuming them would mix two runs' states: a rank's tiers "
+                f"hold another start's directories (a rank started on another node than "
+                f"before, with node-local tiers). Start every rank where its own tiers "
+                f"are, on the node it used before, or construct with resume='never' to "
+                f"start afresh; nothing was changed")
         agreed = max(common)
+        if at_start and runs.get(agreed):
+            self._run_id = next(iter(runs[agreed]))  # the resumed run's (None: a new one)
         later = [k for k, base in repacked if k > agreed and base != agreed]
         if later:
             raise StateMismatchError(
@@ -888,6 +950,45 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"than this optimizer's, whose newest is {_recovery.describe_commit(agreed)}:"
                 f" {groups_note}")
         return agreed
+
+    def _new_run_id(self):
+        """Collective: a new run id, rank 0's (a fresh start)."""
+        ids = [uuid.uuid4().hex]
+        if self._group is not None:
+            torch.distributed.broadcast_object_list(ids, src=self._global_rank(0),
+                                                    group=self._group)
+        return ids[0]
+
+    def _refuse_moved_ranks(self, commitless):
+        """Collective, before a fresh start that resume='auto'/'require'
+        chose because ranks `commitless` found no commit of their own:
+        StateMismatchError on every rank if some rank's tiers hold a
+        committed run directory of one of them (<run_name>.r<j>): that
+        rank's state is where another rank runs (ranks started on other
+        nodes than before, with node-local tiers), and starting afresh
+        would leave it behind (and a later start mix it in)."""
+        wanted = {name: j for j in commitless if j != self._rank
+                  for name in _recovery.run_dir_names(self._run_prefix, j)}
+        found = []
+        if wanted:
+            try:
+                entries = os.listdir(self._tiers[0]["path"])
+            except OSError:
+                entries = []
+            found = sorted(e for e in entries if e in wanted and self._has_commit(e))
+        seen = {r: names for r, names in enumerate(self._gather(found)) if names}
+        if not seen:
+            return
+        where = "; ".join(f"rank {r}'s tiers hold {', '.join(names)}"
+                          for r, names in seen.items())
+        raise StateMismatchError(
+            f"run {self._run_prefix!r}: rank(s) {sorted(commitless)} find no commit of "
+            f"their own on their tiers, but {where} (committed run directories of those "
+            f"ranks): the ranks run on other nodes than the ones holding their state "
+            f"(node-local tiers). Start every rank on the node that holds its "
+            f"<run_name>.r<rank> directories, or, to start afresh deliberately, construct "
+            f"with resume='never' (the directories found stay until removed); nothing was "
+            f"changed")
 
     def _next_epoch(self):
         """A load or a re-packing replaces the state outside a step: its
@@ -1785,6 +1886,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "has_state": has_state,
             "layout": self._layout_summary(),
             "repacked_from": repacked_from,
+            # Which start of the run made it (_agree_on_commit).
+            "run_id": self._run_id,
+            # The run's first commit: no commit of this engine before it, and
+            # no re-packing of one that every rank held. Ranks without
+            # commits make the others start afresh only over such a one.
+            "first_commit": self._engine.committed_step < 0 and repacked_from in (None, -1),
         }
 
     def _write_pystate(self, step, stepping=False, repacked_from=None, content=None):
@@ -2580,9 +2687,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         Atomic: the new state goes to fresh names and a manifest rename
         commits it, so a crash mid-save leaves the previous checkpoint
         intact. In a process group every rank writes its own shard, and the
-        previous save is removed only once every rank has the new one: if
+        previous save (the newest that every rank finished, which the ranks
+        agree on first) is removed only once every rank has the new one: if
         the save is interrupted on some rank, load_checkpoint on every rank
-        loads the previous save.
+        loads the previous save, also after several interrupted saves.
         """
         self._check_open()
         self._enter_collective("save_checkpoint")
@@ -2604,6 +2712,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         with self._together("take the parameters changed since the last step into its "
                             "master copy"):
             self._refresh_changed_masters()
+        # The save this rank keeps (as .prev) until every rank has the new
+        # one: the newest that every rank finished, which need not be this
+        # rank's current one (a save killed after this rank's manifest).
+        keep = None
+        if self._group is not None:
+            _, _, keep, _ = self._agree_on_save(directory)
         save_id = uuid.uuid4().hex
         if self._group is not None:
             ids = [save_id]
@@ -2618,7 +2732,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         written = False
         failure = None
         try:
-            old = self._read_manifest(directory, missing_ok=True)
+            old = keep if keep is not None else self._read_manifest(directory, missing_ok=True)
             try:
                 with open(self._manifest_path(directory, prev=True), "rb") as f:
                     old_prev = f.read()
@@ -2761,31 +2875,48 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _read_manifest(self, directory, missing_ok=False, prev=False):
         return _ckpt.read_manifest(directory, self._rank, prev=prev, missing_ok=missing_ok)
 
-    def _manifest_to_load(self, directory):
-        """Collective: this rank's manifest of the newest save that every
-        rank finished, or None and the saves each rank has where there is
-        none."""
-        if self._group is None:
-            return self._read_manifest(directory), None
-        saves = {}
+    def _agree_on_save(self, directory):
+        """Collective: the newest save in `directory` that every rank that
+        wrote it finished, judged from every rank's manifests: (its save
+        key, how many ranks wrote it, this rank's manifest of it or None,
+        each rank's saves). (None, None, None, each rank's saves) if there
+        is none. The candidates are rank 0's current save, then its previous
+        one (every save has a rank 0); one by more ranks than this job has
+        counts only if the files of the others say they finished it. A rank
+        whose current manifest names a later save that not every rank
+        finished goes back to this one for good (a best effort: a later
+        save keeps this one as its .prev either way)."""
+        saves = {}  # save key -> (manifest, whether it is the .prev)
         with self._together(f"read its checkpoint manifest in {directory}"):
             for prev in (True, False):  # the current manifest wins a tie
                 m = self._read_manifest(directory, missing_ok=True, prev=prev)
                 if m is not None:
                     saves[_ckpt.save_key(m)] = (m, prev)
-        gathered = self._gather(sorted(saves))
-        common = set(gathered[0]).intersection(*map(set, gathered[1:]))
-        if not common:
-            return None, gathered
-        current = [sid for sid, (_, prev) in saves.items() if not prev and sid in common]
-        if current:
-            return saves[current[0]][0], None
-        # This rank finished a save that another did not: back to the one
-        # before, for good (the next save must not keep the unfinished one).
-        manifest = saves[common.pop()][0]
-        _recovery.write_file_atomically(self._manifest_path(directory),
-                                        json.dumps(manifest, indent=1).encode())
-        return manifest, None
+        held = [(key, m["layout"].get("world_size", 1))
+                for key, (m, _) in sorted(saves.items(), key=lambda kv: kv[1][1])]
+        gathered = self._gather(held)
+        for key, world in gathered[0]:  # rank 0's, newest first
+            if not all(key in dict(gathered[r]) for r in range(min(world, self._world))):
+                continue
+            if world > self._world:
+                # The saving ranks that this job does not have: their files.
+                try:
+                    _ckpt.save_manifests(directory, key, world)
+                    finished = True
+                except OffloadError:
+                    finished = False
+                if not all(self._gather(finished)):
+                    continue
+            mine, prev = saves.get(key, (None, False))
+            if mine is not None and prev:
+                try:
+                    _recovery.write_file_atomically(self._manifest_path(directory),
+                                                    json.dumps(mine, indent=1).encode())
+                except OSError as e:
+                    _log.warning("rank %d could not set its manifest in %s back to the last "
+                                 "save every rank finished: %s", self._rank, directory, e)
+            return key, world, mine, gathered
+        return None, None, None, gathered
 
     def _gather(self, obj):
         """Collective: every rank's `obj`, by rank ([obj] without a group)."""
@@ -2828,24 +2959,30 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{self._world} reads every saving rank's files, but ranks "
                 f"{[r for r, v in enumerate(views) if v is None]} do not see "
                 f"manifest.rank0.json there (a node-local directory?)")
-        manifests = None
-        if not other:
-            mine, gathered = self._manifest_to_load(directory)
-            if mine is not None:
-                manifests = [mine]
-            elif not shared:
+        key = world = mine = None
+        if self._group is not None:
+            key, world, mine, gathered = self._agree_on_save(directory)
+            if key is None and not shared:
                 raise StateMismatchError(
-                    f"no checkpoint in {directory} is complete on every rank (saves by rank: "
-                    f"{dict(enumerate(gathered))}): a save was interrupted before every "
-                    f"rank had written its part, and no earlier save is left on every rank")
-            # else: the newest save every saving rank finished may be one by
-            # another rank count (an interrupted save by this one): below.
+                    f"no checkpoint in {directory} is complete on every rank (saves by "
+                    f"rank: {dict(enumerate(gathered))}): a save was interrupted before "
+                    f"every rank had written its part, and no earlier save is left on every "
+                    f"rank")
+        elif not other:
+            key, world, mine = "own", self._world, self._read_manifest(directory)
         error = None
         self._load_started = False
         try:
-            if manifests is None:
-                manifests = _ckpt.newest_complete_save(
-                    directory, reader=f"loading it on {self._world} rank(s), ")
+            reader = f"loading it on {self._world} rank(s), "
+            if key is None:
+                # Another rank count (one process), or nothing complete: the
+                # error names what is missing.
+                manifests = _ckpt.newest_complete_save(directory, reader=reader)
+            elif world == self._world:
+                manifests = [mine]
+            else:
+                # Saved by another number of ranks: every part of that save.
+                manifests = _ckpt.save_manifests(directory, key, world, reader=reader)
             self._load_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
@@ -2883,6 +3020,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         rank count: resharded)."""
         want, got = self._layout_summary(), manifests[0]["layout"]
         reshard = len(manifests) != 1 or got.get("world_size") != self._world
+        if reshard and len(manifests) != got.get("world_size"):
+            raise StateMismatchError(
+                f"internal: resharding the checkpoint in {directory}, saved by "
+                f"{got.get('world_size')} ranks, from {len(manifests)} of their manifests")
         for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays"):
             if key == "world_size" and reshard:
                 continue
