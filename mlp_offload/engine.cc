@@ -574,7 +574,8 @@ struct Engine::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (;;) {
       auto any_free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-        return FindFreeBuffer() >= 0 || !step_error.ok() || !IoInFlight();
+        return FindFreeBuffer() >= 0 || (in_step && !step_error.ok()) ||
+               !IoInFlight();
       };
       mu.Await(any_free);
       const int b = FindFreeBuffer();
@@ -582,7 +583,8 @@ struct Engine::Impl {
         Claim(b, subgroup, state);
         return b;
       }
-      if (!step_error.ok()) return step_error;
+      // (Outside a step, step_error is an earlier call's, already reported.)
+      if (in_step && !step_error.ok()) return step_error;
       if (!in_step) {
         MLP_RETURN_IF_ERROR(EvictCached(subgroup));
         continue;
@@ -734,6 +736,31 @@ struct Engine::Impl {
   int WriteSlotFor(int i) const {
     if (committed_slot[i] >= 0) return 1 - committed_slot[i];
     return current_slot[i] < 0 ? 0 : 1 - current_slot[i];
+  }
+  // After a failed write of a new record of subgroup i from buffer b (its
+  // step count already set; `old_step` the one before): with `keep` (the
+  // write went over the subgroup's only copy of its latest version) the new
+  // record stays in memory as the latest version, which a commit or an
+  // eviction writes, as after a failed write of a step; else nothing changed
+  // (the subgroup keeps its version on disk, or stays uninitialised: no
+  // commit may name a slot it never wrote).
+  void SettleFailedRewrite(int i, int b, bool keep, int64_t old_step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (keep) {
+      initialized[i] = true;
+      rewritten[i] = true;
+      buffers[b].state = BufState::kCached;
+      SupersedeIncompleteStep(i);
+    } else {
+      sg_step[i] = old_step;
+      Free(b);
+    }
+  }
+  // Whether the next write of subgroup i goes to the slot that holds its
+  // latest version on disk (written after its commit): that version is gone
+  // if the write fails part-way.
+  bool OverwritesLatest(int i) const {
+    return current_slot[i] >= 0 && WriteSlotFor(i) == current_slot[i];
   }
 
   // Seals buffer b's header for subgroup i at its current step and issues
@@ -1723,24 +1750,15 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
   // The record's header carries its step count: 0 while it is written, the
   // old count back if the write fails.
   const int64_t old_step = e.sg_step[i];
+  // Whether the write goes over the subgroup's latest version on disk (one
+  // written after its commit): a failed write may have destroyed it.
+  const bool over_latest = e.OverwritesLatest(i);
   e.sg_step[i] = 0;
   absl::Status s = e.WriteNow(i, b);
   if (!s.ok()) {
-    if (was_cached) {
-      // The cached copy, this subgroup's only one if it was newer than the
-      // disk's, is overwritten already: keep the new record as the latest
-      // version instead (a commit or an eviction writes it), as a failed
-      // write of a step does.
-      e.initialized[i] = true;
-      e.rewritten[i] = true;
-      e.buffers[b].state = BufState::kCached;
-      e.SupersedeIncompleteStep(i);
-    } else {
-      // Nothing changed: the subgroup keeps the version on disk, or stays
-      // uninitialised (no commit may name a slot it never wrote).
-      e.sg_step[i] = old_step;
-      e.Free(b);
-    }
+    // The cached copy, or the disk's latest version, is overwritten already:
+    // the new record stays as the latest version.
+    e.SettleFailedRewrite(i, b, was_cached || over_latest, old_step);
     return Annotate(s, absl::StrCat("initialising subgroup ", i));
   }
   e.initialized[i] = true;
@@ -1924,6 +1942,9 @@ absl::Status Engine::BeginStep() {
       }
     }
   }
+  // An error of I/O outside a step (a failed ReadSubgroup or checkpoint
+  // read, which its caller got) is not this step's.
+  e.step_error = absl::OkStatus();
   e.in_step = true;
   e.order = e.plan.Order(e.steps_done);
   e.pos = 0;
@@ -2315,16 +2336,19 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
     e.rewritten[i] = true;
     return absl::OkStatus();  // written back when evicted
   }
-  // The header carries the step count; a failed write changes nothing (the
-  // subgroup keeps its version on disk, or stays uninitialised).
+  // The header carries the step count. A failed write changes nothing (the
+  // subgroup keeps its version on disk, or stays uninitialised), unless it
+  // went over the latest version on disk: the new record is then kept in
+  // memory as the latest version.
   const int64_t old_step = e.sg_step[i];
+  const bool over_latest = e.OverwritesLatest(i);
   e.sg_step[i] = step;
   absl::Status s = e.WriteNow(i, b);
-  e.Free(b);
   if (!s.ok()) {
-    e.sg_step[i] = old_step;
+    e.SettleFailedRewrite(i, b, over_latest, old_step);
     return Annotate(s, absl::StrCat("writing subgroup ", i));
   }
+  e.Free(b);
   e.initialized[i] = true;
   e.SupersedeIncompleteStep(i);
   return absl::OkStatus();

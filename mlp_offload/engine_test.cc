@@ -1976,6 +1976,108 @@ TEST(EngineTest, AFailedFirstInitialisationLeavesTheSubgroupUninitialised) {
   }
 }
 
+TEST(EngineTest, AReadErrorOutsideAStepIsNotTheNextSteps) {
+  // A read that fails outside a step (state_dict, a checkpoint save) is
+  // reported to its caller; the next step, the fault gone, does not fail
+  // with it, and ends as a step without the earlier fault does.
+  EngineConfig cfg = SmallConfig(2);
+  cfg.fault_injection = true;
+  // Two streaming buffers, no cache: every record is read from its tier.
+  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));
+  Model model(cfg.subgroup_numel, 81);
+  Model fresh(cfg.subgroup_numel, 81);
+  std::vector<std::vector<float>> want;
+  for (bool fault : {false, true}) {
+    SCOPED_TRACE(fault ? "after a failed read" : "without a fault");
+    cfg.run_name = fault ? "stale_error_fault" : "stale_error_clean";
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    Model& m = fault ? model : fresh;
+    InitializeFrom(e, m);
+    RunSteps(e, m, 1, 1);
+    if (fault) {
+      // Every read from a tier fails: the records not cached cannot be read.
+      for (size_t t = 0; t < cfg.tiers.size(); ++t) {
+        FaultSpec spec;
+        spec.op = IoOp::kRead;
+        spec.nth = -1;
+        e.fault_injector(static_cast<int>(t))->AddFault(spec);
+      }
+      int failed = 0;
+      for (int i = 0; i < e.num_subgroups(); ++i) {
+        std::vector<float> p(cfg.subgroup_numel[i]), a(p.size()), b(p.size());
+        failed +=
+            !e.ReadSubgroup(i, p.data(), {a.data(), b.data()}, nullptr).ok();
+      }
+      EXPECT_GT(failed, 0);
+      for (size_t t = 0; t < cfg.tiers.size(); ++t) {
+        e.fault_injector(static_cast<int>(t))->ClearFaults();
+      }
+    }
+    RunSteps(e, m, 2, 3);
+    auto got = Take(e, cfg.subgroup_numel);
+    std::vector<std::vector<float>> all = got.master;
+    all.insert(all.end(), got.m.begin(), got.m.end());
+    all.insert(all.end(), got.v.begin(), got.v.end());
+    if (!fault) {
+      want = all;
+    } else {
+      EXPECT_TRUE(all == want);
+      EXPECT_EQ(got.step, std::vector<int64_t>(got.step.size(), 3));
+    }
+  }
+}
+
+TEST(EngineTest, AFailedRewriteOverTheLatestUncommittedRecordKeepsTheNewOne) {
+  // After a step that no commit covers, a subgroup's latest version is in
+  // the slot its next write goes to: a rewrite (InitializeSubgroup or
+  // WriteSubgroup, as a load does) that fails part-way there keeps its new
+  // record in memory as the latest version, and nothing reads the torn slot.
+  for (bool initialize : {true, false}) {
+    SCOPED_TRACE(initialize ? "InitializeSubgroup" : "WriteSubgroup");
+    EngineConfig cfg = SmallConfig(1);
+    cfg.fault_injection = true;
+    cfg.commit_every = 2;
+    cfg.run_name = initialize ? "torn_init" : "torn_write";
+    cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));
+    Model model(cfg.subgroup_numel, 91);
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_EQ(e.plan().num_cached, 0);
+    InitializeFrom(e, model);
+    RunSteps(e, model, 1, 1);
+    ASSERT_EQ(e.committed_step(), 0);
+    const int i = 1;
+    const size_t n = cfg.subgroup_numel[i];
+    std::vector<float> master(n, 0.5f), m(n, 0.25f), v(n, 0.125f);
+    FaultSpec fault;
+    fault.kind = FaultSpec::Kind::kShortTransfer;
+    fault.op = IoOp::kWrite;
+    fault.path_substring = absl::StrCat("sg_", i, ".state");
+    e.fault_injector(0)->AddFault(fault);
+    absl::Status s =
+        initialize ? e.InitializeSubgroup(i, master.data(), DType::kFloat32)
+                   : e.WriteSubgroup(i, master.data(), {m.data(), v.data()}, 7);
+    EXPECT_FALSE(s.ok());
+    e.fault_injector(0)->ClearFaults();
+    std::vector<float> p(n), a(n), b(n);
+    int64_t step = -1;
+    ASSERT_TRUE(e.ReadSubgroup(i, p.data(), {a.data(), b.data()}, &step).ok());
+    EXPECT_EQ(step, initialize ? 0 : 7);
+    EXPECT_EQ(p, master);
+    if (!initialize) {
+      EXPECT_EQ(a, m);
+      EXPECT_EQ(b, v);
+    }
+    // It reaches the disk with the next commit.
+    ASSERT_TRUE(e.Commit().ok());
+    ASSERT_TRUE(e.ReadSubgroup(i, p.data(), {a.data(), b.data()}, &step).ok());
+    EXPECT_EQ(p, master);
+  }
+}
+
 TEST(EngineTest, AGradientOffloadedTwiceLandsInTheOrderGiven) {
   // The baseline: a subgroup's gradient offloaded again (gradients changed
   // after the first offload) while the first write is still in flight. The

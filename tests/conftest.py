@@ -32,6 +32,21 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(locks, ignore_errors=True))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Bazel's test sharding (shard_count): this shard runs every
+    TEST_TOTAL_SHARDS-th test from TEST_SHARD_INDEX, in collection order."""
+    total = int(os.environ.get("TEST_TOTAL_SHARDS", "1"))
+    if total <= 1:
+        return
+    index = int(os.environ["TEST_SHARD_INDEX"])
+    status = os.environ.get("TEST_SHARD_STATUS_FILE")
+    if status:  # tells bazel that the test runner shards
+        open(status, "a").close()
+    keep = [item for i, item in enumerate(items) if i % total == index]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
 def built_path(request, option):
     """The absolute path a bazel py_test passed as --<option>, or a skip."""
     path = request.config.getoption(f"--{option}")

@@ -645,9 +645,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 held[k] = name
                 st = state if k == keys[0] else self._read_pystate_or_none(dirs[0], k)
                 st = st or {}
-                # The initial commit (0, 0) is a run's first also where older
-                # files do not say so.
-                info[k] = (st.get("run_id"), bool(st.get("first_commit")) or k == 0)
+                first = st.get("first_commit")
+                if first is None:
+                    # Written before the flag: the initial commit (0, 0), or
+                    # a directory's only commit (the rule of those versions).
+                    first = k == 0 or len(keys) == 1
+                info[k] = (st.get("run_id"), bool(first))
         # (A re-packing of no commit every rank held, -1, can be passed over:
         # it holds nothing older that a resume could lose.)
         if not held and any(base != -1 for _, base in other):
@@ -2341,8 +2344,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _state_view_read(self, g):
         """{param index: torch-format state} of subgroup g (this rank's),
-        read from the engine."""
+        read from the engine; refused, as state_dict() is, while a failed
+        load left the state part old, part loaded."""
         self._check_open()
+        self._check_state_whole()
         self._refresh_hyperparams()
         self._ensure_initialized()
         sg = self._subgroups[g]
