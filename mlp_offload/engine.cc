@@ -355,28 +355,6 @@ absl::StatusOr<TierCommitFiles> ReadTierCommitFiles(const std::string& dir,
   return files;
 }
 
-// fsyncs directory `dir`: the creation, rename or removal of an entry in it is
-// durable only after this. Errors name the directory.
-absl::Status SyncDirectory(const std::string& dir) {
-  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, "open directory", dir);
-  if (fsync(fd) != 0) {
-    const int e = errno;
-    close(fd);
-    return ErrnoStatus(e, "fsync directory", dir);
-  }
-  close(fd);
-  return absl::OkStatus();
-}
-
-// The directory holding `path` ("." for a bare name).
-std::string ParentDirectory(std::string path) {
-  while (path.size() > 1 && path.back() == '/') path.pop_back();
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
 std::atomic<internal_engine::TierFreeBytesFn> g_tier_free_bytes{nullptr};
 
 // The free bytes of the file system holding `path` (nullopt: unknown).
@@ -404,8 +382,8 @@ uint64_t ExistingRunBytes(const std::string& run_dir,
     total += std::min(static_cast<uint64_t>(st.st_blocks) * 512, size);
   };
   for (size_t i = 0; i < numel.size(); ++i) {
-    const uint64_t slot = kRecordHeaderBytes + RoundUp(numel[i] * 4 * arrays);
-    held(absl::StrCat(run_dir, "/sg_", i, ".state"), 2 * slot);
+    held(absl::StrCat(run_dir, "/sg_", i, ".state"),
+         SlotOffset(2, RoundUp(numel[i] * 4 * arrays)));
     if (grads)
       held(absl::StrCat(run_dir, "/sg_", i, ".grad"), RoundUp(numel[i] * 4));
   }

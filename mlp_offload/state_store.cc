@@ -366,19 +366,26 @@ absl::Status WriteFileAtomically(const std::string& path,
   }
   // The rename is durable only once the directory's entry is: a crash
   // before that may bring the old file back.
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "."
-                          : slash == 0               ? "/"
-                                                     : path.substr(0, slash);
-  int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return ErrnoStatus(errno, "open directory", dir);
-  if (fsync(dfd) != 0) {
-    int e = errno;
-    close(dfd);
+  return SyncDirectory(ParentDirectory(path));
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "open directory", dir);
+  if (fsync(fd) != 0) {
+    const int e = errno;
+    close(fd);
     return ErrnoStatus(e, "fsync directory", dir);
   }
-  close(dfd);
+  close(fd);
   return absl::OkStatus();
+}
+
+std::string ParentDirectory(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
 }
 
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {

@@ -110,6 +110,11 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
 // fsyncs the directory: readers see the old or the new file, never a mix.
 absl::Status WriteFileAtomically(const std::string& path,
                                  absl::string_view contents);
+// fsyncs directory `dir`: the creation, rename or removal of an entry in it
+// is durable only after this. Errors name the directory.
+absl::Status SyncDirectory(const std::string& dir);
+// The directory holding `path` ("." for a bare name, "/" for one at the root).
+std::string ParentDirectory(std::string path);
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
 // Exactly `n` bytes at `offset` of `fd`, the file `path` (for the errors);
 // a file that ends early is DataLoss naming it.
