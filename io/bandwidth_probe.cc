@@ -18,8 +18,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
 #include "io/aligned_buffer.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
@@ -54,7 +54,7 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     ::mlp_offload::MutexLock lock(&shared.mu);
     for (unsigned i = 0; i < queue_depth; ++i) shared.free_slots.push_back(i);
   }
-  const absl::Time start = absl::Now();
+  const MonoTime start = MonoNow();
   for (uint64_t offset = 0; offset < bytes; offset += block_size) {
     unsigned slot;
     {
@@ -89,7 +89,7 @@ absl::StatusOr<double> TimeSequentialTransfer(IoEngine& engine, File& file,
     MLP_RETURN_IF_ERROR(shared.error);
   }
   if (sync && op == IoOp::kWrite) MLP_RETURN_IF_ERROR(file.Sync());
-  return absl::ToDoubleSeconds(absl::Now() - start);
+  return SecondsSince(start);
 }
 
 namespace {
@@ -388,10 +388,10 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
                         .status();
       });
     }
-    const absl::Time start = absl::Now();
+    const MonoTime start = MonoNow();
     go.Notify();
     for (auto& t : threads) t.join();
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    const double seconds = SecondsSince(start);
     for (const absl::Status& s : status) {
       if (!s.ok()) return Annotate(s, where);
     }

@@ -12,6 +12,7 @@
 #include "io/internal/delay_queue.h"
 #include "io/internal/paced_engine.h"
 #include "io/internal/request.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
@@ -128,7 +129,7 @@ void FaultInjectingEngine::Submit(const IoRequest& request, IoCallback done) {
       return;
     }
     case FaultSpec::Kind::kDelay:
-      impl_->delays.RunAt(absl::Now() + fault->delay,
+      impl_->delays.RunAt(MonoAfter(fault->delay),
                           [inner, request, done = std::move(done)]() mutable {
                             inner->Submit(request, std::move(done));
                           });
@@ -165,20 +166,22 @@ class LocalClock final : public internal_io::PaceClock {
     return rate_[static_cast<int>(op)] > 0;
   }
 
-  absl::Time Reserve(IoOp op, size_t bytes) override {
+  MonoTime Reserve(IoOp op, size_t bytes) override {
     ::mlp_offload::MutexLock lock(&mu_);
-    absl::Time& next = next_release_[static_cast<int>(op)];
-    const absl::Time release = std::max(next, absl::Now());
-    next = release + absl::Seconds(static_cast<double>(bytes) /
-                                   rate_[static_cast<int>(op)]);
+    MonoTime& next = next_release_[static_cast<int>(op)];
+    const MonoTime release = std::max(next, MonoNow());
+    next = release +
+           std::chrono::duration_cast<MonoClock::duration>(
+               std::chrono::duration<double>(static_cast<double>(bytes) /
+                                             rate_[static_cast<int>(op)]));
     return release;
   }
 
  private:
   const double rate_[2];  // bytes/s, indexed by IoOp
   ::mlp_offload::Mutex mu_;
-  absl::Time next_release_[2] ABSL_GUARDED_BY(mu_) = {absl::InfinitePast(),
-                                                      absl::InfinitePast()};
+  MonoTime next_release_[2] ABSL_GUARDED_BY(mu_) = {MonoTime::min(),
+                                                    MonoTime::min()};
 };
 
 }  // namespace

@@ -13,8 +13,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "io/internal/paced_engine.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -59,7 +59,7 @@ class SharedClock final : public internal_io::PaceClock {
     return rate_[static_cast<int>(op)] > 0;
   }
 
-  absl::Time Reserve(IoOp op, size_t bytes) override {
+  MonoTime Reserve(IoOp op, size_t bytes) override {
     const int o = static_cast<int>(op);
     const int streaming = std::max(1, state_->streaming.load());
     const double factor = 1.0 + contention_ * (streaming - 1);
@@ -72,7 +72,8 @@ class SharedClock final : public internal_io::PaceClock {
       start = std::max(cur, now);
     } while (
         !state_->next_free_ns[o].compare_exchange_weak(cur, start + cost_ns));
-    return absl::Now() + absl::Nanoseconds(start - now);
+    return MonoNow() + std::chrono::duration_cast<MonoClock::duration>(
+                           std::chrono::nanoseconds(start - now));
   }
 
   void StreamStarts() override { state_->streaming.fetch_add(1); }

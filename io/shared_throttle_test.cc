@@ -9,11 +9,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
 #include "io/internal/test_util.h"
+#include "mlp_offload/base/clock.h"
 
 namespace mlp_offload {
 namespace {
@@ -64,13 +64,13 @@ class SharedThrottleTest : public testing::Test {
   // until both are done; a failed write is reported here.
   static double WriteBoth(IoEngine& a, File& fa, AlignedBuffer& buf_a,
                           IoEngine& b, File& fb, AlignedBuffer& buf_b) {
-    const absl::Time start = absl::Now();
+    const MonoTime start = MonoNow();
     IoFuture wa = a.Submit({IoOp::kWrite, &fa, 0, kSize, buf_a.data()});
     IoFuture wb = b.Submit({IoOp::kWrite, &fb, 0, kSize, buf_b.data()});
     const absl::StatusOr<size_t> ra = wa.Wait(), rb = wb.Wait();
     EXPECT_TRUE(ra.ok()) << ra.status();
     EXPECT_TRUE(rb.ok()) << rb.status();
-    return absl::ToDoubleSeconds(absl::Now() - start);
+    return SecondsSince(start);
   }
 
   std::string dir_, state_;
@@ -115,10 +115,10 @@ TEST_F(SharedThrottleTest, EnginesOnOneStateFileShareTheCap) {
   EXPECT_GE(WriteBoth(*a, *fa, buf_a, *b, *fb, buf_b), MinSeconds(16));
   // Reads have their own clock: the writes above did not use it up, and one
   // engine alone is paced at the full cap.
-  const absl::Time read_start = absl::Now();
+  const MonoTime read_start = MonoNow();
   ASSERT_TRUE(
       a->Submit({IoOp::kRead, fa.get(), 0, kSize, buf_a.data()}).Wait().ok());
-  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - read_start), MinSeconds(8));
+  EXPECT_GE(SecondsSince(read_start), MinSeconds(8));
 }
 
 // With contention 1, a piece scheduled while two engines stream costs twice
@@ -130,12 +130,12 @@ TEST_F(SharedThrottleTest, ConcurrentStreamsPayTheContention) {
   AlignedBuffer buf_b = *AlignedBuffer::Allocate(kSize);
   EXPECT_GE(WriteBoth(*a, *fa, buf_a, *b, *fb, buf_b), MinSeconds(24));
   // Taking turns (the tier lock's way) pays nothing: 16 MiB of device time.
-  const absl::Time turns = absl::Now();
+  const MonoTime turns = MonoNow();
   ASSERT_TRUE(
       a->Submit({IoOp::kWrite, fa.get(), 0, kSize, buf_a.data()}).Wait().ok());
   ASSERT_TRUE(
       b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()}).Wait().ok());
-  const double took = absl::ToDoubleSeconds(absl::Now() - turns);
+  const double took = SecondsSince(turns);
   EXPECT_GE(took, MinSeconds(16));
 }
 
@@ -163,7 +163,7 @@ TEST_F(SharedThrottleTest, ProcessesShareTheCap) {
   AlignedBuffer buf = *AlignedBuffer::Allocate(kSize);
   char c;
   ASSERT_EQ(read(ready[0], &c, 1), 1);
-  const absl::Time start = absl::Now();
+  const MonoTime start = MonoNow();
   ASSERT_EQ(write(go[1], &c, 1), 1);
   ASSERT_TRUE(engine->Submit({IoOp::kWrite, file.get(), 0, kSize, buf.data()})
                   .Wait()
@@ -172,7 +172,7 @@ TEST_F(SharedThrottleTest, ProcessesShareTheCap) {
   ASSERT_EQ(waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0);
-  EXPECT_GE(absl::ToDoubleSeconds(absl::Now() - start), MinSeconds(16));
+  EXPECT_GE(SecondsSince(start), MinSeconds(16));
 }
 
 TEST_F(SharedThrottleTest, BadInputIsNamed) {

@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
@@ -390,7 +391,7 @@ class UringEngine final : public IoEngine {
       const unsigned n = io_uring_peek_batch_cqe(
           &ring_, cqes.data(), static_cast<unsigned>(cqes.size()));
       if (rc >= 0 || rc == -EINTR || n > 0) {
-        failing_since_ = absl::InfiniteFuture();
+        failing_ = false;
         backoff_ = absl::ZeroDuration();
         if (rc >= 0 && ring_broken_) {
           ring_broken_ = false;
@@ -406,15 +407,20 @@ class UringEngine final : public IoEngine {
         // submission works again. What is already in the ring stays there
         // (its buffers may still be in the kernel's hands) until the ring
         // works or the engine shuts down (AbandonUnsubmittedOnShutdown).
-        const absl::Time now = absl::Now();
-        if (failing_since_ == absl::InfiniteFuture()) failing_since_ = now;
+        const MonoTime now = MonoNow();
+        if (!failing_) {
+          failing_ = true;
+          failing_since_ = now;
+        }
         backoff_ = std::min(kMaxBackoff, std::max(kMinBackoff, backoff_ * 2));
-        if (!ring_broken_ && now - failing_since_ >= kRingGiveUp) {
+        if (!ring_broken_ &&
+            now - failing_since_ >= ToMonoDuration(kRingGiveUp)) {
           ring_broken_ = true;
           SetBroken(ErrnoStatus(
               -rc, "io_uring_enter",
-              absl::StrCat("submitting to the ring for ",
-                           absl::FormatDuration(now - failing_since_))));
+              absl::StrCat(
+                  "submitting to the ring for ",
+                  absl::FormatDuration(ToAbslDuration(now - failing_since_)))));
         }
         absl::SleepFor(backoff_);
         if (ring_broken_ && AbandonUnsubmittedOnShutdown(in_flight)) break;
@@ -463,8 +469,9 @@ class UringEngine final : public IoEngine {
   // Loop thread only: pieces to resubmit (short transfers, EAGAIN).
   std::deque<std::unique_ptr<Piece>> retry_;
   // Loop thread only: since when submissions have failed without anything
-  // completing (InfiniteFuture: they work), and the current back-off.
-  absl::Time failing_since_ = absl::InfiniteFuture();
+  // completing (if failing_), and the current back-off.
+  bool failing_ = false;
+  MonoTime failing_since_;
   absl::Duration backoff_ = absl::ZeroDuration();
   bool ring_broken_ = false;  // mirrors !broken_.ok(), without the lock
 };

@@ -40,7 +40,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/status_macros.h"
 #include "mlp_offload/engine.h"
 
@@ -269,14 +269,14 @@ class Worker {
     std::normal_distribution<float> dist(0, 1);
     for (auto& g : shard_->grads)
       for (auto& x : g) x = ToBf16(0.01f * dist(shard_->rng));
-    const absl::Time start = absl::Now();
+    const MonoTime start = MonoNow();
     for (size_t i = 0; i < inputs_.size(); ++i) {
       MLP_RETURN_IF_ERROR(
           engine_->OffloadGradients(static_cast<int>(i), inputs_[i].segments));
     }
     MLP_ASSIGN_OR_RETURN(StepStats stats,
                          engine_->Step(inputs_, StepOptions()));
-    *seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    *seconds = SecondsSince(start);
     return stats;
   }
 
@@ -479,12 +479,12 @@ absl::StatusOr<Summary> RunRanks(const std::string& name,
   const int steps = absl::GetFlag(FLAGS_steps);
   for (int step = 0; step <= steps; ++step) {
     if (!gather('r')) return fail("a rank failed (see above)");
-    const absl::Time start = absl::Now();
+    const MonoTime start = MonoNow();
     const std::string bytes(setup.ranks, 'g');
     if (!WriteAll(go[1], bytes.data(), bytes.size()))
       return fail("cannot release the ranks");
     if (!gather('d')) return fail("a rank failed (see above)");
-    if (step > 0) times.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+    if (step > 0) times.push_back(SecondsSince(start));
   }
   Summary total;
   for (int r = 0; r < setup.ranks; ++r) {

@@ -13,7 +13,7 @@ DelayQueue::DelayQueue() {
 
 DelayQueue::~DelayQueue() { Drain(); }
 
-void DelayQueue::RunAt(absl::Time when, std::function<void()> fn) {
+void DelayQueue::RunAt(MonoTime when, std::function<void()> fn) {
   {
     ::mlp_offload::MutexLock lock(&mu_);
     if (!stopped_) {
@@ -51,7 +51,7 @@ void DelayQueue::Loop() {
               [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changed_; });
           continue;
         }
-        const absl::Time now = absl::Now();
+        const MonoTime now = MonoNow();
         auto it = queue_.begin();
         if (it->first.first <= now) break;
         // Sleep until the earliest deadline or until RunAt adds an earlier one.
@@ -60,7 +60,7 @@ void DelayQueue::Loop() {
             [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return changed_; },
             it->first.first);
       }
-      const absl::Time now = absl::Now();
+      const MonoTime now = MonoNow();
       while (!queue_.empty() && queue_.begin()->first.first <= now) {
         due.push_back(std::move(queue_.begin()->second));
         queue_.erase(queue_.begin());

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/time/time.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
@@ -25,10 +25,11 @@ class DelayQueue {
   DelayQueue(const DelayQueue&) = delete;
   DelayQueue& operator=(const DelayQueue&) = delete;
 
-  // Runs `fn` on the queue's thread at `when` (at once if past). Closures due
+  // Runs `fn` on the queue's thread at `when`, a monotonic time (at once if
+  // past). Closures due
   // at the same time run in the order they were added. After Drain, runs
   // `fn` on the calling thread at once.
-  void RunAt(absl::Time when, std::function<void()> fn);
+  void RunAt(MonoTime when, std::function<void()> fn);
   // Waits until every closure added so far has run (at its time), then stops
   // the thread. Idempotent.
   void Drain();
@@ -38,7 +39,7 @@ class DelayQueue {
 
   ::mlp_offload::Mutex mu_;
   // Keyed by (time, arrival) so equal times keep FIFO order.
-  std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> queue_
+  std::map<std::pair<MonoTime, uint64_t>, std::function<void()>> queue_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
   bool changed_ ABSL_GUARDED_BY(mu_) = false;

@@ -2,8 +2,8 @@
 
 #include <vector>
 
-#include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
@@ -16,15 +16,15 @@ TEST(DelayQueueTest, RunsInTimeOrderAndDrainWaitsForAll) {
   std::vector<int> order;
   // Far enough ahead that a stall of this thread while it queues (a loaded
   // machine) cannot let an item come due before an earlier one is queued.
-  const absl::Time base = absl::Now() + absl::Milliseconds(300);
+  const MonoTime base = MonoAfter(absl::Milliseconds(300));
   for (int i : {3, 1, 2, 0}) {
-    queue.RunAt(base + absl::Milliseconds(10 * i), [&, i] {
+    queue.RunAt(base + std::chrono::milliseconds(10 * i), [&, i] {
       ::mlp_offload::MutexLock lock(&mu);
       order.push_back(i);
     });
   }
   // Same time: FIFO.
-  queue.RunAt(base + absl::Milliseconds(30), [&] {
+  queue.RunAt(base + std::chrono::milliseconds(30), [&] {
     ::mlp_offload::MutexLock lock(&mu);
     order.push_back(4);
   });
@@ -37,7 +37,7 @@ TEST(DelayQueueTest, AfterDrainRunsInline) {
   DelayQueue queue;
   queue.Drain();
   bool ran = false;
-  queue.RunAt(absl::Now() + absl::Hours(1), [&] { ran = true; });
+  queue.RunAt(MonoAfter(absl::Hours(1)), [&] { ran = true; });
   EXPECT_TRUE(ran);
 }
 

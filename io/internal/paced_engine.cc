@@ -62,7 +62,7 @@ class PacedEngine final : public IoEngine {
     std::vector<Piece> pieces =
         SplitRequest(request, std::move(finish), kPaceChunk);
     for (Piece& piece : pieces) {
-      const absl::Time release = clock_->Reserve(request.op, piece.length);
+      const MonoTime release = clock_->Reserve(request.op, piece.length);
       IoRequest part = request;
       part.offset = piece.offset;
       part.length = piece.length;

@@ -12,6 +12,7 @@
 
 #include "absl/time/time.h"
 #include "io/io_engine.h"
+#include "mlp_offload/base/clock.h"
 
 namespace mlp_offload {
 namespace internal_io {
@@ -27,8 +28,8 @@ class PaceClock {
   // to the inner engine, whole).
   virtual bool Capped(IoOp op) const = 0;
   // Reserves device time for `bytes` in direction `op` and returns when the
-  // piece may be released. Thread-safe.
-  virtual absl::Time Reserve(IoOp op, size_t bytes) = 0;
+  // piece may be released (monotonic). Thread-safe.
+  virtual MonoTime Reserve(IoOp op, size_t bytes) = 0;
   // The engine goes from no request outstanding to one, and back.
   virtual void StreamStarts() {}
   virtual void StreamStops() {}

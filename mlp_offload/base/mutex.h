@@ -16,8 +16,7 @@
 #include <mutex>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
+#include "mlp_offload/base/clock.h"
 
 namespace mlp_offload {
 
@@ -44,16 +43,19 @@ class ABSL_LOCKABLE Mutex {
     lock.release();
   }
 
-  // Like Await, but gives up at `deadline`; returns pred().
+  // Like Await, but gives up at `deadline` (monotonic); returns pred().
   template <typename Pred>
-  bool AwaitWithDeadline(Pred pred, absl::Time deadline)
+  bool AwaitWithDeadline(Pred pred, MonoTime deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
     std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
     bool result = pred();
     while (!result) {
-      const absl::Duration left = deadline - absl::Now();
-      if (left <= absl::ZeroDuration()) break;
-      cv_.wait_for(lock, absl::ToChronoNanoseconds(left));
+      const MonoClock::duration left = deadline - MonoNow();
+      if (left <= MonoClock::duration::zero()) break;
+      // In slices of at most an hour: wait_for adds `left` to the clock's
+      // now, which must not overflow for a far deadline.
+      cv_.wait_for(lock,
+                   std::min<MonoClock::duration>(left, std::chrono::hours(1)));
       result = pred();
     }
     lock.release();
