@@ -211,6 +211,7 @@ class AdamUpdate {  // Adam (L2) and AdamW (decoupled): see UpdateArgs.
         vmax_(a.state[2]),
         amsgrad_(a.amsgrad),
         negate_(hn::Set(d, a.negate_mask)),
+        has_l2_(a.has_l2),
         l2_(hn::Set(d, a.l2_decay)),
         decay_(hn::Set(d, a.param_decay)),
         one_minus_beta1_(hn::Set(d, a.one_minus_beta1)),
@@ -222,7 +223,7 @@ class AdamUpdate {  // Adam (L2) and AdamW (decoupled): see UpdateArgs.
 
   HWY_INLINE V operator()(D d, V g, V p, size_t i) const {
     g = hn::Xor(g, negate_);
-    g = hn::MulAdd(l2_, p, g);
+    if (has_l2_) g = hn::MulAdd(l2_, p, g);
     p = hn::Mul(p, decay_);
     V m = hn::LoadU(d, m_ + i);
     V v = hn::LoadU(d, v_ + i);
@@ -243,7 +244,7 @@ class AdamUpdate {  // Adam (L2) and AdamW (decoupled): see UpdateArgs.
   float* HWY_RESTRICT m_;
   float* HWY_RESTRICT v_;
   float* HWY_RESTRICT vmax_;
-  bool amsgrad_;
+  bool amsgrad_, has_l2_;
   V negate_, l2_, decay_, one_minus_beta1_, beta2_, one_minus_beta2_,
       step_size_, inv_sqrt_bc2_, eps_;
 };
@@ -258,6 +259,7 @@ class SgdUpdate {
         nesterov_(a.nesterov),
         first_step_(a.first_step),
         negate_(hn::Set(d, a.negate_mask)),
+        has_l2_(a.has_l2),
         l2_(hn::Set(d, a.l2_decay)),
         lr_(hn::Set(d, a.lr)),
         momentum_(hn::Set(d, a.momentum)),
@@ -265,7 +267,7 @@ class SgdUpdate {
 
   HWY_INLINE V operator()(D d, V g, V p, size_t i) const {
     g = hn::Xor(g, negate_);
-    g = hn::MulAdd(l2_, p, g);
+    if (has_l2_) g = hn::MulAdd(l2_, p, g);
     if (has_momentum_) {
       // The first step copies the gradient rather than scaling a buffer that
       // may hold anything (torch clones the gradient).
@@ -281,7 +283,7 @@ class SgdUpdate {
 
  private:
   float* HWY_RESTRICT buf_;
-  bool has_momentum_, nesterov_, first_step_;
+  bool has_momentum_, nesterov_, first_step_, has_l2_;
   V negate_, l2_, lr_, momentum_, one_minus_dampening_;
 };
 
@@ -292,13 +294,14 @@ class AdagradUpdate {
   AdagradUpdate(D d, const UpdateArgs& a)
       : sum_(a.state[0]),
         negate_(hn::Set(d, a.negate_mask)),
+        has_l2_(a.has_l2),
         l2_(hn::Set(d, a.l2_decay)),
         clr_(hn::Set(d, a.step_size)),
         eps_(hn::Set(d, a.eps)) {}
 
   HWY_INLINE V operator()(D d, V g, V p, size_t i) const {
     g = hn::Xor(g, negate_);
-    g = hn::MulAdd(l2_, p, g);
+    if (has_l2_) g = hn::MulAdd(l2_, p, g);
     const V sum = hn::MulAdd(g, g, hn::LoadU(d, sum_ + i));
     hn::StoreU(sum, d, sum_ + i);
     return hn::NegMulAdd(clr_, hn::Div(g, hn::Add(hn::Sqrt(sum), eps_)), p);
@@ -306,6 +309,7 @@ class AdagradUpdate {
 
  private:
   float* HWY_RESTRICT sum_;
+  bool has_l2_;
   V negate_, l2_, clr_, eps_;
 };
 
@@ -681,6 +685,7 @@ UpdateArgs MakeArgs(const OptimizerHyperparams& hp, const UpdateSpans& spans,
       const double bc2 = hp.bias_correction ? 1.0 - std::pow(b2, step) : 1.0;
       if (hp.kind == OptimizerKind::kAdam) {
         a.l2_decay = static_cast<float>(hp.weight_decay);
+        a.has_l2 = hp.weight_decay != 0;
       } else {
         a.param_decay = static_cast<float>(1.0 - lr * wd);
       }
@@ -695,6 +700,7 @@ UpdateArgs MakeArgs(const OptimizerHyperparams& hp, const UpdateSpans& spans,
     }
     case OptimizerKind::kSGD:
       a.l2_decay = static_cast<float>(hp.weight_decay);
+      a.has_l2 = hp.weight_decay != 0;
       a.lr = static_cast<float>(hp.lr);
       a.has_momentum = hp.momentum != 0.0;
       a.momentum = static_cast<float>(hp.momentum);
@@ -704,6 +710,7 @@ UpdateArgs MakeArgs(const OptimizerHyperparams& hp, const UpdateSpans& spans,
       break;
     case OptimizerKind::kAdagrad:
       a.l2_decay = static_cast<float>(hp.weight_decay);
+      a.has_l2 = hp.weight_decay != 0;
       a.step_size = static_cast<float>(lr / (1.0 + (step - 1.0) * hp.lr_decay));
       a.eps = static_cast<float>(hp.eps);
       break;
@@ -802,10 +809,10 @@ absl::Status ValidateHyperparams(const OptimizerHyperparams& hp) {
       if (!std::isfinite(hp.dampening)) {
         return InvalidField("dampening", "must be finite");
       }
-      if (hp.nesterov && (hp.momentum <= 0.0 || hp.dampening != 0.0)) {
-        return InvalidField("nesterov",
-                            "requires momentum > 0 and zero dampening");
-      }
+      // No check of nesterov against momentum and dampening: torch makes it
+      // in SGD's constructor only, and its step applies nesterov to
+      // whatever momentum and dampening a schedule sets later (none at
+      // momentum 0), as the kernel does.
       return absl::OkStatus();
     case OptimizerKind::kAdagrad:
       MLP_RETURN_IF_ERROR(CheckNonNegative("lr_decay", hp.lr_decay));

@@ -35,12 +35,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
 #include "io/shared_throttle.h"
 #include "io/tier_lock.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 #include "mlp_offload/base/thread_pool.h"
@@ -62,9 +62,7 @@ uint64_t StableHash(absl::string_view s) {
   return h;
 }
 
-double Seconds(absl::Time since) {
-  return absl::ToDoubleSeconds(absl::Now() - since);
-}
+double Seconds(MonoTime since) { return SecondsSince(since); }
 
 // Takes a cross-process tier lock around each burst of requests (technique
 // 4): a dispatcher thread holds the lock while it has requests to issue and
@@ -495,7 +493,7 @@ struct Engine::Impl {
   size_t pos = 0;
   size_t next_read = 0;
   StepStats stats;
-  absl::Time step_start;
+  MonoTime step_start;
 
   explicit Impl(const EngineConfig& c)
       : config(c), pool(std::max(1, c.compute_threads)) {}
@@ -638,7 +636,10 @@ struct Engine::Impl {
                                            buf.subgroup, ")"));
     }
     if (!r.ok() && buf.io_status.ok()) buf.io_status = r.status();
-    if (r.ok()) {
+    // A step's statistics count its own transfers and the gradient
+    // offload before it, not the I/O of initialisation, state reads or
+    // checkpoints between steps.
+    if (r.ok() && (in_step || buf.grad_write)) {
       if (is_read) {
         stats.bytes_read[tier] += bytes;
       } else {
@@ -1818,7 +1819,7 @@ absl::Status Engine::OffloadGradients(int i,
   MLP_RETURN_IF_ERROR(
       CheckGradientSegments("OffloadGradients", i, e.numel[i], segments));
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
-  absl::Time start = absl::Now();
+  MonoTime start = MonoNow();
   // The baseline converts to fp32 at once and swaps the result out, as
   // ZeRO-Infinity does during backward: the write is asynchronous (the next
   // Step waits for it), the conversion is not.
@@ -1894,7 +1895,7 @@ absl::Status Engine::BeginStep() {
   }
   MutexLock l(&e.mu);
   // The baseline's gradient writes must have landed before they are read.
-  absl::Time grad_wait = absl::Now();
+  MonoTime grad_wait = MonoNow();
   auto grads_landed = [&e]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
     return e.grad_writes == 0;
   };
@@ -1928,7 +1929,7 @@ absl::Status Engine::BeginStep() {
   e.pos = 0;
   e.next_read = 0;
   e.stats.step = e.steps_done + 1;
-  e.step_start = absl::Now();
+  e.step_start = MonoNow();
   e.peak_in_use = e.buffers_in_use;
   e.IssueReads();
   return absl::OkStatus();
@@ -1944,7 +1945,7 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   if (e.pos >= e.order.size()) return SubgroupView{};
   const int i = e.order[e.pos];
   e.IssueReads();
-  absl::Time wait_start = absl::Now();
+  MonoTime wait_start = MonoNow();
   int b = e.buffer_of[i];
   // A cache hit: the record in memory may be the only copy of its latest
   // version (kept after the last step's update, never written), so a failed
@@ -2027,7 +2028,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   Impl& e = *impl_;
   if (!e.in_step)
     return absl::FailedPreconditionError("EndStep: no step running");
-  absl::Time wait_start = absl::Now();
+  MonoTime wait_start = MonoNow();
   absl::Status s;
   {
     MutexLock l(&e.mu);
@@ -2188,7 +2189,7 @@ absl::StatusOr<StepStats> Engine::Step(
       MLP_RETURN_IF_ERROR(Done(/*updated=*/false));
       continue;
     }
-    absl::Time start = absl::Now();
+    MonoTime start = MonoNow();
     OptimizerHyperparams hp = inputs[i].hp;
     hp.step = view->step + 1;
     const float* g32 = nullptr;

@@ -2117,5 +2117,41 @@ TEST(EngineTest, AGradientOffloadedTwiceLandsInTheOrderGiven) {
   EXPECT_EQ(master, std::vector<float>(4096, -1.0f));
 }
 
+TEST(EngineTest, IoBetweenStepsIsNotCountedInTheNextStep) {
+  // Initialisation writes and records read between steps (a state_dict)
+  // are not the step's: its bytes are those of a step without them.
+  EngineConfig cfg = SmallConfig(2);
+  // Two streaming buffers, no cache: every step reads and writes it all.
+  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));
+  cfg.run_name = "stats_between_steps";
+  Model model(cfg.subgroup_numel, 91);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  InitializeFrom(e, model);
+  std::vector<StepStats> stats;
+  for (int step = 1; step <= 3; ++step) {
+    if (step == 3) {
+      for (int i = 0; i < e.num_subgroups(); ++i) {
+        std::vector<float> p(cfg.subgroup_numel[i]), a(p.size()), b(p.size());
+        ASSERT_TRUE(
+            e.ReadSubgroup(i, p.data(), {a.data(), b.data()}, nullptr).ok());
+      }
+    }
+    model.NewGrads(step);
+    auto s = e.Step(AdamWInputs(model), StepOptions());
+    ASSERT_TRUE(s.ok()) << s.status();
+    stats.push_back(*s);
+  }
+  for (size_t t = 0; t < cfg.tiers.size(); ++t) {
+    SCOPED_TRACE(absl::StrCat("tier ", t));
+    EXPECT_GT(stats[1].bytes_read[t], 0u);
+    for (int k : {0, 2}) {
+      EXPECT_EQ(stats[k].bytes_read[t], stats[1].bytes_read[t]) << k;
+      EXPECT_EQ(stats[k].bytes_written[t], stats[1].bytes_written[t]) << k;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mlp_offload

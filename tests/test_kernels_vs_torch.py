@@ -182,3 +182,52 @@ def test_bad_arguments_raise_config_error():
     with pytest.raises(errors.ConfigError, match="state arrays"):
         K.apply_optimizer(dict(optimizer="adam", amsgrad=True, step=1),
                           param.data_ptr(), ptrs, grad.data_ptr(), "float32", 8)
+
+
+NONFINITE_PARAM_CASES = [
+    ("adam", dict(lr=1e-2)),
+    ("adam", dict(lr=1e-2, weight_decay=0.1)),
+    ("adamw", dict(lr=1e-2)),  # decoupled decay 0.01: p * (1 - lr wd)
+    ("sgd", dict(lr=0.1, momentum=0.9)),
+    ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("adagrad", dict(lr=0.1)),
+]
+
+
+@pytest.mark.parametrize("case", NONFINITE_PARAM_CASES, ids=_case_id)
+def test_infinite_and_nan_parameters_follow_torch(case):
+    # torch adds an L2 term only for weight_decay != 0: without one an
+    # infinite parameter stays infinite and its state finite; with one both
+    # go the way torch's arithmetic takes them.
+    name, kwargs = case
+    n = 1003
+    seed = secrets.randbits(63)
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    p0[0], p0[500], p0[5], p0[n - 1] = float("inf"), float("inf"), -float("inf"), \
+        float("nan")
+    ref = p0.clone().requires_grad_(True)
+    opt = TORCH_CLASSES[name]([ref], foreach=False, **kwargs)
+    hp = {k: v for k, v in opt.param_groups[0].items() if k in HP_KEYS}
+    hp["optimizer"] = name
+    param = p0.clone()
+    names = K.state_array_names(hp)
+    state = [torch.empty(n) for _ in names]
+    K.init_state(hp, [s.data_ptr() for s in state], n, num_threads=1)
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=gen)
+        ref.grad = grad.clone()
+        opt.step()
+        K.apply_optimizer(dict(hp, step=step), param.data_ptr(),
+                          [s.data_ptr() for s in state], grad.data_ptr(), "float32", n,
+                          num_threads=1)
+        msg = f"seed {seed}, step {step}"
+        torch.testing.assert_close(param, ref.detach(), rtol=2e-5, atol=1e-6,
+                                   equal_nan=True, msg=lambda m: f"param, {msg}: {m}")
+        for key, ours in zip(names, state):
+            torch.testing.assert_close(ours, opt.state[ref][key], rtol=2e-5, atol=1e-6,
+                                       equal_nan=True,
+                                       msg=lambda m, key=key: f"{key}, {msg}: {m}")
+    if not kwargs.get("weight_decay") or name == "adamw":
+        assert param[0] == float("inf") and param[5] == -float("inf")
+        assert all(torch.isfinite(s).all() for s in state)

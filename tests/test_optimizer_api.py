@@ -1098,3 +1098,72 @@ def test_a_step_without_gradients_leaves_no_stale_stats(tmp_path):
     assert opt.last_step_stats == {"skipped": True, "no_gradients": True}
     assert opt.engine.steps == 1
     opt.close()
+
+
+def test_schedules_under_nesterov_follow_torch(tmp_path):
+    # torch checks nesterov against momentum and dampening in SGD's
+    # constructor only: a schedule may later set momentum 0 (no momentum at
+    # all) or a dampening, and its step carries on.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+               tmp_path)
+    settings = {2: dict(momentum=0.0), 4: dict(momentum=0.8, dampening=0.3)}
+    for step in range(6):
+        for o in (ref_opt, opt):
+            o.param_groups[0].update(settings.get(step, {}))
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        loss_of(ref, step).backward()
+        copy_grads(model, ref)
+        ref_opt.step()
+        opt.step()
+        assert_close(model, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("option", ["fused", "capturable", "differentiable"])
+def test_unsupported_options_set_after_construction_are_refused(tmp_path, option):
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tmp_path)
+    loss_of(model, 0).backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0][option] = True
+    with pytest.raises(errors.ConfigError, match=option):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.param_groups[0][option] = False
+    opt.step()
+    opt.close()
+
+
+def test_adagrad_accumulator_starts_from_the_constructors_value(tmp_path):
+    # torch fills `sum` from the constructor's initial_accumulator_value in
+    # __init__, and from its defaults for a group added later, whatever the
+    # group itself says.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+
+    def make(m):
+        return torch.optim.Adagrad([{"params": m[0].parameters(),
+                                     "initial_accumulator_value": 4.0}], lr=0.1,
+                                   initial_accumulator_value=0.5)
+    ref_opt = make(ref)
+    opt = wrap(make(model), tmp_path)
+    for step in range(3):
+        if step == 1:
+            ref_opt.add_param_group({"params": ref[2].parameters(),
+                                     "initial_accumulator_value": 2.0})
+            opt.add_param_group({"params": model[2].parameters(),
+                                 "initial_accumulator_value": 2.0})
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        loss_of(ref, step).backward()
+        copy_grads(model, ref)
+        ref_opt.step()
+        opt.step()
+        assert_close(model, ref)
+    assert_same_state(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    opt.close()

@@ -28,7 +28,11 @@ struct UpdateArgs {
   // -0.0f when maximizing: XOR with it negates the gradient exactly, and XOR
   // with +0.0f leaves it bit-for-bit unchanged.
   float negate_mask = 0.0f;
-  float l2_decay = 0.0f;     // g += l2_decay * p (Adam, SGD, Adagrad)
+  // g += l2_decay * p (Adam, SGD, Adagrad), only when has_l2: as in torch,
+  // no decay term at all for weight_decay 0, so that an infinite parameter
+  // does not turn its gradient into 0 * inf = NaN.
+  float l2_decay = 0.0f;
+  bool has_l2 = false;
   float param_decay = 1.0f;  // p *= param_decay (AdamW, Lion: 1 - lr * wd)
 
   // Adam/AdamW (bias corrections folded in); Lion's betas.

@@ -1556,6 +1556,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"on {self._device}: convert the model (model.to(...)) before "
                         f"creating the optimizer, or create it again")
 
+    def _init_hyperparams(self, group):
+        """The hyperparameters a native subgroup's fresh state starts from
+        (None on the generic path). Adagrad's accumulator starts from the
+        optimizer's default initial_accumulator_value, as torch does in
+        __init__ and for added groups, whatever a param group says."""
+        if self._family is None:
+            return None
+        init = dict(self._group_hps[group])
+        if self._family == "adagrad":
+            init["initial_accumulator_value"] = float(
+                self.optimizer.defaults["initial_accumulator_value"])
+        return init
+
     def _ensure_initialized(self):
         if self._initialized:
             return
@@ -1566,9 +1579,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         for g in self._owned:
             sg = self._subgroups[g]
             flat = _layout.flat_fp32(sg.params)
-            init = None
-            if self._family is not None:
-                init = dict(self._group_hps[sg.group])
+            init = self._init_hyperparams(sg.group)
             self._engine.initialize_subgroup(self._local[g], flat.data_ptr(), "float32",
                                              init)
             del flat
@@ -2028,6 +2039,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _refresh_hyperparams(self):
         if self._family is None:
             return
+        # Options set on a group after construction (fused, capturable, ...)
+        # are refused as at construction, never silently ignored.
+        _hp.check_options(self.optimizer, self._family)
         self._group_hps = [_hp.group_hyperparams(self._family, g) for g in self.param_groups]
         need = self._uniform_arrays(self._group_hps)
         if need > self._num_arrays:
@@ -2442,7 +2456,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     if pid in masters:
                         master[off:off + n].copy_(masters[pid])
             if not any(present):
-                init = None if self._family is None else dict(self._group_hps[sg.group])
+                init = self._init_hyperparams(sg.group)
                 # A load is committed by the next step's commit (or by the
                 # caller), never half-way by this call.
                 self._engine.initialize_subgroup(self._local[g], master.data_ptr(),
