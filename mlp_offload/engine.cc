@@ -2327,7 +2327,13 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
     e.SettleFailedRewrite(i, b, over_latest, old_step);
     return Annotate(s, absl::StrCat("writing subgroup ", i));
   }
-  e.Free(b);
+  // As InitializeSubgroup: a record the next step starts with stays cached
+  // (a state written back into a new engine starts with a warm cache).
+  if (e.KeepInCache(i, b)) {
+    e.buffers[b].state = BufState::kCached;
+  } else {
+    e.Free(b);
+  }
   e.initialized[i] = true;
   e.SupersedeIncompleteStep(i);
   return absl::OkStatus();

@@ -1167,3 +1167,36 @@ def test_adagrad_accumulator_starts_from_the_constructors_value(tmp_path):
         assert_close(model, ref)
     assert_same_state(opt.state_dict()["state"], ref_opt.state_dict()["state"])
     opt.close()
+
+
+@pytest.mark.parametrize("at", [2, 3])
+@pytest.mark.parametrize("kind", ["adam", "adamax"])
+def test_add_param_group_keeps_the_host_cache_warm(tmp_path, kind, at):
+    # The rebuilt engine gets the state back with the records the next step
+    # starts with in its cache: that step hits as many as any other. The
+    # order alternates: after 2 steps those are records written back, after
+    # 3 the new group's.
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2)}[kind]
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(10, 10) for _ in range(6))
+    (tmp_path / "probe").mkdir()
+    probe = wrap(make(layers.parameters()), tmp_path / "probe", subgroup_numel=120)
+    cache = 2 * probe.plan.buffer_bytes
+    probe.close()
+    opt = wrap(make([p for m in layers[:4] for p in m.parameters()]), tmp_path,
+               subgroup_numel=120, host_cache_bytes=cache)
+    hits = []
+    for step in range(6):
+        if step == at:
+            opt.add_param_group({"params": [p for m in layers[4:] for p in m.parameters()]})
+        opt.zero_grad()
+        x = torch.randn(4, 10)
+        for m in layers:
+            x = m(x)
+        x.square().sum().backward()
+        opt.step()
+        hits.append((opt.last_step_stats["cache_hits"], opt.plan.num_cached))
+    assert opt.plan.num_cached == 2 and len(opt.subgroups) == 6
+    assert all(h == k for h, k in hits[1:]), hits
+    opt.close()

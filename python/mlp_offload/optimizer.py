@@ -1406,10 +1406,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._build(rebuild=True)  # the new engine takes self._epoch
         if saved is None:
             return
+        if self._engine is not None:
+            # First: the records the next step starts with stay cached as
+            # they are written back, which depends on the step count.
+            self._engine.set_step(steps)
         self._write_states(saved, masters)  # every subgroup of this rank
         self._initialized = True
         if self._engine is not None:
-            self._engine.set_step(steps)
             if self._commit_every > 0:
                 self._write_pystate(steps, repacked_from=repacked_from)
                 self._engine.commit()
