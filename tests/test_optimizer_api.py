@@ -1200,3 +1200,30 @@ def test_add_param_group_keeps_the_host_cache_warm(tmp_path, kind, at):
     assert opt.plan.num_cached == 2 and len(opt.subgroups) == 6
     assert all(h == k for h, k in hits[1:]), hits
     opt.close()
+
+
+def test_amsgrad_switched_on_after_steps_without_it_is_refused(tmp_path):
+    # The engine has the max_exp_avg_sq array (group 0 uses amsgrad), but
+    # group 1's parameters stepped without it: torch's step raises a
+    # KeyError for them; the wrapper refuses before changing anything.
+    model = make_model()
+    inner = torch.optim.Adam([{"params": model[0].parameters(), "amsgrad": True},
+                              {"params": model[2].parameters()}], lr=1e-2)
+    opt = wrap(inner, tmp_path)
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+    opt.param_groups[1]["amsgrad"] = True
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(errors.ConfigError, match="group 1: amsgrad switched on"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.param_groups[1]["amsgrad"] = False
+    opt.step()
+    # Group 0, on from the start, may go off and on again, as in torch.
+    opt.param_groups[0]["amsgrad"] = False
+    opt.step()
+    opt.param_groups[0]["amsgrad"] = True
+    opt.step()
+    opt.close()

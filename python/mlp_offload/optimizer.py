@@ -1626,7 +1626,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self.last_step_stats = {"skipped": True, "no_gradients": True}
             return loss
         self._refresh_hyperparams()
-        self._check_momentum_switch()
+        self._check_switched_on_state()
         skip_nonfinite = amp or self._nonfinite != "ignore"
 
         stats = before = failure = None
@@ -1677,22 +1677,34 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self.last_step_stats = stats
         return loss
 
-    def _check_momentum_switch(self):
-        """SGD momentum switched on mid-training, with dampening: torch starts
-        the buffer from the gradient, undamped; the engine's buffer, kept
-        (zero) for parameters that stepped without it, would be damped
-        instead. Refused rather than silently different (on every rank)."""
-        if self._family != "sgd" or not any(
-                hp["momentum"] != 0.0 and hp["dampening"] != 0.0 for hp in self._group_hps):
+    def _switched_on_key(self, hp):
+        """The state key that group settings `hp` use and that parameters
+        which stepped without it cannot start as torch would from the
+        engine's kept (zero) array; None where there is none."""
+        if self._family == "sgd" and hp["momentum"] != 0.0 and hp["dampening"] != 0.0:
+            # torch starts the buffer from the undamped gradient; a zero
+            # buffer would be damped.
+            return "momentum_buffer"
+        if self._family == "adam" and hp["amsgrad"]:
+            # torch's step has no max_exp_avg_sq for them: a KeyError.
+            return "max_exp_avg_sq"
+        return None
+
+    def _check_switched_on_state(self):
+        """SGD momentum with dampening, or Adam's amsgrad, switched on in a
+        group whose parameters stepped without it: refused (on every rank
+        alike) rather than silently different from torch."""
+        if self._family not in ("sgd", "adam") or not any(
+                self._switched_on_key(hp) for hp in self._group_hps):
             return
         bad = None
         for g in self._owned:
             sg = self._subgroups[g]
-            hp = self._group_hps[sg.group]
-            if self._skip.get(g) or hp["momentum"] == 0.0 or hp["dampening"] == 0.0:
+            key = self._switched_on_key(self._group_hps[sg.group])
+            if self._skip.get(g) or key is None:
                 continue
             keys = self._array_names(sg.group)
-            if any(self._has_state[pid] and not _generic.offloaded_keys_of(
+            if any(self._has_state[pid] and key not in _generic.offloaded_keys_of(
                     self._has_state[pid], keys) for pid in sg.param_ids):
                 bad = sg.group
                 break
@@ -1700,14 +1712,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # The same answer on every rank (the others would wait for it).
             bad = self._max_over_ranks(-1 if bad is None else bad)[0]
             bad = None if bad < 0 else bad
-        if bad is not None:
-            hp = self._group_hps[bad]
+        if bad is None:
+            return
+        hp = self._group_hps[bad]
+        if self._family == "sgd":
             raise ConfigError(
                 f"SGD parameter group {bad}: momentum switched on ({hp['momentum']:g}) "
                 f"after steps without it, with dampening {hp['dampening']:g}: torch "
                 f"starts the buffer from the undamped gradient, which the offloaded "
                 f"(zero) buffer cannot tell; take that first step with dampening=0, "
                 f"or use momentum from the start")
+        raise ConfigError(
+            f"Adam parameter group {bad}: amsgrad switched on after steps without it: "
+            f"its parameters have no max_exp_avg_sq (torch's step fails on them with a "
+            f"KeyError); turn amsgrad on in that group from the start (a scheduler "
+            f"may turn it off and on again), or leave it off")
 
     def _array_names(self, group):
         """torch's state keys of the engine's arrays for parameter group
