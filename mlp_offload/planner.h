@@ -84,14 +84,24 @@ struct Plan {
   std::string ToString(const std::vector<TierSpec>& tiers) const;
 };
 
-// Makes a plan. Errors (InvalidArgument / ResourceExhausted) name the
-// problem: no tiers, a tier without bandwidth, a subgroup of size 0, a budget
-// below the minimum for double buffering (the message says the minimum), the
-// tiers' capacity below the state's size.
+// Makes a plan. Placement: subgroups go in index order to the tier furthest
+// behind its bandwidth share (every window of the streaming order is spread
+// over the tiers, which then stream side by side); only where that runs out
+// of room, they are placed to minimise the slowest tier's predicted time for
+// the steady-state traffic each subgroup carries (cached records carry less
+// or none), within the tiers' capacities.
+// Errors (InvalidArgument / ResourceExhausted) name the problem: no tiers, a
+// tier without bandwidth (0: unknown, probe it), a bandwidth or throttle that
+// is not finite or a bandwidth below 0, a subgroup of size 0 or so large that
+// its bytes overflow 64 bits, a budget below the minimum for double buffering
+// (the message says the minimum), the tiers' capacity below the state's size
+// or no placement of the subgroups that fits the tiers (the message gives the
+// total and each tier's capacity).
 absl::StatusOr<Plan> MakePlan(const PlannerInput& input);
 
 // Bytes of a record of `numel` parameters with `arrays_per_param` fp32
-// arrays, rounded up to the O_DIRECT alignment.
+// arrays, rounded up to the O_DIRECT alignment. `numel` must be small enough
+// that the bytes fit 64 bits (MakePlan checks).
 uint64_t AlignedRecordBytes(uint64_t numel, int arrays_per_param);
 
 }  // namespace mlp_offload
