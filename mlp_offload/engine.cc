@@ -1504,8 +1504,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   // Check the tiers before planning so a bad path is named as such, and
   // plan before creating anything, so a refused config leaves no trace.
   MLP_RETURN_IF_ERROR(e.CheckTiers());
-  // Capacity, unless given: what the file system has free, plus what this
-  // run's state files there hold already (a resume rewrites them in place;
+  // Capacity, unless given: this process's share of what the file system
+  // has free (the node's shared_by processes that use the tier plan at the
+  // same time, each against the same free space), plus what this run's
+  // state files there hold already (a resume rewrites them in place;
   // without them, a run that takes more than half the free space could never
   // be resumed). Unknown: unlimited.
   for (size_t t = 0; t < in.tiers.size(); ++t) {
@@ -1517,7 +1519,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                          config.subgroup_numel, 1 + config.num_state_arrays,
                          !config.techniques.delayed_grad_conversion);
     // A full tier holds nothing (0 would tell the planner "unlimited").
-    in.tiers[t].capacity_bytes = std::max<uint64_t>(1, *free + own);
+    const uint64_t share =
+        *free / static_cast<uint64_t>(std::max(1, in.tiers[t].shared_by));
+    in.tiers[t].capacity_bytes = std::max<uint64_t>(1, share + own);
   }
   MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
   MLP_RETURN_IF_ERROR(e.OpenTiers());

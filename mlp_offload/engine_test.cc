@@ -2153,5 +2153,36 @@ TEST(EngineTest, IoBetweenStepsIsNotCountedInTheNextStep) {
   }
 }
 
+TEST(EngineTest, ProcessesSharingATierPlanWithTheirShareOfItsFreeSpace) {
+  // The shared_by processes of a node that use a tier each plan against the
+  // same free space: each takes its share, or together they would overfill
+  // it.
+  EngineConfig cfg = SmallConfig(1);
+  uint64_t need = 0;  // two slots per subgroup
+  for (uint64_t n : cfg.subgroup_numel) {
+    need += 2 * (4096 + AlignedRecordBytes(n, 3));
+  }
+  struct HookGuard {
+    ~HookGuard() { internal_engine::SetTierFreeBytesForTesting(nullptr); }
+  } guard;
+  internal_engine::SetTierFreeBytesForTesting(&FakeFreeBytes);
+  for (int shared_by : {1, 2, 4}) {
+    SCOPED_TRACE(absl::StrCat("shared_by ", shared_by));
+    // 3x the state free, whatever earlier runs left in the directory.
+    g_fake_fs_bytes = uint64_t{1} << 50;
+    g_fake_fs_bytes -= FakeFreeBytes(cfg.tiers[0].path);  // used
+    g_fake_fs_bytes += 3 * need;
+    cfg.run_name = absl::StrCat("shared_capacity_", shared_by);
+    cfg.tiers[0].shared_by = shared_by;
+    auto engine = Engine::Create(cfg);
+    if (shared_by < 4) {
+      EXPECT_TRUE(engine.ok()) << engine.status();
+    } else {  // 3/4 of the state each
+      EXPECT_EQ(engine.status().code(), absl::StatusCode::kResourceExhausted)
+          << engine.status();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mlp_offload
