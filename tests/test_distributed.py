@@ -60,6 +60,17 @@ def worker(rank, tiers, name, mode):
     assert sd["state"].keys() == ref_sd["state"].keys()
     assert all(sd["state"][i].keys() == st.keys() for i, st in ref_sd["state"].items())
     assert_states_match(sd["state"], ref_sd["state"], rank)
+    if name != "rmsprop":
+        # Keys no kernel uses, loaded on every rank, are kept by the owner
+        # rank and reach every rank's full state dict.
+        loaded = {"param_groups": ref_sd["param_groups"],
+                  "state": {i: dict(st, ema=torch.full((2,), float(i)))
+                            for i, st in ref_sd["state"].items()}}
+        opt.load_state_dict(loaded)
+        got = opt.state_dict()["state"]
+        assert sorted(got) == sorted(loaded["state"])
+        for i in loaded["state"]:
+            assert torch.equal(got[i]["ema"], torch.full((2,), float(i))), (rank, i)
     opt.close()
 
 

@@ -263,3 +263,53 @@ def test_hand_edited_manifest_with_a_bad_field_is_corrupt(tmp_path):
     path.write_text(json.dumps(good))
     opt.load_checkpoint(ckpt)
     opt.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_loaded_keys_no_kernel_uses_are_kept_as_torch_keeps_them(tmp_path, name):
+    # A state dict with keys of the user's own (an EMA, a note): torch keeps
+    # them through steps and state_dict(); so does the native path, through
+    # the state view and checkpoints too.
+    make = OPTIMIZERS[name]
+    ref = make_model()
+    ref_opt = make(ref.parameters())
+    run(ref, ref_opt, range(2))
+    sd = ref_opt.state_dict()
+    for i, st in sd["state"].items():
+        st["ema"] = torch.full((3,), float(i))
+        st["note"] = 10 * i
+
+    def check(state):
+        assert sorted(state) == sorted(sd["state"])
+        for i in sd["state"]:
+            assert torch.equal(state[i]["ema"], torch.full((3,), float(i))), i
+            assert state[i]["note"] == 10 * i, i
+
+    model = copy.deepcopy(ref)
+    opt = wrap(make(model.parameters()), tier_dirs(tmp_path, prefix="t"))
+    opt.load_state_dict(sd)
+    ref_opt.load_state_dict(sd)
+    run(ref, ref_opt, range(2, 4))
+    run(model, opt, range(2, 4))
+    assert_same_params(model, ref)
+    out = opt.state_dict()
+    check(out["state"])
+    assert_same_state(out, ref_opt.state_dict())
+    first = next(iter(model.parameters()))
+    assert opt.state[first]["note"] == 0 and "ema" in opt.state[first].keys()
+    opt.save_checkpoint(tmp_path / "ckpt")
+    model2 = copy.deepcopy(model)
+    opt2 = wrap(make(model2.parameters()), tier_dirs(tmp_path, prefix="u"))
+    opt2.load_checkpoint(tmp_path / "ckpt")
+    check(opt2.state_dict()["state"])
+    # A state dict without them leaves none behind.
+    opt2.load_state_dict(_without(sd, ("ema", "note")))
+    assert all("ema" not in st for st in opt2.state_dict()["state"].values())
+    opt.close()
+    opt2.close()
+
+
+def _without(sd, keys):
+    return {"param_groups": sd["param_groups"],
+            "state": {i: {k: v for k, v in st.items() if k not in keys}
+                      for i, st in sd["state"].items()}}

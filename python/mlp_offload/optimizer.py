@@ -2293,18 +2293,24 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parts = list(flat.split(sg.numel)) if k > 0 else [flat]
         return parts[0], parts[1:1 + k], int(step.item())
 
-    def _param_state(self, sg, pid, p, off, n, arrays, step, has_state, views=False):
+    def _param_state(self, sg, pid, p, off, n, arrays, step, has_state, views=False,
+                     extras=None):
         """torch's per-parameter state dict for one parameter (`has_state`:
         its entry of self._has_state, from its owner rank). Its tensors are
-        copies, or with `views` views of `arrays`."""
+        copies, or with `views` views of `arrays`. Native path: `extras` is
+        the parameter's loaded keys that no kernel uses (from its owner rank;
+        None: this rank's record), returned as they were loaded."""
         def copy(arr):
             piece = arr[off:off + n].view(p.shape)
             return piece if views else piece.clone()
 
         if self._family is not None:
+            if extras is None:
+                extras = self._py_state.get(pid)
+            extras = _copy_state(extras) if extras else {}
             hp = self._group_hps[sg.group]
             if step == 0 and not _hp.state_exists_at_step0(hp):
-                return None
+                return extras or None
             keys = self._array_names(sg.group)
             # The keys its steps (or the loaded state) created; a state
             # without that record (Adagrad before its first step) has what
@@ -2317,6 +2323,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             for name, arr in zip(keys, arrays):
                 if name in present:
                     st[name] = copy(arr)
+            st.update((k, v) for k, v in extras.items() if k not in st)
             if not st:
                 return None  # SGD without momentum keeps no state
             return st
@@ -2353,6 +2360,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         else:
             return None
         keys = (["step"] if _hp.has_step_key(hp) else []) + [k for k in names if k in present]
+        keys += [k for k in self._py_state.get(pid, {}) if k not in keys]
         return keys or None
 
     def _state_view_prepare(self):
@@ -2411,12 +2419,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._refresh_hyperparams()
         self._ensure_initialized()
         has_state = self._has_state
+        extras = None  # the native path's loaded keys no kernel uses, if gathered
         if not sharded and self._family is not None and self._group is not None:
-            # Each parameter's record of its keys is kept by its owner rank.
-            has_state = {}
-            for part in self._gather({pid: self._has_state[pid]
-                                      for pid in self._owned_param_ids()}):
-                has_state.update(part)
+            # Each parameter's record of its keys, and the loaded keys no
+            # kernel uses, are kept by its owner rank.
+            has_state, extras = {}, {}
+            own = self._owned_param_ids()
+            for part_has, part_extras in self._gather(
+                    ({pid: self._has_state[pid] for pid in own},
+                     {pid: self._py_state[pid] for pid in own if self._py_state.get(pid)})):
+                has_state.update(part_has)
+                extras.update(part_extras)
         out = {}
         for sg in self._subgroups:
             if sharded:
@@ -2432,7 +2445,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     piece = master[off:off + n]
                     masters[pid] = piece if alloc is not None else piece.clone()
                 st = self._param_state(sg, pid, p, off, n, arrays, step, has_state[pid],
-                                       views=alloc is not None)
+                                       views=alloc is not None,
+                                       extras=None if extras is None else extras.get(pid, {}))
                 if st is not None:
                     out[pid] = st
         if not sharded and self._family is None and self._group is not None:
@@ -2512,6 +2526,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     if not check_only:
                         self._has_state[pid] = _generic.has_state_value(
                             [k for k in keys if st.get(k) is not None], keys)
+                        # Keys no kernel array holds (a user's own, or one
+                        # of a setting the engine was not sized for) are
+                        # kept as loaded, as torch keeps them.
+                        extra = {k: v for k, v in st.items() if k not in keys and
+                                 not (k == "step" and _hp.has_step_key(hp))}
+                        if extra:
+                            self._py_state[pid] = _copy_state(extra)
+                        else:
+                            self._py_state.pop(pid, None)
                 else:
                     keys = self._keys[sg.group]
                     if not check_only:
@@ -2685,8 +2708,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             st = state_dict["state"].get(sid)
             if st is None or len(st) == 0:
                 continue
+            if self._keys is not None:
+                checked = self._keys[group_of[pid]]
+            else:  # the kernel's keys; others are kept as they are
+                checked = _hp.array_names(self._group_hps[group_of[pid]]["kind"], 3)
             for k, v in st.items():
-                if self._keys is not None and k not in self._keys[group_of[pid]]:
+                if k not in checked:
                     continue  # kept in Python as it is (a factored moment, a counter)
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and \
                         list(v.shape) != shapes[pid] and v.numel() != 1:
