@@ -20,14 +20,17 @@ namespace mlp_offload {
 // hooks (AlignedBuffer::AllocatePinned), registering with `device` current
 // (the device whose context the caller already uses). Unavailable when there
 // is no CUDA device, InvalidArgument for a device out of range; then nothing
-// is installed. Calling it again switches the device.
+// is installed. Calling it again switches the device for the buffers pinned
+// from then on; each buffer is unregistered with the device it was
+// registered with.
 [[nodiscard]] absl::Status InstallCudaHostPinning(int device = 0);
 
 // Removes the hooks (buffers pinned earlier are still unpinned correctly).
 void UninstallCudaHostPinning();
 
 // Bytes currently registered through the hooks, and the number of
-// registrations: both return to zero once every pinned buffer is freed.
+// registrations: both return to zero once every pinned buffer is freed (a
+// buffer whose unregistration failed stays counted).
 uint64_t CudaRegisteredHostBytes();
 int64_t CudaRegisteredHostBuffers();
 

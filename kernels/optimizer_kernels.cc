@@ -210,8 +210,8 @@ class AdamUpdate {  // Adam (L2) and AdamW (decoupled): see UpdateArgs.
         v_(a.state[1]),
         vmax_(a.state[2]),
         amsgrad_(a.amsgrad),
-        negate_(hn::Set(d, a.negate_mask)),
         has_l2_(a.has_l2),
+        negate_(hn::Set(d, a.negate_mask)),
         l2_(hn::Set(d, a.l2_decay)),
         decay_(hn::Set(d, a.param_decay)),
         one_minus_beta1_(hn::Set(d, a.one_minus_beta1)),
@@ -258,8 +258,8 @@ class SgdUpdate {
         has_momentum_(a.has_momentum),
         nesterov_(a.nesterov),
         first_step_(a.first_step),
-        negate_(hn::Set(d, a.negate_mask)),
         has_l2_(a.has_l2),
+        negate_(hn::Set(d, a.negate_mask)),
         l2_(hn::Set(d, a.l2_decay)),
         lr_(hn::Set(d, a.lr)),
         momentum_(hn::Set(d, a.momentum)),
@@ -293,8 +293,8 @@ class AdagradUpdate {
   using V = hn::Vec<D>;
   AdagradUpdate(D d, const UpdateArgs& a)
       : sum_(a.state[0]),
-        negate_(hn::Set(d, a.negate_mask)),
         has_l2_(a.has_l2),
+        negate_(hn::Set(d, a.negate_mask)),
         l2_(hn::Set(d, a.l2_decay)),
         clr_(hn::Set(d, a.step_size)),
         eps_(hn::Set(d, a.eps)) {}

@@ -164,6 +164,39 @@ def test_staged_generic_optimizer_matches_torch_on_cpu(tmp_path):
         _run_parity(tmp_path, "cpu", torch.float32, rms)
 
 
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("family", ["adamw", "rmsprop"])
+def test_staged_path_skips_frozen_layers_as_torch_does(tmp_path, mode, family):
+    # A frozen layer's subgroups have no gradients: the norm and the NaN/Inf
+    # check leave them out and the step leaves them as they are.
+    make = {"adamw": ADAMW,
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9)}[family]
+    with _staged_cpu():
+        model = _model(torch.float32, "cpu")
+        model[0].requires_grad_(False)
+        ref = copy.deepcopy(model)
+        ref_opt = make(ref.parameters())
+        opt = MLPOffloadOptimizer(make(model.parameters()),
+                                  tiers=tier_dirs(tmp_path, prefix="tier"),
+                                  subgroup_numel=4096, mode=mode, compute_threads=1)
+        assert opt._staging is not None
+        frozen = [p.detach().clone() for p in model[0].parameters()]
+        for x in _batches(4, "cpu", torch.float32):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad(set_to_none=True)
+                _loss(m, x).backward()
+            norm = opt.clip_grad_norm_(1e9)
+            ref_norm = torch.linalg.vector_norm(torch.stack(
+                [p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+            torch.testing.assert_close(norm.float(), ref_norm.float(), rtol=1e-5, atol=1e-7)
+            opt.step()
+            ref_opt.step()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(p, f) for p, f in zip(model[0].parameters(), frozen))
+        opt.close()
+
+
 def test_staged_clip_uses_the_statistics_and_leaves_grads_alone(tmp_path):
     with _staged_cpu():
         _run_parity(tmp_path, "cpu", torch.float32, ADAMW, clip=0.05)

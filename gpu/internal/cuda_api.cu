@@ -16,6 +16,33 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 1024;
 
+// Makes `device` current on the calling thread for the guard's life, and
+// the thread's device before it current again after: torch keeps its
+// current device (torch.cuda.current_device(), where a bare "cuda" tensor
+// goes) in the same per-thread runtime state, which a registration for a
+// model on another device must not move. Nothing is switched when `device`
+// is current already (the usual case: one device per process, or
+// autograd's thread for the gradient's device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == device) return;
+    previous_ = current;
+    status_ = cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0 && status_ == cudaSuccess) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;  // -1: nothing to restore
+  cudaError_t status_ = cudaSuccess;
+};
+
 int Fail(cudaError_t e, const char** error) {
   *error = cudaGetErrorString(e);
   cudaGetLastError();  // clear a non-sticky error so later calls start clean
@@ -92,14 +119,16 @@ int DeviceCount(int* count, const char** error) {
 }
 
 int HostRegister(int device, void* data, size_t bytes, const char** error) {
-  cudaError_t e = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  cudaError_t e = guard.status();
   if (e == cudaSuccess)
     e = cudaHostRegister(data, bytes, cudaHostRegisterPortable);
   return e == cudaSuccess ? 0 : Fail(e, error);
 }
 
 int HostUnregister(int device, void* data, const char** error) {
-  cudaError_t e = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  cudaError_t e = guard.status();
   if (e == cudaSuccess) e = cudaHostUnregister(data);
   return e == cudaSuccess ? 0 : Fail(e, error);
 }
@@ -108,8 +137,8 @@ int LaunchGradStats(int device, const void* grad, int type, uint64_t n,
                     float* sumsq, int* nonfinite, void* stream,
                     const char** error) {
   if (n == 0) return 0;
-  const cudaError_t set = cudaSetDevice(device);
-  if (set != cudaSuccess) return Fail(set, error);
+  DeviceGuard guard(device);
+  if (guard.status() != cudaSuccess) return Fail(guard.status(), error);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (type) {
     case kGradFloat32:

@@ -17,7 +17,8 @@ int DeviceCount(int* count, const char** error);
 // cudaHostRegister(data, bytes, cudaHostRegisterPortable) / cudaHostUnregister,
 // made with `device` current: the registration then lives in that device's
 // primary context (the one torch uses), not in a context created on device 0,
-// and is portable, i.e. pinned for every context.
+// and is portable, i.e. pinned for every context. These calls and the
+// kernel launch leave the thread's current device as they found it.
 int HostRegister(int device, void* data, size_t bytes, const char** error);
 int HostUnregister(int device, void* data, const char** error);
 

@@ -96,7 +96,7 @@ void RegisterCudaBindings(py::module_& parent) {
       py::arg("device") = 0,
       "(enabled, reason): installs cudaHostRegister (portable, made with "
       "`device` current) as the io layer's pinning hook, so "
-      "HostBuffer(pin=True) and the engine's pinned buffers are "
+      "HostBuffer(pin=True) (the GPU path's staging buffers) is "
       "page-locked. Call after the CUDA context exists (torch initialises it); "
       "never at import, which would initialise CUDA before a fork.");
 

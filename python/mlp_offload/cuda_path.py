@@ -262,6 +262,21 @@ class DeviceStaging:
             # Baseline: convert and write during backward, as ZeRO-Infinity does.
             self._offload_one(opt, g)
 
+    def _unstage(self, g):
+        """Subgroup g has no gradients: no statistics, nothing staged."""
+        if self._staged[g] is None:
+            return
+        if self.cuda:
+            # Ordered after the statistics of an earlier staging.
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                self._sumsq[g].zero_()
+                self._bad[g].zero_()
+        else:
+            self._sumsq[g].zero_()
+            self._bad[g].zero_()
+        self._staged[g] = None
+
     def _grad_stats(self, g, grads):
         """Sum of squares and NaN/Inf flag of one subgroup, on its device."""
         self._sumsq[g].zero_()
@@ -285,7 +300,13 @@ class DeviceStaging:
         for sg in self._subgroups:
             ident = self._identity(sg)
             if ident is None:
-                raise OffloadError(f"subgroup {sg.index} has parameters without gradient")
+                if any(p.grad is not None for p in sg.params):
+                    raise OffloadError(
+                        f"subgroup {sg.index} has parameters without gradient")
+                # None at all (frozen, or unused this step): the step skips
+                # it, and it adds nothing to the norm or the NaN/Inf check.
+                self._unstage(sg.index)
+                continue
             if force or self._staged[sg.index] != ident:
                 self._stage(sg.index)
             else:
@@ -351,6 +372,10 @@ class DeviceStaging:
         if clip is not None:
             # The norm of the unscaled gradients; the coefficient joins the
             # loss-scale factor, so the gradients are read once, in the kernel.
+            # The statistics are made on the copy stream (also by a refresh
+            # since the clip, which grads_nonfinite may not have waited for).
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._d2h)
             norm = float(self._sumsq.sum().sqrt().item()) * grad_scale
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
@@ -375,6 +400,10 @@ class DeviceStaging:
                     break
                 g = opt._owned[view.subgroup]
                 sg = self._subgroups[g]
+                if opt._skip.get(g):
+                    # No gradients this step (frozen): left as it is.
+                    engine.done(updated=False)
+                    continue
                 t = time.perf_counter()
                 if self.cuda and self._d2h_done[g] is not None:
                     self._d2h_done[g].synchronize()
@@ -405,6 +434,12 @@ class DeviceStaging:
             stats = engine.end_step()
         except BaseException:
             engine.abort_step()
+            if self.cuda:
+                # The subgroups updated before the failure were sent on the
+                # upload stream: what the caller runs next (a retry, a
+                # forward, a state_dict) on the default stream sees them
+                # landed.
+                torch.cuda.current_stream(self.device).wait_stream(self._h2d)
             raise
         t = time.perf_counter()
         if self.cuda:
@@ -519,7 +554,7 @@ class DeviceStaging:
         """Baseline: hands the staged gradients to the engine (fp32 conversion
         and tier write) where backward did not already."""
         for g in opt._owned:
-            if self._offloaded[g] != self._generation[g]:
+            if not opt._skip.get(g) and self._offloaded[g] != self._generation[g]:
                 self._offload_one(opt, g)
 
     def _offload_one(self, opt, g):
