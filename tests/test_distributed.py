@@ -143,6 +143,52 @@ def mismatch_entry_worker(rank, tiers):
     opt.close()
 
 
+def early_failure_worker(rank, tiers):
+    # What goes wrong on one rank before the ranks agree on a step (no
+    # gradient at all, a closure that raises, a gradient refused) raises on
+    # every rank, naming it, instead of leaving the others waiting; nothing
+    # is updated and the ranks then step together again.
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    train_same_batches(range(1), ((opt, model),))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+
+    def backward():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+    backward()
+    if rank == 1:
+        opt.zero_grad(set_to_none=True)  # as if it skipped its batch
+    with pytest.raises(OffloadError, match="gradients for different subgroups"):
+        opt.step()
+
+    def closure():
+        if rank == 1:
+            raise ValueError("bad batch on rank 1")
+        backward()
+    with pytest.raises((ValueError, OffloadError), match="bad batch on rank 1"):
+        opt.step(closure)
+    backward()
+    if rank == 0:  # a gradient the update cannot take
+        model[0].bias.grad = model[0].bias.grad.to_sparse()
+    with pytest.raises(OffloadError, match="rank 0 failed: ConfigError: parameter 1 has a "
+                       "torch.sparse_coo" if rank == 1 else "parameter 1 has a torch.sparse"):
+        opt.step()
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q), rank
+    assert opt.engine.steps == 1
+    train_same_batches(range(1, 2), ((opt, model),))
+    assert opt.engine.steps == 2
+    opt.close()
+
+
+def test_a_step_refused_on_one_rank_before_the_ranks_agree_raises_on_every_rank(tmp_path):
+    spawn(early_failure_worker, tier_dirs(tmp_path))
+
+
 def test_ranks_in_different_methods_or_settings_raise_at_once(tmp_path):
     spawn(mismatch_entry_worker, tier_dirs(tmp_path))
 

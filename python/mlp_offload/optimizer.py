@@ -1601,9 +1601,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                                  for g in self.optimizer.param_groups]))
         self._retry_kept_commit("step")
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        # In a process group what fails on one rank before the ranks agree
+        # (the closure, a gradient refused) is raised on every rank below.
+        early_failure = None
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+        except Exception as exc:
+            if self._group is None:
+                raise
+            early_failure = exc
 
         # GradScaler (via _step_supports_amp_scaling) sets these two.
         found_inf = getattr(self, "found_inf", None)
@@ -1620,7 +1628,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             grad_scale = 1.0 / float(scale.item() if isinstance(scale, torch.Tensor)
                                      else scale)
 
-        if not self._grad_presence():
+        any_grad = False
+        if early_failure is None:
+            try:
+                any_grad = self._grad_presence()
+            except Exception as exc:
+                if self._group is None:
+                    raise
+                early_failure = exc
+        if self._group is not None:
+            self._agree_before_step(early_failure)
+        if not any_grad:
             # torch skips parameters without gradients; no stats of an
             # earlier step are left to look like this one's.
             self.last_step_stats = {"skipped": True, "no_gradients": True}
@@ -1772,6 +1790,37 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return self._engine.gradients_nonfinite(self._group_hps, self._native_inputs(),
                                                     grad_scale)
         return self._generic_grads_nonfinite()
+
+    def _agree_before_step(self, failure):
+        """Collective, before any rank acts on a step: a rank whose closure
+        or gradient checks failed makes every rank raise (this rank its own
+        error, the others one naming it), and so do ranks with gradients for
+        different subgroups (one backward's, averaged by DDP or an
+        all_reduce, are there on every rank alike; a rank without any would
+        otherwise return while the others wait for it). Nothing was updated
+        on any rank then."""
+        stepping = None if failure is not None else sorted(
+            g for g, skip in self._skip.items() if not skip)
+        parts = self._gather((None if failure is None
+                              else f"{type(failure).__name__}: {failure}", stepping))
+        if failure is not None:
+            raise failure
+        failed = [(r, e) for r, (e, _) in enumerate(parts) if e is not None]
+        if failed:
+            raise OffloadError(f"rank {self._rank}: another rank could not prepare its step: "
+                               f"rank {failed[0][0]} failed: {failed[0][1]}; nothing was "
+                               f"updated on any rank")
+        first = parts[0][1]
+        for r, (_, other) in enumerate(parts):
+            if other != first:
+                diff = sorted(set(first) ^ set(other))
+                raise OffloadError(
+                    f"the ranks have gradients for different subgroups: rank 0 for "
+                    f"{len(first)} of {len(self._subgroups)}, rank {r} for {len(other)} "
+                    f"(subgroup {diff[0]} differs, with parameters "
+                    f"{self._subgroups[diff[0]].param_ids[:8]}): every rank steps with "
+                    f"the gradients of one backward, averaged across the ranks (DDP, or "
+                    f"an all_reduce of each gradient); nothing was updated on any rank")
 
     def _agree_on_gradients(self, bad, failure):
         """Collective: whether some rank's gradients are NaN/Inf; if a rank
