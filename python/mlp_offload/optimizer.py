@@ -1798,9 +1798,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         different subgroups (one backward's, averaged by DDP or an
         all_reduce, are there on every rank alike; a rank without any would
         otherwise return while the others wait for it). Nothing was updated
-        on any rank then."""
+        on any rank then. One small all_reduce when all is well."""
         stepping = None if failure is not None else sorted(
             g for g, skip in self._skip.items() if not skip)
+        digest = 0 if stepping is None else zlib.crc32(",".join(map(str, stepping)).encode())
+        any_failed, high, minus_low = self._max_over_ranks(failure is not None, digest, -digest)
+        if not any_failed and high == -minus_low:
+            return
         parts = self._gather((None if failure is None
                               else f"{type(failure).__name__}: {failure}", stepping))
         if failure is not None:
