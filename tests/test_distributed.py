@@ -182,6 +182,13 @@ def early_failure_worker(rank, tiers):
     assert opt.engine.steps == 1
     train_same_batches(range(1, 2), ((opt, model),))
     assert opt.engine.steps == 2
+    # So does a full state_dict refused on one rank.
+    if rank == 1:
+        opt.optimizer.state[next(model.parameters())]["stray"] = torch.zeros(1)
+    with pytest.raises(OffloadError, match="state of its own"):
+        opt.state_dict()
+    opt.optimizer.state.clear()
+    assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
     opt.close()
 
 

@@ -2635,11 +2635,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._check_state_whole()
         self._check_no_failed_step(
             "state_dict", collective=self._state_dict_type == "full")
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        if len(self.optimizer.state) > 0:
-            raise OffloadError("the wrapped optimizer has state of its own: it must "
-                               "only be stepped through the MLPOffloadOptimizer")
+        # What fails on one rank here raises on every rank of a full
+        # state_dict (the others would wait for it in the reads).
+        with self._together("start its state_dict") if self._state_dict_type == "full" \
+                else contextlib.nullcontext():
+            for hook in self._optimizer_state_dict_pre_hooks.values():
+                hook(self)
+            if len(self.optimizer.state) > 0:
+                raise OffloadError("the wrapped optimizer has state of its own: it must "
+                                   "only be stepped through the MLPOffloadOptimizer")
         sd = self.optimizer.state_dict()  # torch's param_groups, empty state
         sharded = self._state_dict_type == "sharded" and self._group is not None
         sd["state"] = self._read_all_states(sharded)
