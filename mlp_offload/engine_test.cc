@@ -1890,19 +1890,33 @@ uint64_t FakeFreeBytes(const std::string& path) {
   return used >= g_fake_fs_bytes ? 0 : g_fake_fs_bytes - used;
 }
 
+// The engine sees the fake file system while one is in scope.
+struct FakeFileSystem {
+  FakeFileSystem() {
+    internal_engine::SetTierFreeBytesForTesting(&FakeFreeBytes);
+  }
+  ~FakeFileSystem() { internal_engine::SetTierFreeBytesForTesting(nullptr); }
+  FakeFileSystem(const FakeFileSystem&) = delete;
+  FakeFileSystem& operator=(const FakeFileSystem&) = delete;
+};
+
+// Bytes the state of `cfg` (Adam: 3 arrays) takes on disk: two slots per
+// subgroup, each with its header.
+uint64_t StateDiskBytes(const EngineConfig& cfg) {
+  uint64_t need = 0;
+  for (uint64_t n : cfg.subgroup_numel) {
+    need += 2 * (4096 + AlignedRecordBytes(n, 3));
+  }
+  return need;
+}
+
 TEST(EngineTest, AResumeCountsTheRunsOwnFilesAsRoomOnTheTier) {
   // A tier whose free space fits the state once, not twice: a fresh run
   // fits, and so does its resume, whose files already take that space.
   EngineConfig cfg = SmallConfig(1);
   cfg.commit_every = 1;
-  uint64_t need = 0;
-  for (uint64_t n : cfg.subgroup_numel) {
-    need += 2 * (4096 + AlignedRecordBytes(n, 3));
-  }
-  struct HookGuard {
-    ~HookGuard() { internal_engine::SetTierFreeBytesForTesting(nullptr); }
-  } guard;
-  internal_engine::SetTierFreeBytesForTesting(&FakeFreeBytes);
+  const uint64_t need = StateDiskBytes(cfg);
+  FakeFileSystem fake_fs;
   g_fake_fs_bytes = need - 4096;  // the hook is what the plan goes by
   auto refused = Engine::Create(cfg);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
@@ -2158,14 +2172,8 @@ TEST(EngineTest, ProcessesSharingATierPlanWithTheirShareOfItsFreeSpace) {
   // same free space: each takes its share, or together they would overfill
   // it.
   EngineConfig cfg = SmallConfig(1);
-  uint64_t need = 0;  // two slots per subgroup
-  for (uint64_t n : cfg.subgroup_numel) {
-    need += 2 * (4096 + AlignedRecordBytes(n, 3));
-  }
-  struct HookGuard {
-    ~HookGuard() { internal_engine::SetTierFreeBytesForTesting(nullptr); }
-  } guard;
-  internal_engine::SetTierFreeBytesForTesting(&FakeFreeBytes);
+  const uint64_t need = StateDiskBytes(cfg);
+  FakeFileSystem fake_fs;
   for (int shared_by : {1, 2, 4}) {
     SCOPED_TRACE(absl::StrCat("shared_by ", shared_by));
     // 3x the state free, whatever earlier runs left in the directory.

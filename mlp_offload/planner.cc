@@ -651,7 +651,10 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
     }
   }
   plan.tier_of_subgroup.assign(n, 0);
-  // Each subgroup's steady-state traffic (the model below, per subgroup).
+  // Each subgroup's steady-state traffic, averaged over a forward and a
+  // reversed step: its record unless a cache hit, written unless kept for
+  // the next step, and the baseline's fp32 gradient written in backward and
+  // read in the update.
   std::vector<SubgroupTraffic> sub_traffic(n);
   for (int64_t step = 2; step < 4; ++step) {
     std::vector<int> order = plan.Order(step);
@@ -738,41 +741,29 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
     plan.tier_of_subgroup = std::move(balanced);
   }
 
-  // Steady-state traffic, averaged over a forward and a reversed step.
+  // Each tier's steady-state traffic: its subgroups'.
   plan.traffic.assign(num_tiers, TierTraffic{});
   std::vector<double> reads(num_tiers, 0), writes(num_tiers, 0),
       grad_writes(num_tiers, 0);
-  for (int64_t step = 2; step < 4; ++step) {
-    std::vector<int> order = plan.Order(step);
-    std::vector<int> prev = plan.Order(step - 1);
-    std::vector<bool> hit(n, false);
-    if (in.techniques.cache_reuse) {
-      for (int p = n - plan.num_cached; p < n; ++p) hit[prev[p]] = true;
-    }
-    for (int p = 0; p < n; ++p) {
-      int i = order[p];
-      int t = plan.tier_of_subgroup[i];
-      uint64_t rec = plan.record_bytes[i];
-      if (!hit[i]) reads[t] += rec;
-      if (!plan.KeptAfterUpdate(step, p)) writes[t] += rec;
-      if (eager_grads) {  // fp32 gradient written in backward, read in update
-        reads[t] += in.subgroup_numel[i] * 4.0;
-        grad_writes[t] += in.subgroup_numel[i] * 4.0;
-      }
-    }
+  for (int i = 0; i < n; ++i) {
+    const int t = plan.tier_of_subgroup[i];
+    reads[t] += sub_traffic[i].read;
+    writes[t] += sub_traffic[i].write;
+    grad_writes[t] += sub_traffic[i].grad;
   }
   // The baseline's gradient writes happen in backward, before the update
   // phase can start: they add to the step instead of overlapping it.
   plan.predicted_io_seconds = 0;
   double grad_seconds = 0;
   for (int t = 0; t < num_tiers; ++t) {
-    plan.traffic[t].bytes_read = static_cast<uint64_t>(reads[t] / 2);
+    plan.traffic[t].bytes_read = static_cast<uint64_t>(reads[t]);
     plan.traffic[t].bytes_written =
-        static_cast<uint64_t>((writes[t] + grad_writes[t]) / 2);
+        static_cast<uint64_t>(writes[t] + grad_writes[t]);
     if (t < active) {
-      double update = eff[t].Seconds(static_cast<uint64_t>(reads[t] / 2),
-                                     static_cast<uint64_t>(writes[t] / 2));
-      double grads = grad_writes[t] / 2 / eff[t].write_bw;
+      double update =
+          eff[t].Seconds(static_cast<double>(static_cast<uint64_t>(reads[t])),
+                         static_cast<double>(static_cast<uint64_t>(writes[t])));
+      double grads = grad_writes[t] / eff[t].write_bw;
       plan.traffic[t].seconds = update + grads;
       plan.predicted_io_seconds = std::max(plan.predicted_io_seconds, update);
       grad_seconds = std::max(grad_seconds, grads);

@@ -59,6 +59,22 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                torch.float16: "float16"}
 
 
+def _torch_and_kernel(name, kwargs, p0, num_threads):
+    """torch's optimizer over a copy of p0 and the kernel's setup for
+    another: (torch param, torch optimizer, kernel hyperparameters, kernel
+    param, state array names, state arrays initialised by the kernel). The
+    hyperparameters are torch's as it resolved them, defaults included
+    (e.g. Adagrad's eps is 1e-10, not Adam's 1e-8)."""
+    ref = p0.clone().requires_grad_(True)
+    opt = TORCH_CLASSES[name]([ref], foreach=False, **kwargs)
+    hp = {k: v for k, v in opt.param_groups[0].items() if k in HP_KEYS}
+    hp["optimizer"] = name
+    names = K.state_array_names(hp)
+    state = [torch.empty(p0.numel()) for _ in names]
+    K.init_state(hp, [s.data_ptr() for s in state], p0.numel(), num_threads=num_threads)
+    return ref, opt, hp, p0.clone(), names, state
+
+
 def _case_id(case):
     name, kwargs = case
     return name + "-" + "-".join(f"{k}={v}" for k, v in kwargs.items())
@@ -77,18 +93,7 @@ def test_ten_steps_match_torch(case, dtypes):
     seed = secrets.randbits(63)
     gen = torch.Generator().manual_seed(seed)
     p0 = torch.randn(N, generator=gen)
-
-    ref = p0.clone().requires_grad_(True)
-    opt = TORCH_CLASSES[name]([ref], foreach=False, **kwargs)
-
-    # The hyperparameters as torch resolved them, defaults included (e.g.
-    # Adagrad's eps is 1e-10, not Adam's 1e-8).
-    hp = {k: v for k, v in opt.param_groups[0].items() if k in HP_KEYS}
-    hp["optimizer"] = name
-    param = p0.clone()
-    names = K.state_array_names(hp)
-    state = [torch.empty(N) for _ in names]
-    K.init_state(hp, [s.data_ptr() for s in state], N, num_threads=2)
+    ref, opt, hp, param, names, state = _torch_and_kernel(name, kwargs, p0, 2)
     out = torch.empty(N, dtype=out_dtype) if out_dtype is not None else None
 
     for step in range(1, STEPS + 1):
@@ -206,14 +211,7 @@ def test_infinite_and_nan_parameters_follow_torch(case):
     p0 = torch.randn(n, generator=gen)
     p0[0], p0[500], p0[5], p0[n - 1] = float("inf"), float("inf"), -float("inf"), \
         float("nan")
-    ref = p0.clone().requires_grad_(True)
-    opt = TORCH_CLASSES[name]([ref], foreach=False, **kwargs)
-    hp = {k: v for k, v in opt.param_groups[0].items() if k in HP_KEYS}
-    hp["optimizer"] = name
-    param = p0.clone()
-    names = K.state_array_names(hp)
-    state = [torch.empty(n) for _ in names]
-    K.init_state(hp, [s.data_ptr() for s in state], n, num_threads=1)
+    ref, opt, hp, param, names, state = _torch_and_kernel(name, kwargs, p0, 1)
     for step in range(1, 4):
         grad = torch.randn(n, generator=gen)
         ref.grad = grad.clone()

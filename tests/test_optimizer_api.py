@@ -59,6 +59,17 @@ def copy_grads(model, ref):
         p.grad = q.grad.clone()
 
 
+def step_both(ref, ref_opt, model, opt, step):
+    """One step of torch's optimizer and the wrapper, on the gradients of
+    the reference model's batch `step`."""
+    ref_opt.zero_grad()
+    opt.zero_grad()
+    loss_of(ref, step).backward()
+    copy_grads(model, ref)
+    ref_opt.step()
+    opt.step()
+
+
 def two_groups(model, make):
     return make([{"params": model[0].parameters()},
                  {"params": model[2].parameters(), "lr": 3e-3}])
@@ -93,12 +104,7 @@ def test_lr_scheduler_parity(tmp_path, kind):
     ref_sched, opt_sched = sched(ref_opt), sched(opt)
     lrs = []
     for step in range(12):
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        loss_of(ref, step).backward()
-        copy_grads(model, ref)
-        ref_opt.step()
-        opt.step()
+        step_both(ref, ref_opt, model, opt, step)
         ref_sched.step()
         opt_sched.step()
         lrs.append(opt.param_groups[1]["lr"])
@@ -1113,12 +1119,7 @@ def test_schedules_under_nesterov_follow_torch(tmp_path):
     for step in range(6):
         for o in (ref_opt, opt):
             o.param_groups[0].update(settings.get(step, {}))
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        loss_of(ref, step).backward()
-        copy_grads(model, ref)
-        ref_opt.step()
-        opt.step()
+        step_both(ref, ref_opt, model, opt, step)
         assert_close(model, ref)
     opt.close()
 
@@ -1158,12 +1159,7 @@ def test_adagrad_accumulator_starts_from_the_constructors_value(tmp_path):
                                      "initial_accumulator_value": 2.0})
             opt.add_param_group({"params": model[2].parameters(),
                                  "initial_accumulator_value": 2.0})
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        loss_of(ref, step).backward()
-        copy_grads(model, ref)
-        ref_opt.step()
-        opt.step()
+        step_both(ref, ref_opt, model, opt, step)
         assert_close(model, ref)
     assert_same_state(opt.state_dict()["state"], ref_opt.state_dict()["state"])
     opt.close()
