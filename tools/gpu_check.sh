@@ -21,11 +21,22 @@ out="${OUT:-$root/.dev/gpu_check_out}"
 mkdir -p "$out"
 declare -a rows
 t_all=$(date +%s)
+# The whole check must end inside one device call (600 s at most): each
+# phase gets at most what is left of BUDGET_S, and none starts with under
+# 20 s left (the table then says so).
+budget="${BUDGET_S:-570}"
 
 phase() {  # phase NAME TIMEOUT_S COMMAND...: runs, logs, records a table row
   local name="$1" limit="$2"; shift 2
   local t0=$(date +%s) rc
-  echo "=== $name: $*"
+  local left=$(( budget - (t0 - t_all) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 20 )); then
+    echo "=== $name: skipped, ${left}s of the ${budget}s budget left"
+    rows+=("$(printf '%-10s | %-4s | out of time (budget %ss)' "$name" skip "$budget")")
+    return 124
+  fi
+  echo "=== $name (up to ${limit}s): $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   rc=$?
   tail -n 25 "$out/$name.log"
