@@ -62,8 +62,6 @@ uint64_t StableHash(absl::string_view s) {
   return h;
 }
 
-double Seconds(MonoTime since) { return SecondsSince(since); }
-
 // Takes a cross-process tier lock around each burst of requests (technique
 // 4): a dispatcher thread holds the lock while it has requests to issue and
 // gives it up when its queue runs dry or its turn (kTurnBytes) is used up and
@@ -1876,7 +1874,7 @@ absl::Status Engine::OffloadGradients(int i,
   });
   e.grad_nonfinite[i] = nonfinite;
   e.grad_offloaded[i] = true;
-  e.stats.grad_offload_seconds += Seconds(start);
+  e.stats.grad_offload_seconds += SecondsSince(start);
   return absl::OkStatus();
 }
 
@@ -1904,7 +1902,7 @@ absl::Status Engine::BeginStep() {
     return e.grad_writes == 0;
   };
   e.mu.Await(grads_landed);
-  e.stats.grad_offload_seconds += Seconds(grad_wait);
+  e.stats.grad_offload_seconds += SecondsSince(grad_wait);
   if (!e.grad_error.ok()) {
     absl::Status s = e.grad_error;
     e.grad_error = absl::OkStatus();
@@ -1968,7 +1966,7 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   }
   absl::Status s = e.WaitIo(b);
   if (s.ok()) s = e.VerifyRecord(i, b);
-  e.stats.read_wait_seconds += Seconds(wait_start);
+  e.stats.read_wait_seconds += SecondsSince(wait_start);
   if (!s.ok()) {
     if (hit) {
       e.buffers[b].io_status = absl::OkStatus();  // the retry reads again
@@ -2037,7 +2035,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   {
     MutexLock l(&e.mu);
     s = e.DrainWrites();
-    e.stats.write_wait_seconds += Seconds(wait_start);
+    e.stats.write_wait_seconds += SecondsSince(wait_start);
     e.stats.peak_host_bytes =
         static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
   }
@@ -2063,7 +2061,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
     MutexLock l(&e.mu);
     MLP_RETURN_IF_ERROR(e.WriteCommit());
   }
-  e.stats.seconds = Seconds(e.step_start) + e.stats.grad_offload_seconds;
+  e.stats.seconds = SecondsSince(e.step_start) + e.stats.grad_offload_seconds;
   StepStats out = e.stats;
   e.ResetStats();
   return out;
@@ -2222,7 +2220,7 @@ absl::StatusOr<StepStats> Engine::Step(
         return Annotate(r.status(), absl::StrCat("subgroup ", i));
       }
     }
-    e.stats.compute_seconds += Seconds(start);
+    e.stats.compute_seconds += SecondsSince(start);
     MLP_RETURN_IF_ERROR(Done());
   }
   return EndStep();
