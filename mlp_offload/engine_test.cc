@@ -617,7 +617,8 @@ TEST(EngineTest, LoadsRecordsOfCheckpointsThatOtherEnginesWrote) {
       std::vector<float> master(all[1]);
       s = engine ? e.LoadCheckpointRecords(
                        {{dirs[0], 0}, {dirs[1], 0}, {dirs[0], 1}, {dirs[1], 1}})
-                 : ReadCheckpointRecord(dirs[1], 0, master.data(), {},
+                 : ReadCheckpointRecord(dirs[1], 0, master.size(),
+                                        master.data(), {},
                                         /*verify=*/false, nullptr);
       EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
       EXPECT_NE(s.message().find("sg_0.ckpt: the header says subgroup 5 of "
@@ -677,7 +678,7 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
         e.ReadSubgroup(i, p.data(), {m.data(), v.data()}, nullptr).ok());
     int64_t step = -1;
     absl::Status s =
-        ReadCheckpointRecord(dir, i, gp.data(), {gm.data(), gv.data()},
+        ReadCheckpointRecord(dir, i, n, gp.data(), {gm.data(), gv.data()},
                              /*verify=*/true, &step);
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(gp, p);
@@ -689,30 +690,47 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
     for (bool verify : {true, false}) {
       std::vector<float> only(n, -1.0f);
       ASSERT_TRUE(
-          ReadCheckpointRecord(dir, i, only.data(), {}, verify, nullptr).ok());
-      EXPECT_EQ(only, p) << verify;
-      ASSERT_TRUE(
-          ReadCheckpointRecord(dir, i, nullptr, {only.data()}, verify, nullptr)
+          ReadCheckpointRecord(dir, i, n, only.data(), {}, verify, nullptr)
               .ok());
+      EXPECT_EQ(only, p) << verify;
+      ASSERT_TRUE(ReadCheckpointRecord(dir, i, n, nullptr, {only.data()},
+                                       verify, nullptr)
+                      .ok());
       EXPECT_EQ(only, m) << verify;
       std::fill(only.begin(), only.end(), -1.0f);
-      ASSERT_TRUE(ReadCheckpointRecord(dir, i, nullptr, {nullptr, only.data()},
-                                       verify, &step)
+      ASSERT_TRUE(ReadCheckpointRecord(dir, i, n, nullptr,
+                                       {nullptr, only.data()}, verify, &step)
                       .ok());
       EXPECT_EQ(only, v) << verify;
       EXPECT_EQ(step, 3 + i);
     }
   }
   std::vector<float> buf(300001);
-  absl::Status s = ReadCheckpointRecord(dir, 2, buf.data(), {}, true, nullptr);
+  absl::Status s =
+      ReadCheckpointRecord(dir, 2, buf.size(), buf.data(), {}, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
-  s = ReadCheckpointRecord(dir, 0, buf.data(),
+  s = ReadCheckpointRecord(dir, 0, 1000, buf.data(),
                            {buf.data(), buf.data(), buf.data()}, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // A reader that expects another size (a layout that does not match the
+  // engine files) is refused before anything is written.
+  for (bool verify : {true, false}) {
+    std::vector<float> small(1000, -1.0f);
+    s = ReadCheckpointRecord(dir, 1, small.size(), small.data(), {}, verify,
+                             nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("subgroup 1 holds 300001 parameters, the "
+                               "reader expects 1000"),
+              std::string::npos)
+        << s;
+    EXPECT_EQ(small, std::vector<float>(1000, -1.0f));
+  }
 
   // The `.old` copy of a save interrupted between its renames is read too.
   ASSERT_EQ(rename(dir.c_str(), (dir + ".old").c_str()), 0);
-  EXPECT_TRUE(ReadCheckpointRecord(dir, 1, buf.data(), {}, true, nullptr).ok());
+  EXPECT_TRUE(
+      ReadCheckpointRecord(dir, 1, buf.size(), buf.data(), {}, true, nullptr)
+          .ok());
   ASSERT_EQ(rename((dir + ".old").c_str(), dir.c_str()), 0);
 
   // One flipped byte in the last chunk; then a truncated file.
@@ -725,7 +743,7 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
   ASSERT_EQ(pread(fd, &byte, 1, last), 1);
   byte ^= 0x10;
   ASSERT_EQ(pwrite(fd, &byte, 1, last), 1);
-  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, true, nullptr);
+  s = ReadCheckpointRecord(dir, 1, buf.size(), buf.data(), {}, true, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_NE(s.message().find("sg_1.ckpt: payload checksum mismatch"),
             std::string::npos)
@@ -734,15 +752,15 @@ TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {
   std::vector<float> p1(300001), m1(300001);
   ASSERT_TRUE(e.ReadSubgroup(1, p1.data(), {m1.data(), nullptr}, nullptr).ok());
   buf.assign(buf.size(), 0.0f);
-  s = ReadCheckpointRecord(dir, 1, buf.data(), {}, false, nullptr);
+  s = ReadCheckpointRecord(dir, 1, buf.size(), buf.data(), {}, false, nullptr);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(buf, p1);
   ASSERT_EQ(ftruncate(fd, last), 0);
   close(fd);
   for (bool verify : {true, false}) {
     // Unverified, the truncated array must be one that is read.
-    s = ReadCheckpointRecord(dir, 1, nullptr, {nullptr, buf.data()}, verify,
-                             nullptr);
+    s = ReadCheckpointRecord(dir, 1, buf.size(), nullptr, {nullptr, buf.data()},
+                             verify, nullptr);
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
     EXPECT_NE(s.message().find("truncated"), std::string::npos) << s;
   }
@@ -1468,7 +1486,7 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
   for (int i = 0; i < 4; ++i) {
     const size_t n = cfg.subgroup_numel[i];
     std::vector<float> got(3 * n);
-    ASSERT_TRUE(ReadCheckpointRecord(dir, i, got.data(),
+    ASSERT_TRUE(ReadCheckpointRecord(dir, i, n, got.data(),
                                      {got.data() + n, got.data() + 2 * n},
                                      /*verify=*/true, nullptr)
                     .ok());

@@ -477,7 +477,7 @@ absl::Status CheckCheckpointRecordHeader(const RecordHeader& h, int subgroup,
 }
 
 absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
-                                  float* master,
+                                  uint64_t want_numel, float* master,
                                   const std::vector<float*>& state, bool verify,
                                   int64_t* step) {
   const std::string dir = ResolveCheckpointDir(dir_in);
@@ -494,6 +494,12 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
         "and state): ", state.size(), " state arrays were asked for"));
   }
   const uint64_t numel = m.subgroup_numel[subgroup];
+  if (numel != want_numel) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": subgroup ", subgroup, " holds ", numel,
+        " parameters, the reader expects ", want_numel,
+        " (the checkpoint's layout does not match its engine files)"));
+  }
   const uint64_t payload = numel * 4ull * m.arrays_per_param;
   const std::string path = absl::StrCat(dir, "/sg_", subgroup, ".ckpt");
   int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);

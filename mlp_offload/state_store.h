@@ -147,9 +147,10 @@ absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir);
 // checksum does not match (the destinations then hold garbage). Without it
 // only the arrays asked for are read (the checksum covers the whole payload):
 // a third of the bytes for Adam's master weights alone. `*step`: the record's
-// updates.
+// updates. `numel` is the length of each destination: FailedPrecondition
+// (nothing written) when the record holds another number of parameters.
 absl::Status ReadCheckpointRecord(const std::string& dir, int subgroup,
-                                  float* master,
+                                  uint64_t numel, float* master,
                                   const std::vector<float*>& state, bool verify,
                                   int64_t* step);
 

@@ -5,6 +5,7 @@ without an optimizer."""
 
 import copy
 import errno
+import json
 import os
 import shutil
 import time
@@ -453,8 +454,48 @@ def assert_loaded(opt, model, want, who):
             assert torch.equal(got[pid][key], value), (who, pid, key)
 
 
+def old_layout_summary(opt):
+    """The layout an older version wrote: no owners (they went round-robin)."""
+    summary = dict(LAYOUT_SUMMARY(opt))
+    del summary["owners"]
+    return summary
+
+
+LAYOUT_SUMMARY = MLPOffloadOptimizer._layout_summary
+
+
 def reshard_worker(rank, phase, tiers, out, name):
     make = OPTIMIZERS[name]
+    if phase == "save_old":
+        # As "save", by a version that gave the subgroups to the ranks
+        # round-robin and did not record them.
+        with mock.patch.object(mlp_offload.layout, "assign_owners",
+                               lambda sgs, world: [sg.index % world for sg in sgs]), \
+                mock.patch.object(MLPOffloadOptimizer, "_layout_summary", old_layout_summary), \
+                mock.patch.object(mlp_offload.checkpoint, "CHECKPOINT_VERSION", 2):
+            model = make_model()
+            opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
+                                      subgroup_numel=200, compute_threads=1)
+            assert opt._owned == list(range(rank, len(opt.subgroups), WORLD))
+            train_same_batches(range(3), ((opt, model),))
+            opt.save_checkpoint(os.path.join(out, "old"))
+            opt.close()
+        return
+    if phase == "load_old":
+        # The same number of ranks, other owners: each reads its subgroups
+        # from the ranks that saved them.
+        model = make_model()
+        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                                  compute_threads=1)
+        assert opt._owned != list(range(rank, len(opt.subgroups), WORLD))
+        torch.manual_seed(5)
+        for p in model.parameters():
+            p.data.normal_()
+        opt.load_checkpoint(os.path.join(out, "old"), restore_params=True)
+        assert_loaded(opt, model, torch.load(os.path.join(out, "want.pt"), weights_only=True),
+                      (rank, "old"))
+        opt.close()
+        return
     if phase == "save":  # two ranks train and save
         ref = make_model()
         model = copy.deepcopy(ref)
@@ -496,7 +537,8 @@ def reshard_worker(rank, phase, tiers, out, name):
                                     torch.nn.Linear(32, 8))
         opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
                                   compute_threads=1)
-        assert opt.engine.num_subgroups == len(range(rank, len(opt.subgroups), 3))
+        # Balanced by size: [512], [256], [32, 8].
+        assert opt.engine.num_subgroups == (1, 1, 2)[rank]
         opt.load_checkpoint(os.path.join(out, ckpt), restore_params=True)
         assert_loaded(opt, model, want, (rank, ckpt))
         # Training goes on as the plain optimizer loaded from the same state.
@@ -586,3 +628,36 @@ def test_a_checkpoint_loads_on_another_rank_count(tmp_path, name):
             copy = shutil.copytree if os.path.isdir(os.path.join(by2, entry)) else shutil.copy2
             copy(os.path.join(by2, entry), os.path.join(fewer, entry))
     spawn(reshard_worker, "load_fewer", tiers, out, name)
+
+
+def test_a_save_without_owners_is_read_round_robin(tmp_path):
+    """Saves by older versions list no owners: their subgroups went to the
+    ranks round-robin. The same number of ranks, now balanced by size,
+    loads one through the resharding path; the checkpoint readers find each
+    subgroup in the right rank's files."""
+    tiers, out = tier_dirs(tmp_path), str(tmp_path)
+    spawn(reshard_worker, "save", tiers, out, "adamw")
+    spawn(reshard_worker, "save_old", tiers, out, "adamw")
+    manifest = json.loads(open(os.path.join(out, "old", "manifest.rank0.json")).read())
+    assert "owners" not in manifest["layout"] and manifest["version"] == 2
+    want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
+    for (key, value), got in zip(want["model"].items(),
+                                 mlp_offload.master_weights(os.path.join(out, "old"))):
+        assert torch.equal(got, value), key
+    spawn(reshard_worker, "load_old", tiers, out, "adamw")
+    # Owners that do not match the files (a hand-edited manifest, its
+    # checksum recomputed): a record of another size is refused, by name,
+    # before anything is written to the reader's buffer.
+    wrong = os.path.join(out, "wrong")
+    shutil.copytree(os.path.join(out, "old"), wrong)
+    for k in range(WORLD):
+        path = os.path.join(wrong, f"manifest.rank{k}.json")
+        m = json.loads(open(path).read())
+        m["layout"]["owners"] = [0, 1, 1, 1]
+        m["version"] = 3
+        m["checksum"] = mlp_offload.checkpoint.manifest_checksum(m)
+        with open(path, "w") as f:
+            f.write(json.dumps(m))
+    with pytest.raises(StateMismatchError, match="subgroup 1 holds 8 parameters, the "
+                                                 "reader expects 256"):
+        mlp_offload.master_weights(wrong)

@@ -251,6 +251,11 @@ def test_hand_edited_manifest_with_a_bad_field_is_corrupt(tmp_path):
         (lambda m: m["layout"].update(group_sizes="4"), "'layout.group_sizes'"),
         (lambda m: m["layout"].update(world_size=True), "'layout.world_size'"),
         (lambda m: m["layout"].update(param_shapes=[[32, True]]), "'layout.param_shapes'"),
+        (lambda m: m["layout"].pop("owners"), "no 'layout.owners'"),
+        (lambda m: m["layout"].update(owners=[0]), r"'layout.owners' must list a rank in "
+                                                   r"\[0, 1\) for each of the \d+ subgroups"),
+        (lambda m: m["layout"].update(owners=[1] * len(m["layout"]["subgroups"])),
+         "'layout.owners' must list"),
     ]
     for change, match in edits:
         m = json.loads(json.dumps(good))

@@ -424,7 +424,7 @@ void RegisterEngineBindings(py::module_& parent) {
       "(master + state) and subgroup_numel.");
   m.def(
       "read_checkpoint_record",
-      [](const std::string& dir, int subgroup, uintptr_t master,
+      [](const std::string& dir, int subgroup, uint64_t numel, uintptr_t master,
          const std::vector<uintptr_t>& state, bool verify) {
         std::vector<float*> arrays;
         arrays.reserve(state.size());
@@ -433,18 +433,20 @@ void RegisterEngineBindings(py::module_& parent) {
         absl::Status status;
         {
           py::gil_scoped_release release;
-          status = ReadCheckpointRecord(dir, subgroup,
+          status = ReadCheckpointRecord(dir, subgroup, numel,
                                         reinterpret_cast<float*>(master),
                                         arrays, verify, &step);
         }
         ThrowIfError(status);
         return step;
       },
-      py::arg("dir"), py::arg("subgroup"), py::arg("master"), py::arg("state"),
-      py::arg("verify") = true,
+      py::arg("dir"), py::arg("subgroup"), py::arg("numel"), py::arg("master"),
+      py::arg("state"), py::arg("verify") = true,
       "Reads one subgroup's record of an engine checkpoint without an "
       "engine: the master into `master` and state array k into state[k] "
-      "(fp32 addresses, 0 skips); checked against the manifest, header and "
+      "(fp32 addresses of `numel` floats each, 0 skips; StateMismatchError "
+      "when the record holds another number); checked against the manifest, "
+      "header and "
       "(with `verify`, which reads the whole payload) the payload checksum. "
       "Returns the record's step.");
 

@@ -5,8 +5,10 @@ A checkpoint directory holds, per saving rank k, `manifest.rank<k>.json`
 names of the rank's files), an engine directory `engine-r<k>-<id>/` (the
 MANIFEST and one `sg_<j>.ckpt` record per subgroup the rank owned: the fp32
 master parameters, then the optimizer's state arrays) and the Python-side
-state `python-r<k>-<id>.pt`. Subgroup g of a save by W ranks is the
-(g // W)-th record of rank g % W.
+state `python-r<k>-<id>.pt`. The layout's `owners` names the rank that
+owned each subgroup; subgroup g is the j-th record of its owner, where j
+counts that rank's subgroups before g. (A save without `owners`, by an
+older version, went round-robin: subgroup g of W ranks is rank g % W's.)
 
 The master weights are the fp32 copy of the model the optimizer keeps (for
 a bf16 or fp16 model, the precise one). This module gets them out one
@@ -28,13 +30,15 @@ import struct
 import torch
 
 from mlp_offload import _C
+from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
 from mlp_offload.errors import ConfigError, CorruptStateError, StateMismatchError
 
 CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
-# 2: the manifest carries checksums of itself and of the Python state; 1
-# (without them) is still read.
-CHECKPOINT_VERSION = 2
+# 3: the layout lists the rank that owns each subgroup; 2: the manifest
+# carries checksums of itself and of the Python state. Versions 1 (without
+# checksums) and 2 are still read: their subgroups went to ranks round-robin.
+CHECKPOINT_VERSION = 3
 
 
 def manifest_checksum(manifest):
@@ -74,7 +78,7 @@ def read_manifest(directory, rank, prev=False, missing_ok=False):
         raise CorruptStateError(f"checkpoint manifest {path} is corrupt: no checksum")
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise StateMismatchError(f"{path} is not an MLP-Offload optimizer checkpoint")
-    if manifest.get("version") not in (1, CHECKPOINT_VERSION):
+    if manifest.get("version") not in (1, 2, CHECKPOINT_VERSION):
         raise StateMismatchError(f"{path} has checkpoint version {manifest.get('version')}, "
                                  f"expected {CHECKPOINT_VERSION}")
     problem = _schema_problem(manifest)
@@ -131,15 +135,32 @@ def _schema_problem(m):
     if "group_sizes" in layout and not (isinstance(layout["group_sizes"], list)
                                         and all(map(_is_count, layout["group_sizes"]))):
         return "'layout.group_sizes' must be a list of integers >= 0"
+    owners = layout.get("owners")
+    if owners is None and m.get("version", 1) >= 3:
+        return "no 'layout.owners'"
+    if owners is not None and not (
+            isinstance(owners, list) and len(owners) == len(subgroups)
+            and all(_is_count(r) and r < world for r in owners)):
+        return (f"'layout.owners' must list a rank in [0, {world}) for each of the "
+                f"{len(subgroups)} subgroups")
     rank = m.get("rank", 0)
     if not _is_count(rank) or rank >= world:
         return f"'rank' must be an integer in [0, {world}) (layout.world_size), got {rank!r}"
-    # Subgroup g is rank g % world's: only a rank without any has no engine
-    # state (null).
-    if m.get("engine_dir") is None and rank < len(subgroups):
+    # Only a rank without subgroups has no engine state (null).
+    if m.get("engine_dir") is None and rank in owners_of(layout):
         return (f"'engine_dir' is null (no engine state), but rank {rank} owns subgroups "
                 f"({len(subgroups)} subgroups over {world} ranks)")
     return None
+
+
+def owners_of(layout):
+    """The rank that owns each subgroup of a checked manifest's layout
+    (saves that do not list them went round-robin)."""
+    owners = layout.get("owners")
+    if owners is None:
+        return _layout.round_robin_owners(len(layout["subgroups"]),
+                                          layout.get("world_size", 1))
+    return owners
 
 
 def save_key(manifest):
@@ -217,15 +238,18 @@ def newest_complete_save(directory, reader=""):
     raise _incomplete_error(directory, problems, reader)
 
 
-def record_source(directory, manifests, g):
-    """(engine checkpoint directory, record index) of subgroup g."""
-    world = len(manifests)
-    engine_dir = manifests[g % world]["engine_dir"]
-    if engine_dir is None:
-        raise StateMismatchError(
-            f"checkpoint manifest {manifest_path(directory, g % world)} has no engine state, "
-            f"but subgroup {g} belongs to that rank")
-    return os.path.join(directory, engine_dir), g // world
+def record_sources(directory, manifests):
+    """Per subgroup of the save: (engine checkpoint directory, record index)."""
+    owners = owners_of(manifests[0]["layout"])
+    out = []
+    for g, (rank, j) in enumerate(zip(owners, _layout.record_indices(owners))):
+        engine_dir = manifests[rank]["engine_dir"]
+        if engine_dir is None:
+            raise StateMismatchError(
+                f"checkpoint manifest {manifest_path(directory, rank)} has no engine state, "
+                f"but subgroup {g} belongs to that rank")
+        out.append((os.path.join(directory, engine_dir), j))
+    return out
 
 
 # ----------------------------------------------------------- master weights
@@ -239,8 +263,7 @@ def _open_save(directory):
 def _subgroups(directory, manifests, layout):
     """Per subgroup: (param ids, shapes, engine dir, record index)."""
     shapes = layout["param_shapes"]
-    for g, pids in enumerate(layout["subgroups"]):
-        src, j = record_source(directory, manifests, g)
+    for pids, (src, j) in zip(layout["subgroups"], record_sources(directory, manifests)):
         yield pids, [tuple(shapes[pid]) for pid in pids], src, j
 
 
@@ -248,7 +271,7 @@ def _read_masters(src, j, shapes, verify):
     """The fp32 master values of one subgroup, as one flat tensor."""
     numel = sum(math.prod(s) for s in shapes)
     flat = torch.empty(numel, dtype=torch.float32)
-    _C.engine.read_checkpoint_record(src, j, flat.data_ptr(), [], verify)
+    _C.engine.read_checkpoint_record(src, j, numel, flat.data_ptr(), [], verify)
     return flat
 
 

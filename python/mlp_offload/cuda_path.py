@@ -36,6 +36,7 @@ the old values) next to the seconds the host spent waiting for them, which
 is what the overlap saves.
 """
 
+import contextlib
 import time
 import weakref
 
@@ -269,10 +270,7 @@ class DeviceStaging:
         if self.cuda:
             # Ordered after the statistics of an earlier staging.
             self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                self._sumsq[g].zero_()
-                self._bad[g].zero_()
-        else:
+        with torch.cuda.stream(self._d2h) if self.cuda else contextlib.nullcontext():
             self._sumsq[g].zero_()
             self._bad[g].zero_()
         self._staged[g] = None

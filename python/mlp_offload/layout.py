@@ -8,6 +8,7 @@ parameters are never split.
 
 import ctypes
 import dataclasses
+import heapq
 import os
 import tempfile
 
@@ -65,6 +66,51 @@ def pack(param_groups, subgroup_numel):
     if not subgroups:
         raise ConfigError("the optimizer has no parameters")
     return subgroups
+
+
+def assign_owners(subgroups, world):
+    """The rank that owns each subgroup (a list by subgroup index), for
+    `world` ranks, balanced by size: the largest subgroup first, each to the
+    rank with the fewest elements so far (the lowest rank on a tie), one
+    param group after another, each starting from the loads the groups
+    before it left. So the owners of a group's subgroups do not depend on
+    the groups after it: add_param_group keeps every existing subgroup's
+    owner, and a run constructed with all its groups at once gets the owners
+    that adding them one by one gave. Subgroups of one size go round-robin
+    (subgroup g to rank g mod world); ranks beyond the number of subgroups
+    own none."""
+    if not isinstance(world, int) or world < 1:
+        raise ConfigError(f"world size must be a positive int, got {world!r}")
+    owners = [None] * len(subgroups)
+    loads = [(0, rank) for rank in range(world)]  # a heap of (elements, rank)
+    start = 0
+    while start < len(subgroups):
+        end = start
+        while end < len(subgroups) and subgroups[end].group == subgroups[start].group:
+            end += 1
+        for sg in sorted(subgroups[start:end], key=lambda s: (-s.numel, s.index)):
+            load, rank = heapq.heappop(loads)
+            owners[sg.index] = rank
+            heapq.heappush(loads, (load + sg.numel, rank))
+        start = end
+    return owners
+
+
+def round_robin_owners(count, world):
+    """The owners of a save whose layout does not list them (written before
+    owners were balanced by size): subgroup g is rank g mod world's."""
+    return [g % world for g in range(count)]
+
+
+def record_indices(owners):
+    """Each subgroup's index among its owner's subgroups (its record in that
+    rank's engine, which holds them in index order)."""
+    seen = {}
+    out = []
+    for rank in owners:
+        out.append(seen.get(rank, 0))
+        seen[rank] = out[-1] + 1
+    return out
 
 
 def float_view(ptr, numel):

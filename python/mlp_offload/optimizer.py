@@ -464,8 +464,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._subgroups = _layout.pack(groups, self._subgroup_numel)
         self._param_shapes = [list(p.shape) for p in params]
         self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
-        self._owned = [sg.index for sg in self._subgroups
-                       if sg.index % self._world == self._rank]
+        # Each rank owns a share of the subgroups, balanced by size.
+        self._owners = _layout.assign_owners(self._subgroups, self._world)
+        self._owned = [g for g, rank in enumerate(self._owners) if rank == self._rank]
         # Where each parameter is, by identity: {id(param): (subgroup, param index)}.
         self._slot_of = {id(p): (sg.index, pid) for sg in self._subgroups
                          for p, pid, _, _ in sg.slices()}
@@ -2032,6 +2033,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     "param_shapes", "subgroups"):
             if want[key] != got.get(key):
                 return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
+        if want["owners"] != _ckpt.owners_of(got):
+            # Written by a version that gave subgroups to ranks round-robin.
+            return (f"the subgroups' owner ranks are {_ckpt.owners_of(got)} there, "
+                    f"{want['owners']} here (a save by an older version, whose owners "
+                    f"went round-robin: resume from a checkpoint instead, which any "
+                    f"version loads)")
         return None
 
     def _params_from_masters(self):
@@ -2197,7 +2204,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     # --------------------------------------------------------- distributed
 
     def _owner(self, g):
-        return g % self._world
+        return self._owners[g]
 
     def _max_over_ranks(self, *values):
         """Collective: the largest of each integer over the ranks."""
@@ -2749,7 +2756,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if list(shard.get("params", [])) != self._owned_param_ids():
                 raise StateMismatchError(
                     "the state dict's shard holds other parameters than this rank owns "
-                    "(subgroup_numel or the model differs)")
+                    "(subgroup_numel or the model differs, or an older version, which gave "
+                    "subgroups to ranks round-robin, saved it)")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -2794,6 +2802,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "subgroups": [sg.param_ids for sg in self._subgroups],
             "dtype": _layout.DTYPE_NAMES[self._dtype],
             "num_state_arrays": self._num_arrays,
+            "owners": self._owners,
         }
 
     def _checkpoint_directory(self, directory, what):
@@ -3103,7 +3112,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # Another rank count (one process), or nothing complete: the
                 # error names what is missing.
                 manifests = _ckpt.newest_complete_save(directory, reader=reader)
-            elif world == self._world:
+            elif world == self._world and _ckpt.owners_of(mine["layout"]) == self._owners:
                 manifests = [mine]
             else:
                 # Saved by another number of ranks: every part of that save.
@@ -3179,8 +3188,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._engine is not None and not reshard:
             self._engine.load_checkpoint(os.path.join(directory, manifests[0]["engine_dir"]))
         elif self._engine is not None:
-            self._engine.load_checkpoint_records(
-                [_ckpt.record_source(directory, manifests, g) for g in self._owned])
+            sources = _ckpt.record_sources(directory, manifests)
+            self._engine.load_checkpoint_records([sources[g] for g in self._owned])
         if self._engine is not None:
             # The load counts the subgroups' largest step; the run's count is
             # saved (an engine whose subgroups all skipped a step has less).
