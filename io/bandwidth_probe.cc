@@ -22,6 +22,7 @@
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
+#include "mlp_offload/base/threads.h"
 
 namespace mlp_offload {
 
@@ -287,14 +288,21 @@ absl::StatusOr<std::vector<PathBandwidth>> ProbeBandwidth(
                                                  absl::UnknownError("not run"));
     ::mlp_offload::Notification go;
     std::vector<std::thread> threads;
-    for (size_t i = 0; i < dirs.size(); ++i) {
-      threads.emplace_back([&, i] {
+    absl::Status started;
+    for (size_t i = 0; i < dirs.size() && started.ok(); ++i) {
+      absl::StatusOr<std::thread> t = StartThread("a probe thread", [&, i] {
         go.WaitForNotification();
-        together[i] = Measure(probes[i], op, options);
+        if (started.ok()) together[i] = Measure(probes[i], op, options);
       });
+      if (t.ok()) {
+        threads.push_back(*std::move(t));
+      } else {
+        started = t.status();  // read by the threads after `go` only
+      }
     }
     go.Notify();
     for (auto& t : threads) t.join();
+    MLP_RETURN_IF_ERROR(started);
     for (size_t i = 0; i < dirs.size(); ++i) {
       if (!together[i].ok()) {
         return Annotate(
@@ -374,23 +382,31 @@ absl::StatusOr<ConcurrencyBandwidth> ProbeConcurrency(
     std::vector<absl::Status> status(2 * engines);
     ::mlp_offload::Notification go;
     std::vector<std::thread> threads;
-    for (int i = 0; i < 2 * engines; ++i) {
-      threads.emplace_back([&, i] {
+    absl::Status started;
+    for (int i = 0; i < 2 * engines && started.ok(); ++i) {
+      absl::StatusOr<std::thread> t = StartThread("a probe thread", [&, i] {
         DirProbe& p = probes[i];
         const IoOp op = i % 2 == 0 ? IoOp::kRead : IoOp::kWrite;
         if (op == IoOp::kRead && !p.file->direct())
           (void)posix_fadvise(p.file->fd(), 0, 0, POSIX_FADV_DONTNEED);
         go.WaitForNotification();
+        if (!started.ok()) return;
         status[i] = TimeSequentialTransfer(*probes[i & ~1].engine, *p.file, op,
                                            options.bytes, options.block_size,
                                            options.queue_depth,
                                            /*sync=*/false)
                         .status();
       });
+      if (t.ok()) {
+        threads.push_back(*std::move(t));
+      } else {
+        started = t.status();  // read by the threads after `go` only
+      }
     }
     const MonoTime start = MonoNow();
     go.Notify();
     for (auto& t : threads) t.join();
+    MLP_RETURN_IF_ERROR(started);
     const double seconds = SecondsSince(start);
     for (const absl::Status& s : status) {
       if (!s.ok()) return Annotate(s, where);

@@ -18,6 +18,7 @@
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
 #include "mlp_offload/base/mutex.h"
+#include "mlp_offload/base/threads.h"
 
 namespace mlp_offload {
 namespace internal_io {
@@ -30,9 +31,17 @@ class ThreadPoolEngine final : public IoEngine {
     const int n = std::max(1, options.num_threads);
     workers_.reserve(n);
     for (int i = 0; i < n; ++i) {
-      workers_.emplace_back([this] { WorkerLoop(); });
+      absl::StatusOr<std::thread> t =
+          StartThread("an I/O thread", [this] { WorkerLoop(); });
+      if (!t.ok()) {
+        start_status_ = t.status();
+        return;  // the factory refuses the engine; its destructor joins
+      }
+      workers_.push_back(*std::move(t));
     }
   }
+
+  const absl::Status& start_status() const { return start_status_; }
 
   ~ThreadPoolEngine() override {
     Shutdown();
@@ -184,6 +193,7 @@ class ThreadPoolEngine final : public IoEngine {
   }
 
   const size_t block_size_;
+  absl::Status start_status_;
   std::vector<std::thread> workers_;  // fixed after construction
   ::mlp_offload::Mutex join_mu_;
 
@@ -196,9 +206,11 @@ class ThreadPoolEngine final : public IoEngine {
 
 }  // namespace
 
-std::unique_ptr<IoEngine> CreateThreadPoolEngine(
+absl::StatusOr<std::unique_ptr<IoEngine>> CreateThreadPoolEngine(
     const IoEngineOptions& options) {
-  return std::make_unique<ThreadPoolEngine>(options);
+  auto engine = std::make_unique<ThreadPoolEngine>(options);
+  if (!engine->start_status().ok()) return engine->start_status();
+  return engine;
 }
 
 }  // namespace internal_io

@@ -37,6 +37,7 @@
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
+#include "mlp_offload/base/threads.h"
 
 namespace mlp_offload {
 namespace internal_io {
@@ -78,7 +79,10 @@ class UringEngine final : public IoEngine {
     if (rc < 0) return ErrnoStatus(-rc, "io_uring_queue_init", "");
     initialized_ = true;
     ::mlp_offload::MutexLock lock(&join_mu_);
-    loop_ = std::thread([this] { Loop(); });
+    absl::StatusOr<std::thread> loop =
+        StartThread("the io_uring completion thread", [this] { Loop(); });
+    if (!loop.ok()) return loop.status();
+    loop_ = *std::move(loop);
     loop_id_ = loop_.get_id();
     return absl::OkStatus();
   }
@@ -487,6 +491,7 @@ absl::StatusOr<std::unique_ptr<IoEngine>> CreateUringEngine(
     return ErrnoStatus(errno, "eventfd", "for the io_uring engine");
   auto engine = std::make_unique<UringEngine>(options, event_fd);
   absl::Status status = engine->Init();
+  if (absl::IsResourceExhausted(status)) return status;  // a thread
   if (!status.ok()) return absl::UnavailableError(status.message());
   return engine;
 }

@@ -204,9 +204,11 @@ absl::StatusOr<double> MeasureStreamBandwidth(const StreamPattern& pattern,
                      " update streams, read ", pattern.read_bytes, " B, write ",
                      pattern.write_bytes, " B"));
   }
-  if (n == 0 || repetitions < 1) {
+  // Bounded so that no array's size in bytes can wrap (2^40 elements is
+  // 4 TiB per array, beyond any host).
+  if (n == 0 || n > (size_t{1} << 40) || repetitions < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("need n > 0 and repetitions >= 1, got n=", n,
+        absl::StrCat("need n in [1, 2^40] and repetitions >= 1, got n=", n,
                      " repetitions=", repetitions));
   }
   // Allocated without touching the pages; the first pass below touches them

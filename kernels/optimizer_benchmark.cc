@@ -107,6 +107,7 @@ int Run() {
   }
   for (int threads : thread_counts) {
     ThreadPool pool(threads);
+    if (!pool.start_status().ok()) return Fail(pool.start_status());
     for (OptimizerKind kind : kinds) {
       OptimizerHyperparams hp = BenchHyperparams(kind);
       const int num_state = NumStateArrays(hp);

@@ -44,6 +44,7 @@
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 #include "mlp_offload/base/thread_pool.h"
+#include "mlp_offload/base/threads.h"
 #include "mlp_offload/state_store.h"
 
 namespace mlp_offload {
@@ -71,15 +72,23 @@ class LockedDispatcher {
  public:
   LockedDispatcher(IoEngine* engine, std::unique_ptr<TierLock> lock)
       : engine_(engine), lock_(std::move(lock)) {
-    dispatcher_ = std::thread([this] { Dispatch(); });
+    absl::StatusOr<std::thread> t =
+        StartThread("a tier lock's dispatcher", [this] { Dispatch(); });
+    if (t.ok()) {
+      dispatcher_ = *std::move(t);
+    } else {
+      start_status_ = t.status();  // the engine is refused: nothing queued
+    }
   }
   ~LockedDispatcher() {  // issues what is queued first
     {
       MutexLock l(&mu_);
       stop_ = true;
     }
-    dispatcher_.join();
+    if (dispatcher_.joinable()) dispatcher_.join();
   }
+
+  const absl::Status& start_status() const { return start_status_; }
 
   void Submit(const IoRequest& request, IoCallback done) {
     MutexLock l(&mu_);
@@ -154,6 +163,7 @@ class LockedDispatcher {
 
   IoEngine* const engine_;
   std::unique_ptr<TierLock> lock_;
+  absl::Status start_status_;  // fixed after construction
   std::thread dispatcher_;
   Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
@@ -176,8 +186,23 @@ class TierChannel {
     for (auto& lock : locks) {
       dispatchers_.push_back(
           std::make_unique<LockedDispatcher>(engine_.get(), std::move(lock)));
+      if (start_status_.ok())
+        start_status_ = dispatchers_.back()->start_status();
+    }
+    // Started now, not at its first use: a completion then has nowhere else
+    // to go.
+    absl::StatusOr<std::thread> t =
+        StartThread("a tier's completion deferrer", [this] { Deliver(); });
+    MutexLock l(&mu_);
+    if (t.ok()) {
+      deferrer_ = *std::move(t);
+    } else if (start_status_.ok()) {
+      start_status_ = t.status();
     }
   }
+
+  // Whether every thread started; the engine refuses the channel otherwise.
+  const absl::Status& start_status() const { return start_status_; }
   ~TierChannel() {
     dispatchers_.clear();  // issues what they still hold
     engine_->Shutdown();
@@ -221,7 +246,6 @@ class TierChannel {
   void Defer(IoCallback done, absl::StatusOr<size_t> r) {
     MutexLock l(&mu_);
     deferred_.push_back({std::move(done), std::move(r)});
-    if (!deferrer_.joinable()) deferrer_ = std::thread([this] { Deliver(); });
   }
 
   void Deliver() {
@@ -242,6 +266,7 @@ class TierChannel {
 
   std::unique_ptr<IoEngine> engine_;
   std::vector<std::unique_ptr<LockedDispatcher>> dispatchers_;
+  absl::Status start_status_;  // fixed after construction
   Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<std::pair<IoCallback, absl::StatusOr<size_t>>> deferred_
@@ -1308,6 +1333,7 @@ absl::Status Engine::Impl::OpenTiers() {
     }
     tier.channel =
         std::make_unique<TierChannel>(std::move(io), std::move(locks));
+    MLP_RETURN_IF_ERROR(tier.channel->start_status());
   }
   return absl::OkStatus();
 }
@@ -1483,6 +1509,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                      "], got ", config.compute_threads));
   }
   auto impl = std::make_unique<Impl>(config);
+  MLP_RETURN_IF_ERROR(impl->pool.start_status());
   PlannerInput in;
   in.subgroup_numel = config.subgroup_numel;
   in.arrays_per_param = 1 + config.num_state_arrays;
@@ -1766,18 +1793,35 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
 
 namespace {
 
-// OK if `segments` cover the `numel` elements of subgroup `i` once each with
-// gradients; `what` names the caller in the error.
-absl::Status CheckGradientSegments(const char* what, int i, uint64_t numel,
-                                   const std::vector<Segment>& segments) {
-  uint64_t covered = 0;
+// OK if `segments` cover the `numel` elements of subgroup `i` once each
+// (in any order, without overlaps or gaps), with gradients where
+// `need_grads`; `what` names the caller in the error.
+absl::Status CheckSegments(const char* what, int i, uint64_t numel,
+                           const std::vector<Segment>& segments,
+                           bool need_grads = true) {
+  std::vector<std::pair<uint64_t, uint64_t>> spans;  // (offset, numel)
+  spans.reserve(segments.size());
   for (const Segment& s : segments) {
-    if (s.grad == nullptr || s.offset + s.numel > numel) {
+    // Written so that no sum can wrap around.
+    if ((need_grads && s.grad == nullptr) || s.offset > numel ||
+        s.numel > numel - s.offset) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": bad segment for subgroup ", i, " (offset ", s.offset,
           ", numel ", s.numel, ", subgroup size ", numel, ")"));
     }
-    covered += s.numel;
+    spans.emplace_back(s.offset, s.numel);
+  }
+  std::sort(spans.begin(), spans.end());
+  uint64_t covered = 0;  // [0, covered) is covered once
+  for (const auto& [offset, n] : spans) {
+    if (offset != covered) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": segments of subgroup ", i,
+                       offset < covered ? " overlap at element "
+                                        : " leave a gap at element ",
+                       std::min(offset, covered)));
+    }
+    covered += n;
   }
   if (covered != numel) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": segments cover ",
@@ -1795,7 +1839,7 @@ absl::StatusOr<uint64_t> Engine::GradientFingerprint(
   if (i < 0 || i >= e.n())
     return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
   MLP_RETURN_IF_ERROR(
-      CheckGradientSegments("GradientFingerprint", i, e.numel[i], segments));
+      CheckSegments("GradientFingerprint", i, e.numel[i], segments));
   std::vector<const Segment*> order;
   order.reserve(segments.size());
   for (const Segment& s : segments) order.push_back(&s);
@@ -1819,7 +1863,7 @@ absl::Status Engine::OffloadGradients(int i,
   if (i < 0 || i >= e.n())
     return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
   MLP_RETURN_IF_ERROR(
-      CheckGradientSegments("OffloadGradients", i, e.numel[i], segments));
+      CheckSegments("OffloadGradients", i, e.numel[i], segments));
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
   MonoTime start = MonoNow();
   // The baseline converts to fp32 at once and swaps the result out, as
@@ -2112,20 +2156,8 @@ absl::Status Engine::Impl::ValidateStepInputs(
     check.step = 1;
     MLP_RETURN_IF_ERROR(
         Annotate(ValidateHyperparams(check), absl::StrCat("subgroup ", i)));
-    uint64_t covered = 0;
-    for (const Segment& seg : in.segments) {
-      if (seg.offset + seg.numel > e.numel[i] ||
-          (!e.eager_grads() && seg.grad == nullptr)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("Step: bad segment in subgroup ", i));
-      }
-      covered += seg.numel;
-    }
-    if (covered != e.numel[i]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("Step: segments cover ", covered, " of ", e.numel[i],
-                       " elements of subgroup ", i));
-    }
+    MLP_RETURN_IF_ERROR(CheckSegments("Step", i, e.numel[i], in.segments,
+                                      /*need_grads=*/!e.eager_grads()));
   }
   return absl::OkStatus();
 }

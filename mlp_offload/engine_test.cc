@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "io/fault_injection.h"
 #include "io/tier_lock.h"
+#include "mlp_offload/base/threads.h"
 #include "mlp_offload/state_store.h"
 
 namespace mlp_offload {
@@ -275,6 +276,66 @@ EngineConfig SmallConfig(int tiers) {
   cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(3000, 3));
   cfg.tier_lock_dir = TempDir("locks");
   return cfg;
+}
+
+TEST(EngineTest, SegmentsMustCoverTheSubgroupOnceWithoutWrapping) {
+  // Offsets near 2^64 (their sum wraps), overlaps and gaps are refused by
+  // name before anything is read or written, in the step, the gradient
+  // check and the baseline's gradient offload.
+  for (bool eager : {false, true}) {
+    EngineConfig cfg = SmallConfig(1);
+    cfg.techniques.delayed_grad_conversion = !eager;
+    if (eager) {
+      cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(3000, 3) +
+                                   AlignedRecordBytes(3000, 1));
+    }
+    Model model(cfg.subgroup_numel, 3);
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    const std::vector<Segment> good = model.Segments(0);  // 1000 elements
+    auto with = [&](std::vector<std::pair<uint64_t, uint64_t>> spans) {
+      std::vector<Segment> out;
+      for (const auto& [offset, n] : spans) {
+        Segment s = good[0];
+        s.offset = offset;
+        s.numel = n;
+        out.push_back(s);
+      }
+      return out;
+    };
+    const uint64_t kWrap = ~uint64_t{0} - 9;  // + 10 wraps to 0
+    const std::vector<std::pair<std::vector<Segment>, std::string>> bad = {
+        {with({{kWrap, 10}, {0, 1000}}), "bad segment for subgroup 0 (offset"},
+        {with({{0, 1000}, {1000, kWrap}}), "bad segment"},
+        {with({{0, 500}, {0, 500}}),
+         "segments of subgroup 0 overlap at "
+         "element 0"},
+        {with({{0, 400}, {500, 500}}), "leave a gap at element 400"},
+        {with({{0, 999}}), "segments cover 999 of subgroup 0's 1000"},
+    };
+    for (const auto& [segments, message] : bad) {
+      std::vector<SubgroupStepInput> in = AdamWInputs(model);
+      in[0].segments = segments;
+      absl::Status s = eager ? e.OffloadGradients(0, segments)
+                             : e.Step(in, StepOptions()).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find(message), std::string::npos) << s;
+      if (!eager) {
+        s = e.GradientsNonfinite(in, 1.0f).status();
+        EXPECT_NE(s.message().find(message), std::string::npos) << s;
+      }
+    }
+    // Pieces in any order that tile the subgroup are fine.
+    std::vector<SubgroupStepInput> in = AdamWInputs(model);
+    in[0].segments = {good[1], good[0]};
+    for (int i = 0; eager && i < e.num_subgroups(); ++i) {
+      ASSERT_TRUE(e.OffloadGradients(i, in[i].segments).ok());
+    }
+    auto stats = e.Step(in, StepOptions());
+    EXPECT_TRUE(stats.ok()) << stats.status();
+  }
 }
 
 TEST(EngineTest, RefusesJunkThreadCounts) {
@@ -646,6 +707,48 @@ TEST(EngineTest, LoadsRecordsOfCheckpointsThatOtherEnginesWrote) {
   EXPECT_NE(s.message().find("sg_1.ckpt: payload checksum mismatch"),
             std::string::npos)
       << s;
+}
+
+TEST(EngineTest, AThreadTheSystemRefusesIsAnErrorAtCreate) {
+  // Every thread the engine starts, refused in turn (compute, I/O,
+  // tier-lock dispatchers, completion deferrers, over two throttled tiers,
+  // with both I/O engines): Create says so and leaves nothing running; then
+  // the engine is created and works. The throttles' timer threads are the
+  // exception: without one, a throttle waits on the submitting thread.
+  for (auto kind :
+       {IoEngineOptions::Kind::kUring, IoEngineOptions::Kind::kThreadPool}) {
+    EngineConfig cfg = SmallConfig(2);
+    cfg.compute_threads = 3;
+    cfg.io.kind = kind;
+    cfg.io.num_threads = 2;
+    cfg.techniques.tier_lock = true;
+    cfg.tier_lock_mode = TierLockMode::kPerDirection;
+    for (TierSpec& t : cfg.tiers) {
+      t.throttle_read_bytes_per_sec = 1e9;
+      t.throttle_write_bytes_per_sec = 1e9;
+    }
+    int refused = 0;
+    for (int nth = 1; nth <= 30; ++nth) {
+      FailNthThreadStartForTesting(nth);
+      auto e = Engine::Create(cfg);
+      FailNthThreadStartForTesting(0);
+      if (e.ok()) {
+        Initialized(*e, cfg, 7);
+        continue;
+      }
+      ++refused;
+      EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted)
+          << nth << ": " << e.status();
+      EXPECT_NE(e.status().message().find("could not start a thread"),
+                std::string::npos)
+          << e.status();
+      EXPECT_TRUE(e.status().GetPayload(kSystemResourcePayload).has_value());
+    }
+    // 2 compute workers; per tier: the I/O engine's threads (io_uring: 1,
+    // the thread pool: 2), 2 dispatchers and a deferrer.
+    const int io = kind == IoEngineOptions::Kind::kUring ? 1 : 2;
+    EXPECT_EQ(refused, 2 + 2 * (io + 2 + 1)) << static_cast<int>(kind);
+  }
 }
 
 TEST(EngineTest, CheckpointRecordsReadWithoutAnEngine) {

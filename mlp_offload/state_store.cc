@@ -217,6 +217,11 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text,
       !field(3, "subgroups", &count)) {
     return bad("missing header fields");
   }
+  // The engine's limits (1 + at most 8 state arrays; records below 2^62
+  // bytes), so no size computed from a manifest can wrap or be absurd.
+  if (m.arrays_per_param < 1 || m.arrays_per_param > 9)
+    return bad(absl::StrCat("arrays_per_param ", m.arrays_per_param,
+                            " is not in [1, 9]"));
   if (count != lines.size() - 4)
     return bad("subgroup count does not match the lines");
   for (uint64_t i = 0; i < count; ++i) {
@@ -225,7 +230,8 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text,
     int tier;
     if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &index) ||
         index != i || !absl::SimpleAtoi(parts[1], &numel) ||
-        !absl::SimpleAtoi(parts[2], &tier) || tier < 0) {
+        !absl::SimpleAtoi(parts[2], &tier) || tier < 0 ||
+        numel > (uint64_t{1} << 62) / (4 * m.arrays_per_param)) {
       return bad(absl::StrCat("bad subgroup line ", i));
     }
     m.subgroup_numel.push_back(numel);

@@ -27,7 +27,7 @@ torch.set_num_threads(1)  # CI shares 2 cores between test processes
 from mlp_offload import MLPOffloadOptimizer, _C, build_info
 from mlp_offload import cuda_path
 from mlp_offload import optimizer as _optimizer
-from mlp_offload.errors import NonFiniteGradientError, TierIOError
+from mlp_offload.errors import ConfigError, NonFiniteGradientError, TierIOError
 
 HAVE_GPU = torch.cuda.is_available()
 NO_GPU_REASON = (f"needs a CUDA device (torch {torch.__version__}: "
@@ -225,6 +225,20 @@ def test_staged_nonfinite_raises_and_updates_nothing(tmp_path):
             opt.step()
         for p, b in zip(model.parameters(), before):
             assert torch.equal(p, b)
+        opt.close()
+
+
+def test_staged_model_converted_after_construction_is_refused_by_name(tmp_path):
+    # The staging buffers and the statistics kernel were sized for fp32: a
+    # model made bf16 afterwards is refused at its first gradient (in the
+    # backward hook that stages it), naming the change, never staged as fp32.
+    with _staged_cpu():
+        model = _model(torch.float32, "cpu")
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()),
+                                  tiers=tier_dirs(tmp_path, prefix="tier"), subgroup_numel=4096)
+        model.to(torch.bfloat16)
+        with pytest.raises(ConfigError, match=r"parameter 0 is now a torch.bfloat16 tensor"):
+            _loss(model, _batches(1, "cpu", torch.bfloat16)[0]).backward()
         opt.close()
 
 

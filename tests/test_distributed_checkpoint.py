@@ -494,6 +494,13 @@ def reshard_worker(rank, phase, tiers, out, name):
         opt.load_checkpoint(os.path.join(out, "old"), restore_params=True)
         assert_loaded(opt, model, torch.load(os.path.join(out, "want.pt"), weights_only=True),
                       (rank, "old"))
+        # Each rank's files alone in a directory of its own (node-local): its
+        # subgroups' records are in the other rank's files. Refused, saying
+        # why, on every rank.
+        with pytest.raises(StateMismatchError, match=r"saved by an older version: it gave "
+                                                     r"the subgroups to the ranks "
+                                                     r"round-robin \(\[0, 1, 0, 1\]\)"):
+            opt.load_checkpoint(os.path.join(out, f"old_node{rank}"))
         opt.close()
         return
     if phase == "save":  # two ranks train and save
@@ -644,6 +651,14 @@ def test_a_save_without_owners_is_read_round_robin(tmp_path):
     for (key, value), got in zip(want["model"].items(),
                                  mlp_offload.master_weights(os.path.join(out, "old"))):
         assert torch.equal(got, value), key
+    for k in range(WORLD):
+        node = os.path.join(out, f"old_node{k}")
+        os.mkdir(node)
+        for entry in os.listdir(os.path.join(out, "old")):
+            if entry.startswith((f"engine-r{k}-", f"python-r{k}-", f"manifest.rank{k}.")):
+                src = os.path.join(out, "old", entry)
+                (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
+                    src, os.path.join(node, entry))
     spawn(reshard_worker, "load_old", tiers, out, "adamw")
     # Owners that do not match the files (a hand-edited manifest, its
     # checksum recomputed): a record of another size is refused, by name,

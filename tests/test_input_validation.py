@@ -135,3 +135,30 @@ def test_second_optimizer_of_this_process_on_a_live_run_is_named(tmp_path):
             wrap(make_model(), tiers, run_name="busy", commit_every=1)
     finally:
         first.close()
+
+
+def test_a_thread_the_system_refuses_is_a_system_resource_error(tmp_path):
+    """A thread limit (a container's pids.max) met while the engine starts
+    its threads: SystemResourceError naming the thread, not a TierFullError
+    or a C++ exception, and nothing left running: the same tiers then take
+    an optimizer that trains."""
+    from mlp_offload import _C
+    tiers = tier_dirs(tmp_path, 2)
+    refused = []
+    for nth in range(1, 30):
+        model = torch.nn.Linear(16, 8)
+        _C._fail_nth_thread_start_for_testing(nth)
+        try:
+            opt = wrap(model, tiers, compute_threads=2)
+        except errors.SystemResourceError as e:
+            refused.append(str(e))
+            continue
+        finally:
+            _C._fail_nth_thread_start_for_testing(0)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.close()
+    assert len(refused) >= 5, refused  # compute, then each tier's threads
+    assert all(re.match(r"could not start a thread \(.+\): Resource temporarily "
+                        r"unavailable \(the system's limit on threads", m) for m in refused)
+    assert not issubclass(errors.SystemResourceError, errors.TierError)

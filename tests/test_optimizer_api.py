@@ -194,6 +194,35 @@ def test_add_param_group_keeps_state(tmp_path, monkeypatch, kind, spill):
     opt.close()
 
 
+def test_add_param_group_keeps_the_packing_of_parameters_frozen_since(tmp_path):
+    # The existing groups are packed as they were built, whatever a
+    # parameter's requires_grad is now: re-packed, a frozen parameter would
+    # split its subgroup and move the subgroups after it to other indices
+    # (and, in a process group, other owners: their state was lost).
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(100)) for _ in range(4)]
+    refs = [p.detach().clone().requires_grad_(True) for p in ps]
+    opt = wrap(torch.optim.Adam(ps, lr=0.1), tmp_path, subgroup_numel=200)
+    ref_opt = torch.optim.Adam(refs, lr=0.1)
+    assert [sg.param_ids for sg in opt.subgroups] == [[0, 1], [2, 3]]
+    for _ in range(2):
+        for p, r in zip(ps, refs):
+            p.grad, r.grad = torch.ones_like(p), torch.ones_like(r)
+        opt.step()
+        ref_opt.step()
+    ps[1].requires_grad_(False)
+    refs[1].requires_grad_(False)
+    extra = torch.nn.Parameter(torch.zeros(10))
+    opt.add_param_group({"params": [extra]})
+    ref_opt.add_param_group({"params": [extra.detach().clone().requires_grad_(True)]})
+    assert [sg.param_ids for sg in opt.subgroups] == [[0, 1], [2, 3], [4]]
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    for pid in range(4):
+        for key, value in want[pid].items():
+            assert torch.allclose(got[pid][key].float(), value.float()), (pid, key)
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["adam", "adamax"])
 def test_add_param_group_after_loading_a_state(tmp_path, kind):
     # A loaded state brings its own step counts (torch's 5 here) to an engine
@@ -737,6 +766,22 @@ def test_parameters_changed_after_wrapping_are_refused(tmp_path, mode):
     with pytest.raises(errors.ConfigError, match="now a non-contiguous"):
         opt.step()
     opt.close()
+    # Resized in place before the state exists: the engine would copy the
+    # subgroup's old size out of the new, smaller parameter (reading past
+    # its end), whatever method makes the state first.
+    for method in ("state_dict", "save_checkpoint", "load_state_dict"):
+        model, opt = fresh()
+        sd = opt.state_dict() if method == "load_state_dict" else None
+        next(model.parameters()).data = torch.zeros(1)
+        with pytest.raises(errors.ConfigError, match=r"parameter 0 is now a torch.float32 "
+                                                     r"tensor of shape \(1,\)"):
+            if method == "state_dict":
+                opt.state_dict()
+            elif method == "save_checkpoint":
+                opt.save_checkpoint(tmp_path / "ckpt")
+            else:
+                opt.load_state_dict(sd)
+        opt.close()
 
 
 def test_sparse_gradients_are_refused_by_name(tmp_path):

@@ -3,17 +3,31 @@
 
 #include <vector>
 
+#include "mlp_offload/base/threads.h"
+
 namespace mlp_offload {
 namespace internal_io {
 
 DelayQueue::DelayQueue() {
   ::mlp_offload::MutexLock lock(&join_mu_);
-  thread_ = std::thread([this] { Loop(); });
+  absl::StatusOr<std::thread> t =
+      StartThread("a delay queue's timer", [this] { Loop(); });
+  if (t.ok()) {
+    thread_ = *std::move(t);
+  } else {
+    start_status_ = t.status();
+  }
 }
 
 DelayQueue::~DelayQueue() { Drain(); }
 
 void DelayQueue::RunAt(MonoTime when, std::function<void()> fn) {
+  if (!start_status_.ok()) {
+    // No thread: the caller waits for the time itself.
+    std::this_thread::sleep_until(when);
+    fn();
+    return;
+  }
   {
     ::mlp_offload::MutexLock lock(&mu_);
     if (!stopped_) {

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 
@@ -28,8 +29,11 @@ class DelayQueue {
   // Runs `fn` on the queue's thread at `when`, a monotonic time (at once if
   // past). Closures due
   // at the same time run in the order they were added. After Drain, runs
-  // `fn` on the calling thread at once.
+  // `fn` on the calling thread at once. Where the thread could not be
+  // started (start_status()), runs `fn` on the calling thread at `when`,
+  // after waiting for it.
   void RunAt(MonoTime when, std::function<void()> fn);
+  const absl::Status& start_status() const { return start_status_; }
   // Waits until every closure added so far has run (at its time), then stops
   // the thread. Idempotent.
   void Drain();
@@ -45,6 +49,7 @@ class DelayQueue {
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status start_status_;  // fixed after construction
   ::mlp_offload::Mutex join_mu_;
   std::thread thread_ ABSL_GUARDED_BY(join_mu_);
 };

@@ -5,6 +5,7 @@
 #include "gtest/gtest.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
+#include "mlp_offload/base/threads.h"
 
 namespace mlp_offload {
 namespace internal_io {
@@ -39,6 +40,20 @@ TEST(DelayQueueTest, AfterDrainRunsInline) {
   bool ran = false;
   queue.RunAt(MonoAfter(absl::Hours(1)), [&] { ran = true; });
   EXPECT_TRUE(ran);
+}
+
+TEST(DelayQueueTest, WithoutItsThreadTheCallerWaitsForTheTime) {
+  FailNthThreadStartForTesting(1);
+  DelayQueue queue;
+  FailNthThreadStartForTesting(0);
+  EXPECT_EQ(queue.start_status().code(), absl::StatusCode::kResourceExhausted)
+      << queue.start_status();
+  const MonoTime start = MonoNow();
+  bool ran = false;
+  queue.RunAt(MonoAfter(absl::Milliseconds(30)), [&] { ran = true; });
+  EXPECT_TRUE(ran);  // on this thread, at its time
+  EXPECT_GE(SecondsSince(start), 0.03);
+  queue.Drain();  // nothing to join
 }
 
 }  // namespace

@@ -10,10 +10,11 @@
 namespace mlp_offload {
 namespace internal_io {
 
-// Unavailable (with the reason) when the ring cannot be set up.
+// Unavailable (with the reason) when the ring cannot be set up. Both:
+// ResourceExhausted (StartThread's) when a thread cannot be started.
 absl::StatusOr<std::unique_ptr<IoEngine>> CreateUringEngine(
     const IoEngineOptions& options);
-std::unique_ptr<IoEngine> CreateThreadPoolEngine(
+absl::StatusOr<std::unique_ptr<IoEngine>> CreateThreadPoolEngine(
     const IoEngineOptions& options);
 
 }  // namespace internal_io

@@ -3,12 +3,23 @@
 // (a chunk of hundreds of KiB), so one lock per task is negligible.
 #include "mlp_offload/base/thread_pool.h"
 
+#include <utility>
+
+#include "mlp_offload/base/threads.h"
+
 namespace mlp_offload {
 
 ThreadPool::ThreadPool(int num_threads)
     : num_threads_(num_threads < 1 ? 1 : num_threads) {
   for (int i = 1; i < num_threads_; ++i) {
-    workers_.emplace_back([this] { WorkerLoop(); });
+    absl::StatusOr<std::thread> t =
+        StartThread("compute thread", [this] { WorkerLoop(); });
+    if (!t.ok()) {
+      start_status_ = t.status();
+      num_threads_ = i;
+      break;
+    }
+    workers_.push_back(*std::move(t));
   }
 }
 

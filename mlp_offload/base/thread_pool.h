@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
@@ -17,13 +18,16 @@ namespace mlp_offload {
 class ThreadPool {
  public:
   // Starts `num_threads - 1` workers; the calling thread is the last one.
-  // num_threads < 1 is treated as 1.
+  // num_threads < 1 is treated as 1. Never throws: where a worker cannot be
+  // started the pool has fewer (num_threads() says how many), and
+  // start_status() says why; callers that need them all check it.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return num_threads_; }
+  const absl::Status& start_status() const { return start_status_; }
 
   // Calls fn(task) for every task in [0, num_tasks), spread over the pool,
   // and returns when all have finished. Tasks are claimed dynamically, so the
@@ -36,7 +40,8 @@ class ThreadPool {
   void WorkerLoop();
   void RunTasks();
 
-  const int num_threads_;
+  int num_threads_;  // fixed after construction
+  absl::Status start_status_;
   std::vector<std::thread> workers_;
   Mutex mu_;
   // Generation of the current job; workers wait for it to change.

@@ -39,6 +39,11 @@ ThreadPool* PoolFor(int num_threads) {
   if (num_threads <= 1) return nullptr;
   if (pool == nullptr || pool->num_threads() != num_threads) {
     pool = std::make_unique<ThreadPool>(num_threads);
+    if (!pool->start_status().ok()) {
+      const absl::Status status = pool->start_status();
+      pool.reset();
+      ThrowIfError(status);
+    }
   }
   return pool.get();
 }

@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "mlp_offload/base/threads.h"
+
 namespace mlp_offload {
 namespace python {
 namespace py = pybind11;
@@ -11,9 +13,9 @@ namespace {
 // Owned references kept for the life of the interpreter.
 PyObject* g_errors_module = nullptr;
 
-PyObject* ExceptionFor(absl::StatusCode code) {
+PyObject* ExceptionFor(const absl::Status& status) {
   const char* name = "OffloadError";
-  switch (code) {
+  switch (status.code()) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kOutOfRange:
       name = "ConfigError";
@@ -25,7 +27,10 @@ PyObject* ExceptionFor(absl::StatusCode code) {
       name = "TierPermissionError";
       break;
     case absl::StatusCode::kResourceExhausted:
-      name = "TierFullError";
+      // The system's (threads), else a tier's or the host budget's.
+      name = status.GetPayload(kSystemResourcePayload).has_value()
+                 ? "SystemResourceError"
+                 : "TierFullError";
       break;
     case absl::StatusCode::kDataLoss:
       name = "CorruptStateError";
@@ -61,11 +66,15 @@ void RegisterStatus(py::module_& m) {
   py::module_ errors = py::module_::import("mlp_offload.errors");
   g_errors_module = errors.ptr();
   Py_INCREF(g_errors_module);
+  m.def("_fail_nth_thread_start_for_testing", &FailNthThreadStartForTesting,
+        py::arg("n"),
+        "Tests: the n-th thread start from now on fails as if the system had "
+        "refused it (0: off).");
 }
 
 void ThrowIfError(const absl::Status& status) {
   if (status.ok()) return;
-  PyObject* cls = ExceptionFor(status.code());
+  PyObject* cls = ExceptionFor(status);
   std::string msg(status.message());
   PyErr_SetString(cls, msg.c_str());
   Py_XDECREF(cls);

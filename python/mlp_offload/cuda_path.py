@@ -219,6 +219,8 @@ class DeviceStaging:
     def _check_grads(self, sg):
         for p, pid, _, _ in sg.slices():
             g = p.grad
+            if p.dtype != self._dtype or p.device != self.device:
+                self._opt()._check_params_unchanged()  # raises, naming the change
             if g.dtype != p.dtype or g.shape != p.shape or g.is_sparse \
                     or not g.is_contiguous() or g.device != p.device:
                 raise ConfigError(

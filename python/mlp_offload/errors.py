@@ -46,6 +46,12 @@ class StateMismatchError(OffloadError):
     """State or a checkpoint belongs to another model/configuration."""
 
 
+class SystemResourceError(OffloadError):
+    """The system refused the engine something it needs besides the tiers:
+    a thread (a limit on threads or processes, such as a container's
+    pids.max)."""
+
+
 class CancelledError(OffloadError):
     """An operation was cancelled (engine shut down)."""
 

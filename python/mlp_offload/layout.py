@@ -38,8 +38,12 @@ class Subgroup:
             yield p, pid, off, p.numel()
 
 
-def pack(param_groups, subgroup_numel):
-    """Packs the groups' parameters into subgroups (a list of Subgroup)."""
+def pack(param_groups, subgroup_numel, trainable=None):
+    """Packs the groups' parameters into subgroups (a list of Subgroup).
+    Frozen and trainable parameters go to different subgroups; `trainable`
+    ({id(param): bool}) says which a parameter counts as, where it should
+    not be its requires_grad now (packed before it changed)."""
+    trainable = trainable or {}
     if not isinstance(subgroup_numel, int) or subgroup_numel <= 0:
         raise ConfigError(f"subgroup_numel must be a positive int, got {subgroup_numel!r}")
     subgroups = []
@@ -54,8 +58,10 @@ def pack(param_groups, subgroup_numel):
                     f"the optimizer")
             # Frozen and trainable parameters go to different subgroups, so
             # that a subgroup without gradients can be skipped whole.
+            grad = trainable.get(id(p), p.requires_grad)
             if current is None or current.numel + n > subgroup_numel \
-                    or current.params[-1].requires_grad != p.requires_grad:
+                    or trainable.get(id(current.params[-1]),
+                                     current.params[-1].requires_grad) != grad:
                 current = Subgroup(len(subgroups), gi, [], [], [], 0)
                 subgroups.append(current)
             current.params.append(p)

@@ -15,9 +15,9 @@ values.
 Adam, AdamW, SGD and Adagrad run on the engine's fused SIMD kernels (the
 native path); any other optimizer runs its own step on views of the
 offloaded state (the generic path, see generic.py). With a
-torch.distributed process group each rank owns every world-th subgroup
-(ZeRO-style partition of the optimizer state) and the owner broadcasts the
-updated parameters.
+torch.distributed process group each rank owns a share of the subgroups,
+balanced by size (ZeRO-style partition of the optimizer state; see
+layout.assign_owners), and the owner broadcasts the updated parameters.
 """
 
 import contextlib
@@ -215,7 +215,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (see _retry_kept_commit).
         self._kept_commit_pending = None
         self._load_started = False
-        # Distribution: rank r owns subgroups r, r + world, r + 2 world, ...
+        # Distribution: which rank owns each subgroup (layout.assign_owners).
         self._group = None
         self._rank, self._world = 0, 1
         self._comm_types = {"cpu"}
@@ -461,7 +461,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._keys = keys
             self._num_arrays = max(len(k) for k in keys)
 
-        self._subgroups = _layout.pack(groups, self._subgroup_numel)
+        # The groups packed before keep their packing (add_param_group): a
+        # parameter frozen or unfrozen since stays where it was.
+        before = self._packed_trainable if rebuild else {}
+        self._subgroups = _layout.pack(groups, self._subgroup_numel, trainable=before)
+        self._packed_trainable = {id(p): before.get(id(p), p.requires_grad)
+                                  for sg in self._subgroups for p in sg.params}
         self._param_shapes = [list(p.shape) for p in params]
         self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
         # Each rank owns a share of the subgroups, balanced by size.
@@ -621,6 +626,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # An unreadable file is the resume's to report.
             state = self._read_pystate_or_none(dirs[0], keys[0])
             try:
+                # Before the engine files' check, whose error would not say why.
+                old = self._round_robin_difference((state or {}).get("layout") or {})
+                if old:
+                    raise StateMismatchError(
+                        f"{_recovery.pystate_path(dirs[0], keys[0])} was committed by an "
+                        f"older version: {old}")
                 _C.engine.check_run_layout(dirs, 1 + self._num_arrays, numel)
                 # A rank whose own subgroups an add_param_group left alone
                 # has engine files of one layout on both sides of it.
@@ -1481,7 +1492,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}; got "
                     f"{g.dtype} {tuple(g.shape)}{' sparse' if g.is_sparse else ''}"
                     f"{'' if g.is_sparse or g.is_contiguous() else ' non-contiguous'}")
-            if p.dtype != self._dtype or not p.is_contiguous():
+            if p.dtype != self._dtype or not p.is_contiguous() or p.device != self._device:
                 self._check_params_unchanged()  # raises, naming the change
             segs.append((off, n, g.data_ptr(), p.data_ptr()))
         return segs
@@ -1576,6 +1587,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _ensure_initialized(self):
         if self._initialized:
             return
+        # The engine copies each subgroup's size from the parameters.
+        self._check_params_unchanged()
         if self._engine is not None and self._commit_every > 0:
             # The engine commits the initial state (step 0) once every
             # subgroup is initialised: its Python side goes first.
@@ -2034,12 +2047,24 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if want[key] != got.get(key):
                 return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
         if want["owners"] != _ckpt.owners_of(got):
-            # Written by a version that gave subgroups to ranks round-robin.
-            return (f"the subgroups' owner ranks are {_ckpt.owners_of(got)} there, "
-                    f"{want['owners']} here (a save by an older version, whose owners "
-                    f"went round-robin: resume from a checkpoint instead, which any "
-                    f"version loads)")
+            return self._round_robin_difference(got) or (
+                f"the subgroups' owner ranks are {_ckpt.owners_of(got)} there, "
+                f"{want['owners']} here")
         return None
+
+    def _round_robin_difference(self, got):
+        """What to say of a layout `got` of this model and rank count that
+        an older version wrote, whose owners went round-robin and differ
+        from this one's, or None."""
+        if self._world == 1 or "owners" in got or got.get("world_size") != self._world \
+                or got.get("subgroups") != [sg.param_ids for sg in self._subgroups] \
+                or _ckpt.owners_of(got) == self._owners:
+            return None
+        return (f"it gave the subgroups to the ranks round-robin ({_ckpt.owners_of(got)}), "
+                f"this version balances them by size ({self._owners}), so each rank's files "
+                f"hold other subgroups: resume the run with the version that wrote it and "
+                f"save_checkpoint() to a directory that every rank sees, then "
+                f"load_checkpoint() that directory here")
 
     def _params_from_masters(self):
         """Sets the model's parameters from the engine's fp32 master copy."""
@@ -2535,6 +2560,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         where it has the parameter, else from the current parameter values.
         With `check_only`, raises what writing would raise and writes nothing.
         """
+        self._check_params_unchanged()  # the master copy comes from them
         self._refresh_hyperparams()
         for g in self._owned:
             sg = self._subgroups[g]
@@ -3065,7 +3091,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         Refuses (StateMismatchError, naming the difference) a checkpoint of
         another model, optimizer, dtype or subgroup size. A checkpoint saved
-        by another number of ranks is resharded: each rank reads its
+        by another number of ranks (or by an older version, whose subgroups
+        went to the ranks round-robin) is resharded: each rank reads its
         subgroups' records from the files of the ranks that saved them
         (which must all be in `directory`, visible to every rank; default:
         the checkpoint_dir the optimizer was constructed with). The model's
@@ -3112,8 +3139,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # Another rank count (one process), or nothing complete: the
                 # error names what is missing.
                 manifests = _ckpt.newest_complete_save(directory, reader=reader)
-            elif world == self._world and _ckpt.owners_of(mine["layout"]) == self._owners:
+            elif world == self._world and (
+                    _ckpt.owners_of(mine["layout"]) == self._owners
+                    or mine["layout"].get("subgroups")
+                    != [sg.param_ids for sg in self._subgroups]):
+                # (Another packing: this rank's manifest says how it differs.)
                 manifests = [mine]
+            elif world == self._world and not shared:
+                # Owners of an older version's save: the records of this
+                # rank's subgroups are in other ranks' files.
+                raise StateMismatchError(
+                    f"checkpoint in {directory} was saved by an older version: "
+                    f"{self._round_robin_difference(mine['layout'])} (or copy every "
+                    f"rank's files of this save into one directory that every rank "
+                    f"sees, and load that)")
             else:
                 # Saved by another number of ranks: every part of that save.
                 manifests = _ckpt.save_manifests(directory, key, world, reader=reader)

@@ -48,6 +48,7 @@ srcs=(io/aligned_buffer.cc io/bandwidth_probe.cc io/fault_injection.cc io/file.c
       io/internal/request.cc
       kernels/memory_probe.cc kernels/optimizer_kernels.cc kernels/target_info.cc
       mlp_offload/base/status_macros.cc mlp_offload/base/thread_pool.cc
+      mlp_offload/base/threads.cc
       mlp_offload/engine.cc mlp_offload/planner.cc mlp_offload/state_store.cc
       python/bindings/cuda_bindings.cc python/bindings/engine_bindings.cc
       python/bindings/io_bindings.cc python/bindings/kernels_bindings.cc
