@@ -1261,6 +1261,14 @@ def mismatch_worker(rank, tiers):
                                           r"\[2\] = \(4, 32\)"):
         MLPOffloadOptimizer(make((model if rank == 0 else other).parameters()), tiers=tiers,
                             subgroup_numel=200, compute_threads=1)
+    # A layer frozen on rank 1 only (the subgroups would differ).
+    model[2].bias.requires_grad_(rank == 0)
+    with pytest.raises(ConfigError, match=r"disagree on param_requires_grad: rank 0 has 4 "
+                                          r"entries, \[3\] = True, rank 1 has 4 entries, "
+                                          r"\[3\] = False"):
+        MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                            compute_threads=1)
+    model[2].bias.requires_grad_(True)
     # A setting rank 1 refuses: rank 0 raises too, naming it.
     with pytest.raises(ConfigError if rank == 1 else OffloadError) as err:
         MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,

@@ -466,6 +466,12 @@ LAYOUT_SUMMARY = MLPOffloadOptimizer._layout_summary
 
 def reshard_worker(rank, phase, tiers, out, name):
     make = OPTIMIZERS[name]
+
+    def built():
+        model = make_model()
+        return model, MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
+                                          subgroup_numel=200, compute_threads=1)
+
     if phase == "save_old":
         # As "save", by a version that gave the subgroups to the ranks
         # round-robin and did not record them.
@@ -473,9 +479,7 @@ def reshard_worker(rank, phase, tiers, out, name):
                                lambda sgs, world: [sg.index % world for sg in sgs]), \
                 mock.patch.object(MLPOffloadOptimizer, "_layout_summary", old_layout_summary), \
                 mock.patch.object(mlp_offload.checkpoint, "CHECKPOINT_VERSION", 2):
-            model = make_model()
-            opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers,
-                                      subgroup_numel=200, compute_threads=1)
+            model, opt = built()
             assert opt._owned == list(range(rank, len(opt.subgroups), WORLD))
             train_same_batches(range(3), ((opt, model),))
             opt.save_checkpoint(os.path.join(out, "old"))
@@ -484,9 +488,7 @@ def reshard_worker(rank, phase, tiers, out, name):
     if phase == "load_old":
         # The same number of ranks, other owners: each reads its subgroups
         # from the ranks that saved them.
-        model = make_model()
-        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                                  compute_threads=1)
+        model, opt = built()
         assert opt._owned != list(range(rank, len(opt.subgroups), WORLD))
         torch.manual_seed(5)
         for p in model.parameters():
@@ -520,9 +522,7 @@ def reshard_worker(rank, phase, tiers, out, name):
         return
     if phase == "load_fewer":
         # The three ranks' save, under an interrupted save by two.
-        model = make_model()
-        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                                  compute_threads=1)
+        model, opt = built()
         opt.load_checkpoint(os.path.join(out, "fewer"), restore_params=True)
         assert_loaded(opt, model, torch.load(os.path.join(out, "want3.pt"), weights_only=True),
                       (rank, "fewer"))
@@ -530,9 +530,7 @@ def reshard_worker(rank, phase, tiers, out, name):
         return
     want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
     if phase == "load_interrupted":
-        model = make_model()
-        opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                                  compute_threads=1)
+        model, opt = built()
         opt.load_checkpoint(os.path.join(out, "interrupted"), restore_params=True)
         assert_loaded(opt, model, want, (rank, "interrupted"))
         opt.close()

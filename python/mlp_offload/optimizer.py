@@ -376,6 +376,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         group_sizes=[len(g["params"]) for g in groups],
                         param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
                         param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
+                        # Frozen and trainable parameters are packed apart.
+                        param_requires_grad=[p.requires_grad for g in groups
+                                             for p in g["params"]],
                         param_devices=sorted({p.device.type for g in groups
                                               for p in g["params"]}))
         got = self._gather((None if failure is None else f"{type(failure).__name__}: {failure}",
