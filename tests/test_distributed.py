@@ -1284,6 +1284,29 @@ def test_ranks_with_other_models_or_settings_are_refused_on_every_rank(tmp_path)
     spawn(mismatch_worker, tier_dirs(tmp_path))
 
 
+def frozen_worker(rank, tiers):
+    # The first layer frozen: its subgroups are not updated, and the
+    # trainable ones are balanced apart from them, so each rank updates one
+    # (counted together, rank 0's frozen 512 elements left it none).
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m[0].requires_grad_(False)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1)
+    assert [(sg.numel, sg.trainable) for sg in opt.subgroups] == \
+        [(512, False), (32, False), (256, True), (8, True)]
+    assert [opt.subgroups[g].trainable for g in opt._owned] == [False, True]
+    train_same_batches(range(3), ((ref_opt, ref), (opt, model)))
+    assert_params_match(model, ref, rank)
+    opt.close()
+
+
+def test_a_frozen_layer_in_a_process_group_matches_torch(tmp_path):
+    spawn(frozen_worker, tier_dirs(tmp_path))
+
+
 def amp_worker(rank, tiers):
     # GradScaler finds an inf on rank 1 only (its gradients are its own):
     # every rank skips that step (before: rank 0 applied it, and the ranks'

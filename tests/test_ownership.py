@@ -137,3 +137,27 @@ def test_ownership_bench_compares_the_two_assignments(request, tmp_path):
         assert result[name]["step_seconds"] > 0
     assert max(result["balanced"]["params"]) < max(result["round_robin"]["params"])
     assert os.listdir(tmp_path) == []  # its directories are removed
+
+
+def test_frozen_subgroups_are_balanced_apart_from_the_trainable_ones():
+    """A frozen embedding (not updated) does not leave its rank without
+    trainable subgroups: each kind is spread on its own."""
+    sgs = subgroups([100_000] + [10_000] * 8)
+    sgs[0].trainable = False
+    owners = layout.assign_owners(sgs, 2)
+    trainable = [0, 0]
+    for sg, rank in zip(sgs, owners):
+        if sg.trainable:
+            trainable[rank] += sg.numel
+    assert trainable == [40_000, 40_000]
+    assert owners[0] == 0
+    # What layout.pack records, whatever requires_grad says later.
+    torch.manual_seed(0)
+    frozen, live = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    packed = layout.pack([{"params": [*frozen.parameters(), *live.parameters()]}], 1000)
+    assert [sg.trainable for sg in packed] == [False, True]
+    frozen.requires_grad_(True)
+    assert [sg.trainable for sg in layout.pack(
+        [{"params": [*frozen.parameters(), *live.parameters()]}], 1000,
+        trainable={id(p): False for p in frozen.parameters()})] == [False, True]

@@ -31,6 +31,7 @@ class Subgroup:
     param_ids: list            # their global indices (state_dict numbering)
     offsets: list              # element offset of each inside the record
     numel: int                 # record length (elements)
+    trainable: bool = True     # its parameters required gradients when packed
 
     def slices(self):
         """(param, global index, offset, numel) for every parameter."""
@@ -62,7 +63,7 @@ def pack(param_groups, subgroup_numel, trainable=None):
             if current is None or current.numel + n > subgroup_numel \
                     or trainable.get(id(current.params[-1]),
                                      current.params[-1].requires_grad) != grad:
-                current = Subgroup(len(subgroups), gi, [], [], [], 0)
+                current = Subgroup(len(subgroups), gi, [], [], [], 0, grad)
                 subgroups.append(current)
             current.params.append(p)
             current.param_ids.append(pid)
@@ -82,22 +83,26 @@ def assign_owners(subgroups, world):
     before it left. So the owners of a group's subgroups do not depend on
     the groups after it: add_param_group keeps every existing subgroup's
     owner, and a run constructed with all its groups at once gets the owners
-    that adding them one by one gave. Subgroups of one size go round-robin
-    (subgroup g to rank g mod world); ranks beyond the number of subgroups
-    own none."""
+    that adding them one by one gave. Trainable and frozen subgroups are
+    balanced apart (a frozen one is not updated: counted with the trainable
+    ones, it would leave its rank fewer of those). Subgroups of one size
+    go round-robin (subgroup g to rank g mod world); ranks beyond the
+    number of subgroups own none."""
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"world size must be a positive int, got {world!r}")
     owners = [None] * len(subgroups)
-    loads = [(0, rank) for rank in range(world)]  # a heap of (elements, rank)
+    # Heaps of (elements, rank): trainable subgroups', frozen ones'.
+    loads = {kind: [(0, rank) for rank in range(world)] for kind in (True, False)}
     start = 0
     while start < len(subgroups):
         end = start
         while end < len(subgroups) and subgroups[end].group == subgroups[start].group:
             end += 1
         for sg in sorted(subgroups[start:end], key=lambda s: (-s.numel, s.index)):
-            load, rank = heapq.heappop(loads)
+            heap = loads[bool(sg.trainable)]
+            load, rank = heapq.heappop(heap)
             owners[sg.index] = rank
-            heapq.heappush(loads, (load + sg.numel, rank))
+            heapq.heappush(heap, (load + sg.numel, rank))
         start = end
     return owners
 

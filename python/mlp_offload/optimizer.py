@@ -3151,11 +3151,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             elif world == self._world and not shared:
                 # Owners of an older version's save: the records of this
                 # rank's subgroups are in other ranks' files.
+                why = self._round_robin_difference(mine["layout"])
                 raise StateMismatchError(
-                    f"checkpoint in {directory} was saved by an older version: "
-                    f"{self._round_robin_difference(mine['layout'])} (or copy every "
-                    f"rank's files of this save into one directory that every rank "
-                    f"sees, and load that)")
+                    f"checkpoint in {directory} "
+                    + (f"was saved by an older version: {why}" if why else
+                       f"gives the subgroups to other ranks "
+                       f"({_ckpt.owners_of(mine['layout'])}, here {self._owners})")
+                    + " (or copy every rank's files of this save into one directory "
+                      "that every rank sees, and load that)")
             else:
                 # Saved by another number of ranks: every part of that save.
                 manifests = _ckpt.save_manifests(directory, key, world, reader=reader)
