@@ -476,7 +476,8 @@ def reshard_worker(rank, phase, tiers, out, name):
         # As "save", by a version that gave the subgroups to the ranks
         # round-robin and did not record them.
         with mock.patch.object(mlp_offload.layout, "assign_owners",
-                               lambda sgs, world: [sg.index % world for sg in sgs]), \
+                               lambda sgs, world: mlp_offload.layout.round_robin_owners(
+                                   len(sgs), world)), \
                 mock.patch.object(MLPOffloadOptimizer, "_layout_summary", old_layout_summary), \
                 mock.patch.object(mlp_offload.checkpoint, "CHECKPOINT_VERSION", 2):
             model, opt = built()

@@ -44,10 +44,6 @@ def gpt2_shapes(vocab, dim, layers, seq):
     return shapes + [(dim,), (dim,)]
 
 
-def round_robin(subgroups, world):
-    return [sg.index % world for sg in subgroups]
-
-
 def worker(rank, args, store, result_dir):
     import torch
     import torch.distributed as dist
@@ -64,7 +60,8 @@ def worker(rank, args, store, result_dir):
     params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
     grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
     numel = sum(p.numel() for p in params)
-    owners = {"balanced": layout.assign_owners, "round_robin": round_robin}
+    owners = {"balanced": layout.assign_owners,
+              "round_robin": lambda sgs, world: layout.round_robin_owners(len(sgs), world)}
     times = {name: [] for name in owners}
     owned = {}
     for _ in range(args.rounds):
