@@ -166,7 +166,7 @@ class LocalClock final : public internal_io::PaceClock {
     return rate_[static_cast<int>(op)] > 0;
   }
 
-  MonoTime Reserve(IoOp op, size_t bytes) override {
+  absl::StatusOr<MonoTime> Reserve(IoOp op, size_t bytes) override {
     ::mlp_offload::MutexLock lock(&mu_);
     MonoTime& next = next_release_[static_cast<int>(op)];
     const MonoTime release = std::max(next, MonoNow());

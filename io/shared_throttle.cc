@@ -1,20 +1,22 @@
 #include "io/shared_throttle.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "io/internal/paced_engine.h"
 #include "mlp_offload/base/clock.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -22,20 +24,20 @@ namespace {
 
 constexpr uint64_t kMagic = 0x4d4c50546872746cull;  // "MLPThrtl"
 
-// The file's contents. All zeros is the initial state (clocks in the past,
-// nobody streaming), so a file freshly extended by ftruncate is ready once
-// its magic is claimed. The atomics are lock-free and address-free, hence
-// valid across processes in a MAP_SHARED mapping.
-struct SharedState {
-  std::atomic<uint64_t> magic;
+// The file's contents, read and written whole under the file's lock (not
+// mapped: a mapping of a file that someone truncates, or whose first write
+// finds the disk full, kills the process with SIGBUS; a read or write returns
+// an error instead). All zeros but the magic is the initial state: clocks in
+// the past, nobody streaming.
+struct Record {
+  uint64_t magic = 0;
   // Per direction (IoOp), CLOCK_MONOTONIC ns at which the device is free.
-  std::atomic<int64_t> next_free_ns[2];
+  int64_t next_free_ns[2] = {0, 0};
   // Engines with I/O outstanding.
-  std::atomic<int32_t> streaming;
+  int32_t streaming = 0;
+  uint32_t unused = 0;
 };
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "");
-static_assert(std::atomic<int64_t>::is_always_lock_free, "");
-static_assert(std::atomic<int32_t>::is_always_lock_free, "");
+static_assert(sizeof(Record) == 32, "the state file's size");
 
 int64_t MonotonicNs() {
   timespec ts;
@@ -43,47 +45,144 @@ int64_t MonotonicNs() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
+// Holds flock(LOCK_EX) on a descriptor for its lifetime. flock locks belong
+// to the open file description, so they exclude other engines (each opens the
+// file itself) and other processes; threads of one engine are kept apart by
+// the engine's mutex.
+class FileLock {
+ public:
+  static absl::StatusOr<FileLock> Take(int fd, const std::string& path) {
+    while (flock(fd, LOCK_EX) != 0) {
+      if (errno != EINTR) return ErrnoStatus(errno, "flock", path);
+    }
+    return FileLock(fd);
+  }
+  FileLock(FileLock&& other) : fd_(std::exchange(other.fd_, -1)) {}
+  FileLock& operator=(FileLock&&) = delete;
+  ~FileLock() {
+    if (fd_ >= 0) flock(fd_, LOCK_UN);
+  }
+
+ private:
+  explicit FileLock(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+absl::Status ReadRecord(int fd, const std::string& path, Record* record) {
+  const ssize_t n = pread(fd, record, sizeof(Record), 0);
+  if (n < 0) return ErrnoStatus(errno, "read", path);
+  if (static_cast<size_t>(n) != sizeof(Record) || record->magic != kMagic) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared throttle state file ", path,
+        " was truncated or overwritten while in use (read ", n, " of ",
+        sizeof(Record), " bytes", n > 0 ? ", or a wrong magic" : "", ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteRecord(int fd, const std::string& path,
+                         const Record& record) {
+  const ssize_t n = pwrite(fd, &record, sizeof(Record), 0);
+  if (n < 0) return ErrnoStatus(errno, "write", path);
+  if (static_cast<size_t>(n) != sizeof(Record)) {
+    return absl::DataLossError(absl::StrCat("shared throttle state file ", path,
+                                            ": short write (", n, " of ",
+                                            sizeof(Record), " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
 // The device's clocks, in the shared file. Reserve is the local throttle's
-// virtual scheduling done with a compare-and-swap on the shared clock, each
+// virtual scheduling done on the shared clock under the file's lock, each
 // piece costing (1 + contention (k - 1)) times its size at the cap, k the
 // engines streaming when it is reserved.
 class SharedClock final : public internal_io::PaceClock {
  public:
-  SharedClock(const SharedThrottleOptions& options, SharedState* state)
+  SharedClock(const SharedThrottleOptions& options, int fd)
       : rate_{options.read_bytes_per_sec, options.write_bytes_per_sec},
         contention_(options.contention),
-        state_(state) {}
-  ~SharedClock() override { munmap(state_, sizeof(SharedState)); }
+        path_(options.state_path),
+        fd_(fd) {}
+  ~SharedClock() override { close(fd_); }
 
   bool Capped(IoOp op) const override {
     return rate_[static_cast<int>(op)] > 0;
   }
 
-  MonoTime Reserve(IoOp op, size_t bytes) override {
+  absl::StatusOr<MonoTime> Reserve(IoOp op, size_t bytes) override {
     const int o = static_cast<int>(op);
-    const int streaming = std::max(1, state_->streaming.load());
-    const double factor = 1.0 + contention_ * (streaming - 1);
+    ::mlp_offload::MutexLock lock(&mu_);
+    // A failed stream count is reported by the next piece.
+    MLP_RETURN_IF_ERROR(error_);
+    MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
+    Record record;
+    MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
+    const double factor =
+        1.0 + contention_ * (std::max(1, record.streaming) - 1);
     const int64_t cost_ns = static_cast<int64_t>(static_cast<double>(bytes) *
                                                  factor / rate_[o] * 1e9);
     const int64_t now = MonotonicNs();
-    int64_t start;
-    int64_t cur = state_->next_free_ns[o].load();
-    do {
-      start = std::max(cur, now);
-    } while (
-        !state_->next_free_ns[o].compare_exchange_weak(cur, start + cost_ns));
+    const int64_t start = std::max(record.next_free_ns[o], now);
+    record.next_free_ns[o] = start + cost_ns;
+    MLP_RETURN_IF_ERROR(WriteRecord(fd_, path_, record));
     return MonoNow() + std::chrono::duration_cast<MonoClock::duration>(
                            std::chrono::nanoseconds(start - now));
   }
 
-  void StreamStarts() override { state_->streaming.fetch_add(1); }
-  void StreamStops() override { state_->streaming.fetch_sub(1); }
+  void StreamStarts() override { CountStream(+1); }
+  void StreamStops() override { CountStream(-1); }
 
  private:
+  void CountStream(int delta) {
+    ::mlp_offload::MutexLock lock(&mu_);
+    if (!error_.ok()) return;
+    error_ = [&]() -> absl::Status {
+      MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
+      Record record;
+      MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
+      record.streaming += delta;
+      return WriteRecord(fd_, path_, record);
+    }();
+  }
+
   const double rate_[2];
   const double contention_;
-  SharedState* const state_;
+  const std::string path_;
+  const int fd_;
+  ::mlp_offload::Mutex mu_;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
 };
+
+// Under the file's lock: an empty file becomes a state file (its record
+// written, so a full disk is an error here, not later); a state file is
+// joined. Anything else is somebody else's file.
+absl::Status ClaimStateFile(int fd, const std::string& path) {
+  MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd, path));
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a shared throttle state file (not a regular file)"));
+  }
+  Record fresh;
+  fresh.magic = kMagic;
+  if (st.st_size == 0) return WriteRecord(fd, path, fresh);
+  Record record;
+  const ssize_t n =
+      st.st_size == sizeof(Record) ? pread(fd, &record, sizeof(Record), 0) : 0;
+  if (n < 0) return ErrnoStatus(errno, "read", path);
+  if (static_cast<size_t>(n) == sizeof(Record)) {
+    if (record.magic == kMagic) return absl::OkStatus();
+    // All zeros: an earlier version's file, extended but not yet claimed.
+    static const Record kZeros;
+    if (std::memcmp(&record, &kZeros, sizeof(Record)) == 0) {
+      return WriteRecord(fd, path, fresh);
+    }
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat(path, " is not a shared throttle state file (",
+                   static_cast<int64_t>(st.st_size), " bytes)"));
+}
 
 }  // namespace
 
@@ -97,40 +196,13 @@ absl::StatusOr<std::unique_ptr<IoEngine>> MakeSharedThrottledEngine(
   const int fd = open(options.state_path.c_str(),
                       O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(errno, "open", options.state_path);
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int e = errno;
+  const absl::Status claimed = ClaimStateFile(fd, options.state_path);
+  if (!claimed.ok()) {
     close(fd);
-    return ErrnoStatus(e, "fstat", options.state_path);
-  }
-  // Extending with zeros is the initial state; a concurrent opener doing
-  // the same is harmless. A larger file is someone else's.
-  if (static_cast<size_t>(st.st_size) < sizeof(SharedState) &&
-      ftruncate(fd, sizeof(SharedState)) != 0) {
-    const int e = errno;
-    close(fd);
-    return ErrnoStatus(e, "ftruncate", options.state_path);
-  }
-  if (static_cast<size_t>(st.st_size) > sizeof(SharedState)) {
-    close(fd);
-    return absl::FailedPreconditionError(
-        absl::StrCat(options.state_path, " is not a shared throttle state file",
-                     " (", st.st_size, " bytes)"));
-  }
-  void* map = mmap(nullptr, sizeof(SharedState), PROT_READ | PROT_WRITE,
-                   MAP_SHARED, fd, 0);
-  const int e = errno;
-  close(fd);
-  if (map == MAP_FAILED) return ErrnoStatus(e, "mmap", options.state_path);
-  auto* state = static_cast<SharedState*>(map);
-  uint64_t magic = 0;
-  if (!state->magic.compare_exchange_strong(magic, kMagic) && magic != kMagic) {
-    munmap(map, sizeof(SharedState));
-    return absl::FailedPreconditionError(absl::StrCat(
-        options.state_path, " is not a shared throttle state file"));
+    return claimed;
   }
   return internal_io::MakePacedEngine(
-      std::move(inner), std::make_unique<SharedClock>(options, state),
+      std::move(inner), std::make_unique<SharedClock>(options, fd),
       "shared_throttle");
 }
 

@@ -32,8 +32,10 @@ struct SharedThrottleOptions {
 // at the shared, contention-adjusted rate (the virtual scheduling of
 // MakeThrottledEngine, with its clock in the shared file). Submit never
 // blocks. Fails, naming the file, if the state file cannot be created,
-// opened or mapped, or is not a throttle state file; InvalidArgument for a
-// negative contention.
+// opened or written (a full disk), or is not a throttle state file;
+// InvalidArgument for a negative contention. The file is read and written
+// under flock, never mapped: if it is truncated or overwritten while in use,
+// the requests that need it fail with FailedPrecondition naming it.
 //
 // An engine counts as streaming from its first outstanding request to its
 // last completion. A process killed while streaming leaves its count in the

@@ -1,6 +1,8 @@
 #include "io/shared_throttle.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -222,6 +224,80 @@ TEST_F(SharedThrottleTest, BadInputIsNamed) {
   e = MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
   EXPECT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find(link), std::string::npos);
+}
+
+// The state file is read and written, never mapped: truncating or
+// overwriting it under a running engine fails that engine's requests with
+// an error naming it (a mapping would have killed the process with SIGBUS).
+TEST_F(SharedThrottleTest, AStateFileChangedInUseFailsRequestsNamingIt) {
+  for (const bool truncate_it : {true, false}) {
+    SCOPED_TRACE(truncate_it ? "truncated" : "overwritten");
+    std::unique_ptr<IoEngine> engine = Engine(0);
+    ASSERT_NE(engine, nullptr);
+    std::unique_ptr<File> file = Open("a");
+    AlignedBuffer buf = *AlignedBuffer::Allocate(2 * kMiB);
+    ASSERT_TRUE(
+        engine->Submit({IoOp::kWrite, file.get(), 0, 2 * kMiB, buf.data()})
+            .Wait()
+            .ok());
+    if (truncate_it) {
+      ASSERT_EQ(truncate(state_.c_str(), 0), 0);
+    } else {
+      const int fd = open(state_.c_str(), O_WRONLY);
+      ASSERT_GE(fd, 0);
+      const char junk[32] = "not a throttle state file";
+      ASSERT_EQ(pwrite(fd, junk, sizeof(junk), 0), 32);
+      close(fd);
+    }
+    const absl::StatusOr<size_t> write =
+        engine->Submit({IoOp::kWrite, file.get(), 0, 2 * kMiB, buf.data()})
+            .Wait();
+    EXPECT_EQ(write.status().code(), absl::StatusCode::kFailedPrecondition)
+        << write.status();
+    EXPECT_NE(write.status().message().find(state_), std::string::npos)
+        << write.status();
+    EXPECT_NE(write.status().message().find("truncated or overwritten"),
+              std::string::npos)
+        << write.status();
+    engine->Shutdown();
+    engine.reset();
+    // Junk stays somebody else's file; an emptied one is claimed afresh.
+    if (!truncate_it) {
+      ASSERT_EQ(unlink(state_.c_str()), 0);
+    }
+    std::unique_ptr<IoEngine> again = Engine(0);
+    ASSERT_NE(again, nullptr);
+    EXPECT_TRUE(
+        again->Submit({IoOp::kWrite, file.get(), 0, 2 * kMiB, buf.data()})
+            .Wait()
+            .ok());
+  }
+}
+
+// A state file that cannot be written when it is created (a full disk; here
+// a file-size limit of 16 bytes, in a child process) is an error naming it.
+TEST_F(SharedThrottleTest, AnUnwritableNewStateFileIsNamed) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit = {16, 16};
+    if (setrlimit(RLIMIT_FSIZE, &limit) != 0) _exit(2);
+    IoEngineOptions inner;
+    inner.kind = IoEngineOptions::Kind::kThreadPool;
+    SharedThrottleOptions options;
+    options.state_path = state_;
+    options.write_bytes_per_sec = kCap;
+    const absl::StatusOr<std::unique_ptr<IoEngine>> engine =
+        MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+    if (engine.ok()) _exit(3);
+    if (engine.status().message().find(state_) == std::string::npos) _exit(4);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 }  // namespace

@@ -62,12 +62,17 @@ class PacedEngine final : public IoEngine {
     std::vector<Piece> pieces =
         SplitRequest(request, std::move(finish), kPaceChunk);
     for (Piece& piece : pieces) {
-      const MonoTime release = clock_->Reserve(request.op, piece.length);
+      const absl::StatusOr<MonoTime> release =
+          clock_->Reserve(request.op, piece.length);
+      if (!release.ok()) {
+        piece.tracker->PieceDone(piece.offset, release.status());
+        continue;
+      }
       IoRequest part = request;
       part.offset = piece.offset;
       part.length = piece.length;
       part.buffer = piece.buffer;
-      delays_.RunAt(release, [this, part, tracker = piece.tracker]() {
+      delays_.RunAt(*release, [this, part, tracker = piece.tracker]() {
         const uint64_t offset = part.offset;
         inner_->Submit(part, [tracker, offset](absl::StatusOr<size_t> result) {
           tracker->PieceDone(offset, result.status());

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "io/io_engine.h"
 #include "mlp_offload/base/clock.h"
@@ -28,8 +29,9 @@ class PaceClock {
   // to the inner engine, whole).
   virtual bool Capped(IoOp op) const = 0;
   // Reserves device time for `bytes` in direction `op` and returns when the
-  // piece may be released (monotonic). Thread-safe.
-  virtual MonoTime Reserve(IoOp op, size_t bytes) = 0;
+  // piece may be released (monotonic). Thread-safe. An error (a clock kept
+  // in a file that went away) fails the piece with it.
+  virtual absl::StatusOr<MonoTime> Reserve(IoOp op, size_t bytes) = 0;
   // The engine goes from no request outstanding to one, and back.
   virtual void StreamStarts() {}
   virtual void StreamStops() {}
