@@ -477,6 +477,9 @@ struct Engine::Impl {
   std::vector<bool> grad_nonfinite;  // baseline: seen at offload time
   std::vector<bool> grad_offloaded;  // baseline: fp32 grad on the tier
   std::vector<bool> done_in_step;    // for a step resumed after a failure
+  // Marked done by BeginStep's skip flags, not by an update: a failed step
+  // forgets them (its retry may have gradients for them).
+  std::vector<bool> left_in_step;
 
   Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
@@ -1011,6 +1014,17 @@ struct Engine::Impl {
   // dict): it is no longer part of a step that failed part-way, and once no
   // subgroup is, that step is abandoned (the next Step updates every
   // subgroup again instead of resuming it).
+  // A step failed: the subgroups BeginStep left on their tiers were not
+  // done by it (its retry counts them again).
+  void ForgetLeftInStep() {
+    for (int i = 0; i < n(); ++i) {
+      if (!left_in_step[i]) continue;
+      done_in_step[i] = false;
+      --stats.subgroups_left_on_tier;
+    }
+    std::fill(left_in_step.begin(), left_in_step.end(), false);
+  }
+
   void SupersedeIncompleteStep(int i) {
     if (!step_failed) return;
     done_in_step[i] = false;
@@ -1567,6 +1581,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   e.grad_nonfinite.assign(n, false);
   e.grad_offloaded.assign(n, false);
   e.done_in_step.assign(n, false);
+  e.left_in_step.assign(n, false);
 
   if (config.resume) {
     MLP_RETURN_IF_ERROR(e.LoadCommitted());
@@ -1922,11 +1937,15 @@ absl::Status Engine::OffloadGradients(int i,
   return absl::OkStatus();
 }
 
-absl::Status Engine::BeginStep() {
+absl::Status Engine::BeginStep(const std::vector<bool>& skip) {
   Impl& e = *impl_;
   if (e.in_step)
     return absl::FailedPreconditionError(
         "BeginStep: a step is already running");
+  if (!skip.empty() && static_cast<int>(skip.size()) != e.n()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "BeginStep: ", skip.size(), " skip flags for ", e.n(), " subgroups"));
+  }
   for (int i = 0; i < e.n(); ++i) {
     if (!e.initialized[i]) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -1977,6 +1996,16 @@ absl::Status Engine::BeginStep() {
   e.stats.step = e.steps_done + 1;
   e.step_start = MonoNow();
   e.peak_in_use = e.buffers_in_use;
+  // Records without a gradient stay where they are, unless resident (a
+  // cached record goes through the step as before, so the cache keeps the
+  // plan's shape).
+  for (int i = 0; i < static_cast<int>(skip.size()); ++i) {
+    if (skip[i] && !e.done_in_step[i] && e.buffer_of[i] < 0) {
+      e.done_in_step[i] = true;
+      e.left_in_step[i] = true;
+      ++e.stats.subgroups_left_on_tier;
+    }
+  }
   e.IssueReads();
   return absl::OkStatus();
 }
@@ -2047,11 +2076,13 @@ absl::Status Engine::Done(bool updated) {
   // before taking the lock.
   uint64_t checksum = 0;
   int b;
+  bool unchanged_on_disk;  // nothing to write
   {
     MutexLock l(&e.mu);
     b = e.buffer_of[i];
+    unchanged_on_disk = !updated && e.OnDisk(i);
   }
-  if (!kept || commit) {
+  if ((!kept || commit) && !unchanged_on_disk) {
     checksum =
         PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i], &e.pool);
   }
@@ -2060,7 +2091,10 @@ absl::Status Engine::Done(bool updated) {
   e.done_in_step[i] = true;
   if (kept) {
     e.buffers[b].state = BufState::kCached;
-    if (commit) e.IssueWrite(i, b, checksum);  // durable too, and still cached
+    // Durable too, and still cached.
+    if (commit && !unchanged_on_disk) e.IssueWrite(i, b, checksum);
+  } else if (unchanged_on_disk) {
+    e.Free(b);
   } else {
     e.buffers[b].state = BufState::kWriting;
     e.IssueWrite(i, b, checksum);
@@ -2086,12 +2120,14 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   if (!s.ok()) {
     e.in_step = false;
     e.step_failed = true;
+    e.ForgetLeftInStep();
     return Annotate(s, absl::StrCat("step ", e.steps_done + 1));
   }
   for (int i = 0; i < e.n(); ++i) {
     if (!e.done_in_step[i]) {
       e.in_step = false;
       e.step_failed = true;
+      e.ForgetLeftInStep();
       return absl::FailedPreconditionError(
           absl::StrCat("EndStep: subgroup ", i, " was not updated"));
     }
@@ -2100,6 +2136,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   e.in_step = false;
   e.step_failed = false;
   std::fill(e.done_in_step.begin(), e.done_in_step.end(), false);
+  std::fill(e.left_in_step.begin(), e.left_in_step.end(), false);
   std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
   if (e.config.commit_every > 0 && e.steps_done % e.config.commit_every == 0) {
     MutexLock l(&e.mu);
@@ -2129,6 +2166,7 @@ void Engine::AbortStep() {
   }
   e.in_step = false;
   e.step_failed = true;
+  e.ForgetLeftInStep();
 }
 
 absl::Status Engine::Impl::ValidateStepInputs(
@@ -2208,7 +2246,9 @@ absl::StatusOr<StepStats> Engine::Step(
       e.AnyGradientNonfinite(inputs, options.grad_scale)) {
     return SkipStep();
   }
-  MLP_RETURN_IF_ERROR(BeginStep());
+  std::vector<bool> skip(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) skip[i] = inputs[i].skip;
+  MLP_RETURN_IF_ERROR(BeginStep(skip));
   GradTransform transform;
   transform.grad_scale = options.grad_scale;
   for (;;) {

@@ -143,6 +143,9 @@ struct StepStats {
   double write_wait_seconds = 0;  // waiting on writes at the end / for buffers
   double grad_offload_seconds = 0;  // baseline: eager grad conversion + writes
   int cache_hits = 0;
+  // Subgroups with no gradient this step (BeginStep's skip) that were not
+  // resident: left on their tier, neither read nor written.
+  int subgroups_left_on_tier = 0;
   std::vector<uint64_t> bytes_read;     // per tier
   std::vector<uint64_t> bytes_written;  // per tier
   uint64_t peak_host_bytes = 0;  // engine buffers in use, high-water mark
@@ -235,10 +238,16 @@ class Engine {
   //   BeginStep(); while ((v = Next()) valid) { update v; Done(); } EndStep();
   // Next returns the subgroups in the plan's order, prefetched, with
   // subgroup == -1 after the last one.
-  absl::Status BeginStep();
+  // skip (empty, or one flag per subgroup): subgroup i has no gradient this
+  // step (a frozen layer) and is not updated. Unless its record is resident
+  // it stays on its tier, neither read nor written, and Next does not return
+  // it; a resident one is returned as usual (to be passed on with
+  // Done(false)). Step passes its inputs' skip flags.
+  absl::Status BeginStep(const std::vector<bool>& skip = {});
   absl::StatusOr<SubgroupView> Next();
   // The record handed out by Next is finished (updated == false: left as it
-  // was, step count unchanged) and goes back to its tier or the cache.
+  // was, step count unchanged) and goes back to its tier or the cache (not
+  // written when it is not updated and its tier holds it already).
   absl::Status Done(bool updated = true);
   absl::StatusOr<StepStats> EndStep();
   // Ends a step that failed part-way (an I/O error, an exception in the

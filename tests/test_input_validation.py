@@ -162,3 +162,41 @@ def test_a_thread_the_system_refuses_is_a_system_resource_error(tmp_path):
     assert all(re.match(r"could not start a thread \(.+\): Resource temporarily "
                         r"unavailable \(the system's limit on threads", m) for m in refused)
     assert not issubclass(errors.SystemResourceError, errors.TierError)
+
+
+def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):
+    """The engine's copy calls take bare addresses: a size that is not the
+    subgroup's is a ConfigError naming both, before any byte is copied (a
+    too-small buffer would have been overrun), and the state is unchanged."""
+    model = make_model()  # the weight (128) and the bias (8), a subgroup each
+    opt = wrap(model, tier_dirs(tmp_path, 1))
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    engine = opt._engine
+    sizes = [128, 8]
+    assert [sg.numel for sg in opt._subgroups] == sizes
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    small = torch.zeros(50)
+    arrays = [torch.zeros(50), torch.zeros(50)]
+    ptrs = [a.data_ptr() for a in arrays]
+    with pytest.raises(errors.ConfigError,
+                       match=r"read_subgroup: subgroup 0 has 128 elements, the buffers "
+                             r"given hold 50"):
+        engine.read_subgroup(0, small.data_ptr(), ptrs, 50)
+    with pytest.raises(errors.ConfigError, match=r"write_subgroup: subgroup 1 has 8 "):
+        engine.write_subgroup(1, small.data_ptr(), ptrs, 3, 50)
+    with pytest.raises(errors.ConfigError, match=r"initialize_subgroup: subgroup 0 "):
+        engine.initialize_subgroup(0, small.data_ptr(), "float32", 50)
+    with pytest.raises(errors.ConfigError, match=r"read_masters: subgroup 1 has 8 "):
+        engine.read_masters([0, small.data_ptr()], [0, 50])
+    with pytest.raises(errors.ConfigError, match=r"read_masters: 2 pointers but 1 sizes"):
+        engine.read_masters([0, small.data_ptr()], [8])
+    # The right sizes are taken; nothing above changed the state.
+    master = torch.empty(8)
+    state = [torch.empty(8), torch.empty(8)]
+    assert engine.read_subgroup(1, master.data_ptr(), [s.data_ptr() for s in state], 8) == 1
+    assert torch.equal(master, model.bias.detach())
+    after = opt.state_dict()["state"][0]
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    opt.close()

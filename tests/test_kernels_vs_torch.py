@@ -187,6 +187,21 @@ def test_bad_arguments_raise_config_error():
     with pytest.raises(errors.ConfigError, match="state arrays"):
         K.apply_optimizer(dict(optimizer="adam", amsgrad=True, step=1),
                           param.data_ptr(), ptrs, grad.data_ptr(), "float32", 8)
+    # A null address for a non-empty buffer is named, not dereferenced.
+    with pytest.raises(errors.ConfigError, match="param"):
+        K.apply_optimizer(dict(optimizer="adam", step=1), 0, ptrs, grad.data_ptr(),
+                          "float32", 8)
+    with pytest.raises(errors.ConfigError, match="init_state: null address"):
+        K.init_state(dict(optimizer="adam"), [ptrs[0], 0], 8)
+    with pytest.raises(errors.ConfigError, match="grad_stats: grad: null address"):
+        K.grad_stats(0, "float32", 8)
+    with pytest.raises(errors.ConfigError, match="convert_to_float32: dst: null"):
+        K.convert_to_float32(grad.data_ptr(), "float32", 0, 8)
+    with pytest.raises(errors.ConfigError, match="convert_from_float32: src: null"):
+        K.convert_from_float32(0, grad.data_ptr(), "bfloat16", 8)
+    # Empty buffers need no address.
+    assert K.grad_stats(0, "float32", 0) == (False, 0.0)
+    K.convert_to_float32(0, "float32", 0, 0)
 
 
 NONFINITE_PARAM_CASES = [

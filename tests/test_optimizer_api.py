@@ -1268,3 +1268,76 @@ def test_amsgrad_switched_on_after_steps_without_it_is_refused(tmp_path):
     opt.param_groups[0]["amsgrad"] = True
     opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("family", ["adamw", "rmsprop"])
+def test_frozen_subgroups_stay_on_their_tier_until_unfrozen(tmp_path, mode, family):
+    """A frozen layer's subgroups have no gradient: torch leaves them alone,
+    and so does the engine, which neither reads nor writes their records: a
+    step moves the bytes that an optimizer of the trainable layer alone
+    moves. Unfrozen, they are read and updated as torch updates them."""
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9)}[family]
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                              torch.nn.Tanh(), torch.nn.Linear(64, 32), torch.nn.Tanh(),
+                              torch.nn.Linear(32, 8))
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m[0].requires_grad_(False)
+        m[2].requires_grad_(False)
+    ref_opt = make(ref.parameters())
+    # Records streamed, none cached: a step's traffic is what it moves.
+    opt = wrap(make(model.parameters()), tmp_path, mode=mode, subgroup_numel=32)
+    assert opt.plan.num_cached == 0
+    frozen = [sg for sg in opt._subgroups if not sg.trainable]
+    assert len(frozen) >= 4
+    # The trainable layers alone, stepped on the same gradients.
+    (tmp_path / "alone").mkdir()
+    last = copy.deepcopy(model[4:])
+    alone = wrap(make(last.parameters()), tmp_path / "alone", mode=mode, subgroup_numel=32)
+    assert alone.plan.num_cached == 0
+
+    def step_all(step):
+        for o in (ref_opt, opt, alone):
+            o.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = None if q.grad is None else q.grad.clone()
+        for p, q in zip(last.parameters(), ref[4:].parameters()):
+            p.grad = q.grad.clone()
+        for o in (ref_opt, opt, alone):
+            o.step()
+
+    before = [p.detach().clone() for p in model[:3].parameters()]
+    for step in range(3):
+        step_all(step)
+        assert_close(model, ref, rtol=1e-5)
+        stats, base = opt.last_step_stats, alone.last_step_stats
+        if step > 0:  # the initial records may still be in the buffers
+            assert stats["subgroups_left_on_tier"] == len(frozen), stats
+            for key in ("bytes_read", "bytes_written"):
+                assert sum(stats[key]) == sum(base[key]) > 0, (key, stats, base)
+    assert all(torch.equal(p, b) for p, b in zip(model[:3].parameters(), before))
+    alone.close()
+    for m in (ref, model):
+        m.requires_grad_(True)
+    for step in range(3, 5):
+        for o in (ref_opt, opt):
+            o.zero_grad(set_to_none=True)
+        loss_of = torch.nn.functional.mse_loss
+        gen = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        loss_of(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad.clone()
+        ref_opt.step()
+        opt.step()
+        assert_close(model, ref, rtol=1e-5)
+        assert opt.last_step_stats["subgroups_left_on_tier"] == 0
+        assert sum(opt.last_step_stats["bytes_read"]) > sum(stats["bytes_read"])
+    assert not any(torch.equal(p, b) for p, b in zip(model[:3].parameters(), before))
+    opt.close()

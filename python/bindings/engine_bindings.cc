@@ -270,6 +270,7 @@ py::dict StatsToDict(const StepStats& s) {
   d["write_wait_seconds"] = s.write_wait_seconds;
   d["grad_offload_seconds"] = s.grad_offload_seconds;
   d["cache_hits"] = s.cache_hits;
+  d["subgroups_left_on_tier"] = s.subgroups_left_on_tier;
   d["bytes_read"] = s.bytes_read;
   d["bytes_written"] = s.bytes_written;
   d["peak_host_bytes"] = s.peak_host_bytes;
@@ -320,6 +321,21 @@ class PyEngine {
  private:
   std::unique_ptr<Engine> engine_;
 };
+
+// The buffers handed to initialize/read/write_subgroup and read_masters are
+// bare addresses: the caller states how many elements each holds, and a
+// count that is not subgroup i's is refused before any is touched. (A bad
+// index is left to the engine, which names it.)
+void CheckNumel(const Engine& engine, absl::string_view call, int i,
+                uint64_t numel) {
+  const std::vector<uint64_t>& sizes = engine.config().subgroup_numel;
+  if (i < 0 || static_cast<size_t>(i) >= sizes.size()) return;
+  if (numel != sizes[i]) {
+    ThrowIfError(absl::InvalidArgumentError(
+        absl::StrCat(call, ": subgroup ", i, " has ", sizes[i],
+                     " elements, the buffers given hold ", numel)));
+  }
+}
 
 std::vector<float*> FloatPointers(const std::vector<uintptr_t>& ptrs) {
   std::vector<float*> out;
@@ -699,7 +715,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "initialize_subgroup",
           [](PyEngine& e, int i, uintptr_t params, const std::string& dtype,
-             py::object state_init, bool commit_initial) {
+             uint64_t numel, py::object state_init, bool commit_initial) {
+            CheckNumel(e.get(), "initialize_subgroup", i, numel);
             DType dt = DTypeFromName(dtype);
             OptimizerHyperparams hp;
             const bool has_init = !state_init.is_none();
@@ -710,10 +727,11 @@ void RegisterEngineBindings(py::module_& parent) {
                   has_init ? &hp : nullptr, commit_initial);
             });
           },
-          py::arg("i"), py::arg("params"), py::arg("dtype"),
+          py::arg("i"), py::arg("params"), py::arg("dtype"), py::arg("numel"),
           py::arg("state_init") = py::none(), py::arg("commit_initial") = true,
-          "Sets subgroup i's master from `params` (a data pointer of its numel "
-          "elements of `dtype`), its state to the optimizer's initial values "
+          "Sets subgroup i's master from `params` (a data pointer of `numel` "
+          "elements of `dtype`, which must be the subgroup's), its state to "
+          "the optimizer's initial values "
           "(hyperparameter dict) or zeros, step 0. With commit_initial, the "
           "call that initialises the last subgroup of a run with no commit "
           "yet commits that initial state.")
@@ -781,10 +799,14 @@ void RegisterEngineBindings(py::module_& parent) {
           "rank's); returns its stats dict.")
       .def(
           "begin_step",
-          [](PyEngine& e) {
-            e.WithoutGil([&](Engine& engine) { return engine.BeginStep(); });
+          [](PyEngine& e, const std::vector<bool>& skip) {
+            e.WithoutGil(
+                [&](Engine& engine) { return engine.BeginStep(skip); });
           },
-          "Starts a generic step.")
+          py::arg("skip") = std::vector<bool>(),
+          "Starts a generic step. skip (empty, or a flag per subgroup): "
+          "subgroups with no gradient this step; unless resident they stay on "
+          "their tier and next() does not return them.")
       .def(
           "next",
           [](PyEngine& e) {
@@ -819,7 +841,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "read_subgroup",
           [](PyEngine& e, int i, uintptr_t master,
-             const std::vector<uintptr_t>& state) {
+             const std::vector<uintptr_t>& state, uint64_t numel) {
+            CheckNumel(e.get(), "read_subgroup", i, numel);
             std::vector<float*> st = FloatPointers(state);
             int64_t step = 0;
             e.WithoutGil([&](Engine& engine) {
@@ -828,24 +851,40 @@ void RegisterEngineBindings(py::module_& parent) {
             });
             return step;
           },
-          py::arg("i"), py::arg("master"), py::arg("state"),
+          py::arg("i"), py::arg("master"), py::arg("state"), py::arg("numel"),
           "Copies subgroup i's master and state arrays into the given fp32 "
-          "buffers (data pointers); returns its step count.")
+          "buffers (data pointers, 0 skips one, of `numel` floats each, which "
+          "must be the subgroup's); returns its step count.")
       .def(
           "read_masters",
-          [](PyEngine& e, const std::vector<uintptr_t>& masters) {
+          [](PyEngine& e, const std::vector<uintptr_t>& masters,
+             const std::vector<uint64_t>& numels) {
+            if (numels.size() != masters.size()) {
+              ThrowIfError(absl::InvalidArgumentError(
+                  absl::StrCat("read_masters: ", masters.size(),
+                               " pointers but ", numels.size(), " sizes")));
+            }
+            for (size_t i = 0; i < masters.size(); ++i) {
+              if (masters[i] != 0) {
+                CheckNumel(e.get(), "read_masters", static_cast<int>(i),
+                           numels[i]);
+              }
+            }
             std::vector<float*> out = FloatPointers(masters);
             e.WithoutGil(
                 [&](Engine& engine) { return engine.ReadMasters(out); });
           },
-          py::arg("masters"),
+          py::arg("masters"), py::arg("numels"),
           "Copies every subgroup's master parameters into the given fp32 "
-          "buffers (data pointers, one per subgroup; 0 skips one), reading "
-          "from every tier at once.")
+          "buffers (data pointers, one per subgroup; 0 skips one; numels[i] "
+          "floats each, which must be subgroup i's), reading from every tier "
+          "at once.")
       .def(
           "write_subgroup",
           [](PyEngine& e, int i, uintptr_t master,
-             const std::vector<uintptr_t>& state, int64_t step) {
+             const std::vector<uintptr_t>& state, int64_t step,
+             uint64_t numel) {
+            CheckNumel(e.get(), "write_subgroup", i, numel);
             std::vector<const float*> st;
             for (uintptr_t p : state)
               st.push_back(reinterpret_cast<const float*>(p));
@@ -855,7 +894,10 @@ void RegisterEngineBindings(py::module_& parent) {
             });
           },
           py::arg("i"), py::arg("master"), py::arg("state"), py::arg("step"),
-          "Replaces subgroup i's master, state arrays and step count.")
+          py::arg("numel"),
+          "Replaces subgroup i's master, state arrays (0: zeros) and step "
+          "count from fp32 buffers of `numel` floats each, which must be the "
+          "subgroup's.")
       .def(
           "save_checkpoint",
           [](PyEngine& e, const std::string& dir) {

@@ -53,6 +53,15 @@ void* AsPointer(T address) {
   return reinterpret_cast<void*>(static_cast<uintptr_t>(address));
 }
 
+// A null address for a non-empty buffer is a ConfigError naming it, not a
+// crash. (The kernels trust the rest: the caller's tensors hold n elements.)
+void RequireAddress(absl::string_view what, uint64_t address, uint64_t n) {
+  if (address == 0 && n > 0) {
+    ThrowIfError(absl::InvalidArgumentError(
+        absl::StrCat(what, ": null address for ", n, " elements")));
+  }
+}
+
 template <typename T>
 absl::StatusOr<T> CastField(absl::string_view key, const py::handle& value) {
   try {
@@ -176,6 +185,7 @@ void RegisterKernelBindings(pybind11::module_& m) {
         const OptimizerHyperparams hp =
             ValueOrThrow(HyperparamsFromDict(hyperparams));
         ThrowIfError(CheckStateCount(hp, state));
+        for (uint64_t address : state) RequireAddress("init_state", address, n);
         const std::vector<float*> pointers = StatePointers(state);
         float* const arrays[3] = {pointers[0], pointers[1], pointers[2]};
         py::gil_scoped_release release;
@@ -233,6 +243,7 @@ void RegisterKernelBindings(pybind11::module_& m) {
       [](uint64_t grad, const std::string& dtype, uint64_t n, float grad_scale,
          int num_threads) {
         const DType parsed = ValueOrThrow(ParseDType(dtype));
+        RequireAddress("grad_stats: grad", grad, n);
         GradStats stats;
         {
           py::gil_scoped_release release;
@@ -250,6 +261,8 @@ void RegisterKernelBindings(pybind11::module_& m) {
       [](uint64_t src, const std::string& src_dtype, uint64_t dst, uint64_t n,
          int num_threads) {
         const DType parsed = ValueOrThrow(ParseDType(src_dtype));
+        RequireAddress("convert_to_float32: src", src, n);
+        RequireAddress("convert_to_float32: dst", dst, n);
         py::gil_scoped_release release;
         ConvertToFloat32(AsPointer(src), parsed,
                          static_cast<float*>(AsPointer(dst)), n,
@@ -263,6 +276,8 @@ void RegisterKernelBindings(pybind11::module_& m) {
       [](uint64_t src, uint64_t dst, const std::string& dst_dtype, uint64_t n,
          int num_threads) {
         const DType parsed = ValueOrThrow(ParseDType(dst_dtype));
+        RequireAddress("convert_from_float32: src", src, n);
+        RequireAddress("convert_from_float32: dst", dst, n);
         py::gil_scoped_release release;
         ConvertFromFloat32(static_cast<const float*>(AsPointer(src)),
                            AsPointer(dst), parsed, n, PoolFor(num_threads));

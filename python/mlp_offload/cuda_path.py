@@ -392,7 +392,7 @@ class DeviceStaging:
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))
         threads = opt._engine_settings["compute_threads"]
         slot = 0
-        engine.begin_step()
+        engine.begin_step(opt._skip_flags())
         try:
             while True:
                 view = engine.next()

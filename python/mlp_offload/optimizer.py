@@ -67,6 +67,20 @@ _COLLECTIVE_OPS = ("step", "state_dict", "load_state_dict", "save_checkpoint",
                    "load_checkpoint", "add_param_group")
 
 
+def _fp32_buffers(master, arrays=()):
+    """(address, addresses, numel) of host fp32 buffers for the engine's copy
+    calls, which trust bare addresses: every buffer must be contiguous and of
+    the master's size (the engine refuses a size that is not the subgroup's)."""
+    numel = master.numel()
+    for t in (master, *arrays):
+        if (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                or t.numel() != numel):
+            raise StateMismatchError(
+                f"engine buffers must be contiguous host fp32 tensors of {numel} elements, "
+                f"got {t.dtype} on {t.device} with {t.numel()}")
+    return master.data_ptr(), [a.data_ptr() for a in arrays], numel
+
+
 def _group_device_types(group):
     """The device types ("cpu", "cuda", ...) whose tensors `group` takes."""
     types = getattr(group, "_device_types", None)
@@ -1478,8 +1492,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         m.copy_(torch.where(same, m, now))
                         moved = True
             if moved:
-                self._engine.write_subgroup(self._local[g], master.data_ptr(),
-                                            [a.data_ptr() for a in arrays], step)
+                ptr, ptrs, numel = _fp32_buffers(master, arrays)
+                self._engine.write_subgroup(self._local[g], ptr, ptrs, step, numel)
             self._param_versions[g] = self._versions(g)
 
     def _segments(self, sg):
@@ -1600,8 +1614,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             sg = self._subgroups[g]
             flat = _layout.flat_fp32(sg.params)
             init = self._init_hyperparams(sg.group)
-            self._engine.initialize_subgroup(self._local[g], flat.data_ptr(), "float32",
-                                             init)
+            ptr, _, numel = _fp32_buffers(flat)
+            self._engine.initialize_subgroup(self._local[g], ptr, "float32", numel, init)
             del flat
         self._initialized = True
         if self._pending_state is not None:
@@ -2084,7 +2098,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     masters = {g: torch.empty(self._subgroups[g].numel, dtype=torch.float32)
                                for g in owned[first:first + per]}
                     self._engine.read_masters(
-                        [masters[g].data_ptr() if g in masters else 0 for g in owned])
+                        [_fp32_buffers(masters[g])[0] if g in masters else 0 for g in owned],
+                        [masters[g].numel() if g in masters else 0 for g in owned])
                     for g, master in masters.items():
                         for p, _, off, n in self._subgroups[g].slices():
                             p.copy_(master[off:off + n].view(p.shape))
@@ -2193,11 +2208,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return any(p.grad is not None and not torch.isfinite(p.grad).all()
                    for g in self._owned for p in self._subgroups[g].params)
 
+    def _skip_flags(self):
+        """begin_step's skip flags, one per engine subgroup: those with no
+        gradient this step (frozen) stay on their tier."""
+        return [bool(self._skip.get(g)) for g in self._owned]
+
     def _generic_step(self, grad_scale, skip_nonfinite):
         if skip_nonfinite and self._generic_grads_nonfinite():
             return {"skipped": True}
         engine = self._engine
-        engine.begin_step()
+        engine.begin_step(self._skip_flags())
         try:
             while True:
                 view = engine.next()
@@ -2347,8 +2367,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             alloc = functools.partial(torch.empty, dtype=torch.float32)
         master = alloc(sg.numel)
         arrays = [alloc(sg.numel) for _ in range(self._num_arrays)]
-        step = self._engine.read_subgroup(self._local[g], master.data_ptr(),
-                                          [a.data_ptr() for a in arrays])
+        ptr, ptrs, numel = _fp32_buffers(master, arrays)
+        step = self._engine.read_subgroup(self._local[g], ptr, ptrs, numel)
         return master, arrays, int(step)
 
     def _subgroup_record(self, g):
@@ -2584,8 +2604,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 init = self._init_hyperparams(sg.group)
                 # A load is committed by the next step's commit (or by the
                 # caller), never half-way by this call.
-                self._engine.initialize_subgroup(self._local[g], master.data_ptr(),
-                                                 "float32", init, commit_initial=False)
+                ptr, _, numel = _fp32_buffers(master)
+                self._engine.initialize_subgroup(self._local[g], ptr, "float32", numel, init,
+                                                 commit_initial=False)
                 for pid in sg.param_ids:
                     self._has_state[pid] = False
                     self._py_state.pop(pid, None)
@@ -2655,8 +2676,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 step = 1
             if check_only:
                 continue
-            self._engine.write_subgroup(self._local[g], master.data_ptr(),
-                                        [a.data_ptr() for a in arrays], step)
+            ptr, ptrs, numel = _fp32_buffers(master, arrays)
+            self._engine.write_subgroup(self._local[g], ptr, ptrs, step, numel)
 
     def state_dict(self):
         """The state in torch's format (tensors on the host, fp32).
