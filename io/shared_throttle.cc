@@ -72,7 +72,7 @@ absl::Status ReadRecord(int fd, const std::string& path, Record* record) {
   const ssize_t n = pread(fd, record, sizeof(Record), 0);
   if (n < 0) return ErrnoStatus(errno, "read", path);
   if (static_cast<size_t>(n) != sizeof(Record) || record->magic != kMagic) {
-    return absl::FailedPreconditionError(absl::StrCat(
+    return absl::UnavailableError(absl::StrCat(
         "shared throttle state file ", path,
         " was truncated or overwritten while in use (read ", n, " of ",
         sizeof(Record), " bytes", n > 0 ? ", or a wrong magic" : "", ")"));
@@ -85,9 +85,9 @@ absl::Status WriteRecord(int fd, const std::string& path,
   const ssize_t n = pwrite(fd, &record, sizeof(Record), 0);
   if (n < 0) return ErrnoStatus(errno, "write", path);
   if (static_cast<size_t>(n) != sizeof(Record)) {
-    return absl::DataLossError(absl::StrCat("shared throttle state file ", path,
-                                            ": short write (", n, " of ",
-                                            sizeof(Record), " bytes)"));
+    return absl::UnavailableError(
+        absl::StrCat("shared throttle state file ", path, ": short write (", n,
+                     " of ", sizeof(Record), " bytes)"));
   }
   return absl::OkStatus();
 }
@@ -112,8 +112,8 @@ class SharedClock final : public internal_io::PaceClock {
   absl::StatusOr<MonoTime> Reserve(IoOp op, size_t bytes) override {
     const int o = static_cast<int>(op);
     ::mlp_offload::MutexLock lock(&mu_);
-    // A failed stream count is reported by the next piece.
-    MLP_RETURN_IF_ERROR(error_);
+    // A failed stream count is reported by the next piece (once).
+    MLP_RETURN_IF_ERROR(std::exchange(count_error_, absl::OkStatus()));
     MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
     Record record;
     MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
@@ -129,20 +129,30 @@ class SharedClock final : public internal_io::PaceClock {
                            std::chrono::nanoseconds(start - now));
   }
 
-  void StreamStarts() override { CountStream(+1); }
-  void StreamStops() override { CountStream(-1); }
+  // The count of streaming engines in the file. A start that could not be
+  // counted is not taken back at the stop; a count never goes below zero (a
+  // file claimed afresh while this engine streamed).
+  void StreamStarts() override {
+    ::mlp_offload::MutexLock lock(&mu_);
+    const absl::Status s = AddToStreamCount(+1);
+    counted_ = s.ok();
+    if (!s.ok() && count_error_.ok()) count_error_ = s;
+  }
+  void StreamStops() override {
+    ::mlp_offload::MutexLock lock(&mu_);
+    if (!counted_) return;
+    counted_ = false;
+    const absl::Status s = AddToStreamCount(-1);
+    if (!s.ok() && count_error_.ok()) count_error_ = s;
+  }
 
  private:
-  void CountStream(int delta) {
-    ::mlp_offload::MutexLock lock(&mu_);
-    if (!error_.ok()) return;
-    error_ = [&]() -> absl::Status {
-      MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
-      Record record;
-      MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
-      record.streaming += delta;
-      return WriteRecord(fd_, path_, record);
-    }();
+  absl::Status AddToStreamCount(int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
+    Record record;
+    MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
+    record.streaming = std::max(0, record.streaming + delta);
+    return WriteRecord(fd_, path_, record);
   }
 
   const double rate_[2];
@@ -150,7 +160,8 @@ class SharedClock final : public internal_io::PaceClock {
   const std::string path_;
   const int fd_;
   ::mlp_offload::Mutex mu_;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  absl::Status count_error_ ABSL_GUARDED_BY(mu_);
+  bool counted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Under the file's lock: an empty file becomes a state file (its record
@@ -166,7 +177,13 @@ absl::Status ClaimStateFile(int fd, const std::string& path) {
   }
   Record fresh;
   fresh.magic = kMagic;
-  if (st.st_size == 0) return WriteRecord(fd, path, fresh);
+  if (st.st_size == 0) {
+    const absl::Status written = WriteRecord(fd, path, fresh);
+    // Part of a record would make the file nobody's: empty, the next
+    // opener claims it.
+    if (!written.ok()) (void)ftruncate(fd, 0);
+    return written;
+  }
   Record record;
   const ssize_t n =
       st.st_size == sizeof(Record) ? pread(fd, &record, sizeof(Record), 0) : 0;

@@ -30,12 +30,14 @@ struct SharedThrottleOptions {
 
 // Wraps `inner` so that its requests are cut into 1 MiB pieces and released
 // at the shared, contention-adjusted rate (the virtual scheduling of
-// MakeThrottledEngine, with its clock in the shared file). Submit never
-// blocks. Fails, naming the file, if the state file cannot be created,
-// opened or written (a full disk), or is not a throttle state file;
-// InvalidArgument for a negative contention. The file is read and written
-// under flock, never mapped: if it is truncated or overwritten while in use,
-// the requests that need it fail with FailedPrecondition naming it.
+// MakeThrottledEngine, with its clock in the shared file). Submit waits for
+// nothing but the file's lock, which each piece holds for a read and a write
+// of 32 bytes (keep the file on a local file system: the engine puts it
+// beside its node-local tier locks). Fails, naming the file, if the state file
+// cannot be created, opened or written (a full disk), or is not a throttle
+// state file; InvalidArgument for a negative contention. The file is read and
+// written under flock, never mapped: if it is truncated or overwritten while in
+// use, the requests that need it fail with Unavailable naming it.
 //
 // An engine counts as streaming from its first outstanding request to its
 // last completion. A process killed while streaming leaves its count in the

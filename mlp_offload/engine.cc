@@ -442,6 +442,12 @@ absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
                       absl::Hex(StableHash(real), absl::kZeroPad16));
 }
 
+absl::StatusOr<std::string> SharedThrottlePath(const std::string& lock_dir,
+                                               const std::string& tier_dir) {
+  MLP_ASSIGN_OR_RETURN(std::string prefix, TierLockPrefix(lock_dir, tier_dir));
+  return prefix + ".throttle";
+}
+
 struct Engine::Impl {
   EngineConfig config;
   Plan plan;
@@ -477,9 +483,11 @@ struct Engine::Impl {
   std::vector<bool> grad_nonfinite;  // baseline: seen at offload time
   std::vector<bool> grad_offloaded;  // baseline: fp32 grad on the tier
   std::vector<bool> done_in_step;    // for a step resumed after a failure
-  // Marked done by BeginStep's skip flags, not by an update: a failed step
-  // forgets them (its retry may have gradients for them).
-  std::vector<bool> left_in_step;
+  // Done in this step without an update: left on the tier by BeginStep's
+  // skip flags, or passed through with Done(false). A failed step forgets
+  // them (its retry may have gradients for them).
+  enum Untouched : uint8_t { kUpdated = 0, kLeftOnTier, kPassedThrough };
+  std::vector<uint8_t> untouched_in_step;
 
   Mutex mu;
   std::vector<Buffer> buffers ABSL_GUARDED_BY(mu);
@@ -1014,15 +1022,15 @@ struct Engine::Impl {
   // dict): it is no longer part of a step that failed part-way, and once no
   // subgroup is, that step is abandoned (the next Step updates every
   // subgroup again instead of resuming it).
-  // A step failed: the subgroups BeginStep left on their tiers were not
-  // done by it (its retry counts them again).
-  void ForgetLeftInStep() {
+  // A step failed: the subgroups it did not update are not done by it (its
+  // retry takes them again, and counts the ones it leaves on their tiers).
+  void ForgetUntouchedInStep() {
     for (int i = 0; i < n(); ++i) {
-      if (!left_in_step[i]) continue;
+      if (untouched_in_step[i] == kUpdated) continue;
       done_in_step[i] = false;
-      --stats.subgroups_left_on_tier;
+      if (untouched_in_step[i] == kLeftOnTier) --stats.subgroups_left_on_tier;
     }
-    std::fill(left_in_step.begin(), left_in_step.end(), false);
+    std::fill(untouched_in_step.begin(), untouched_in_step.end(), kUpdated);
   }
 
   void SupersedeIncompleteStep(int i) {
@@ -1184,6 +1192,14 @@ absl::Status Engine::Impl::WriteCommit() {
       return absl::InternalError(
           absl::StrCat("commit: subgroup ", i, " is not on disk"));
     }
+    if (rewritten[i] && buffer_of[i] < 0) {
+      // Replaced outside a step, then dropped before it was written (a
+      // failed load): the record on disk is not its latest version.
+      return absl::DataLossError(absl::StrCat(
+          "commit: the latest version of subgroup ", i,
+          " (rewritten by a load) was held in memory only and is lost; no "
+          "commit record written"));
+    }
     MLP_RETURN_IF_ERROR(state_files[i]->Sync());
   }
   // A state file deleted or replaced under the run (a tier wiped) still
@@ -1306,8 +1322,13 @@ absl::Status Engine::Impl::OpenTiers() {
     const TierSpec& spec = config.tiers[t];
     if (spec.throttle_shared) {
       SharedThrottleOptions shared;
-      shared.state_path =
-          absl::StrCat(real[t], "/", TierSpec::kSharedThrottleFile);
+      absl::StatusOr<std::string> state =
+          SharedThrottlePath(config.tier_lock_dir, real[t]);
+      if (!state.ok()) {
+        return Annotate(state.status(),
+                        absl::StrCat("tier ", t, ": shared throttle"));
+      }
+      shared.state_path = *state;
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
@@ -1581,7 +1602,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   e.grad_nonfinite.assign(n, false);
   e.grad_offloaded.assign(n, false);
   e.done_in_step.assign(n, false);
-  e.left_in_step.assign(n, false);
+  e.untouched_in_step.assign(n, Impl::kUpdated);
 
   if (config.resume) {
     MLP_RETURN_IF_ERROR(e.LoadCommitted());
@@ -1996,13 +2017,15 @@ absl::Status Engine::BeginStep(const std::vector<bool>& skip) {
   e.stats.step = e.steps_done + 1;
   e.step_start = MonoNow();
   e.peak_in_use = e.buffers_in_use;
-  // Records without a gradient stay where they are, unless resident (a
-  // cached record goes through the step as before, so the cache keeps the
-  // plan's shape).
+  // Records without a gradient stay where they are if their tier holds
+  // their latest version. A resident one goes through the step as before
+  // (so the cache keeps the plan's shape), and so does one whose latest
+  // version was lost (a failed load freed it): its read reports the loss
+  // before anything is updated or committed.
   for (int i = 0; i < static_cast<int>(skip.size()); ++i) {
-    if (skip[i] && !e.done_in_step[i] && e.buffer_of[i] < 0) {
+    if (skip[i] && !e.done_in_step[i] && e.buffer_of[i] < 0 && e.OnDisk(i)) {
       e.done_in_step[i] = true;
-      e.left_in_step[i] = true;
+      e.untouched_in_step[i] = Impl::kLeftOnTier;
       ++e.stats.subgroups_left_on_tier;
     }
   }
@@ -2089,6 +2112,7 @@ absl::Status Engine::Done(bool updated) {
   MutexLock l(&e.mu);
   if (updated) ++e.sg_step[i];
   e.done_in_step[i] = true;
+  if (!updated) e.untouched_in_step[i] = Impl::kPassedThrough;
   if (kept) {
     e.buffers[b].state = BufState::kCached;
     // Durable too, and still cached.
@@ -2120,14 +2144,14 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   if (!s.ok()) {
     e.in_step = false;
     e.step_failed = true;
-    e.ForgetLeftInStep();
+    e.ForgetUntouchedInStep();
     return Annotate(s, absl::StrCat("step ", e.steps_done + 1));
   }
   for (int i = 0; i < e.n(); ++i) {
     if (!e.done_in_step[i]) {
       e.in_step = false;
       e.step_failed = true;
-      e.ForgetLeftInStep();
+      e.ForgetUntouchedInStep();
       return absl::FailedPreconditionError(
           absl::StrCat("EndStep: subgroup ", i, " was not updated"));
     }
@@ -2136,7 +2160,8 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   e.in_step = false;
   e.step_failed = false;
   std::fill(e.done_in_step.begin(), e.done_in_step.end(), false);
-  std::fill(e.left_in_step.begin(), e.left_in_step.end(), false);
+  std::fill(e.untouched_in_step.begin(), e.untouched_in_step.end(),
+            Impl::kUpdated);
   std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
   if (e.config.commit_every > 0 && e.steps_done % e.config.commit_every == 0) {
     MutexLock l(&e.mu);
@@ -2166,7 +2191,7 @@ void Engine::AbortStep() {
   }
   e.in_step = false;
   e.step_failed = true;
-  e.ForgetLeftInStep();
+  e.ForgetUntouchedInStep();
 }
 
 absl::Status Engine::Impl::ValidateStepInputs(

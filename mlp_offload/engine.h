@@ -37,6 +37,13 @@ enum class TierLockMode { kExclusive, kPerDirection };
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
                                            const std::string& tier_dir);
 
+// The state file of the shared throttle of the tier directory `tier_dir`
+// (TierSpec::throttle_shared): TierLockPrefix plus ".throttle", node-local
+// like the tier locks (one emulated device per node and tier; a fresh file
+// resets its clocks).
+absl::StatusOr<std::string> SharedThrottlePath(const std::string& lock_dir,
+                                               const std::string& tier_dir);
+
 // The commits that every tier of a run holds (as its COMMIT or a readable
 // COMMIT.prev), newest first, read from the run's directories `tier_dirs`
 // (in tier order) without opening the run: the commits a resume of it can

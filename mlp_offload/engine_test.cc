@@ -570,6 +570,23 @@ TEST(EngineTest, TierLocksAreNodeLocalAndNamedAfterTheTier) {
   // Without the tier lock no lock directory is needed.
   cfg.techniques.tier_lock = false;
   EXPECT_TRUE(Engine::Create(cfg).ok());
+  // A shared throttle's state file is node-local beside the locks too:
+  // nothing of it on the tier.
+  cfg = SmallConfig(1);
+  cfg.tiers[0].throttle_shared = true;
+  cfg.tiers[0].throttle_read_bytes_per_sec = 1e9;
+  auto throttled = Engine::Create(cfg);
+  ASSERT_TRUE(throttled.ok()) << throttled.status();
+  auto state = SharedThrottlePath(cfg.tier_lock_dir, cfg.tiers[0].path);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(*state, *TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path) +
+                        ".throttle");
+  struct stat st;
+  ASSERT_EQ(stat(state->c_str(), &st), 0) << *state;
+  EXPECT_EQ(st.st_size, 32);
+  for (const char* name : {"/.mlp_offload_throttle", "/.throttle"}) {
+    EXPECT_NE(stat((cfg.tiers[0].path + name).c_str(), &st), 0) << name;
+  }
 }
 
 TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
@@ -1911,19 +1928,44 @@ TEST(EngineTest, SkippedSubgroupsStayOnTheirTierUnlessResident) {
       ASSERT_EQ(master[k], want);
     }
   }
-  // A step that fails part-way (the caller's update threw) and is retried
-  // with gradients everywhere updates the subgroups it had left.
+  // A step that fails at its end (the caller's code threw) and is retried
+  // with gradients everywhere updates the subgroups it did not: those it
+  // left on their tier and those it passed through from the cache. (A step
+  // with every gradient first, which leaves 7, 8 and 9 cached: the cache
+  // holds records that went through the step before, so skipped ones leave
+  // it.)
+  StepStats full;
+  run_step({}, &full);
+  ASSERT_EQ(e.plan().Order(4).back(), 9);
+  ASSERT_EQ(e.plan().Order(5).front(), 9);
   ASSERT_TRUE(e.BeginStep(skip).ok());
-  auto first = e.Next();
-  ASSERT_TRUE(first.ok()) << first.status();
+  int passed_through = 0;
+  for (;;) {
+    auto v = e.Next();
+    ASSERT_TRUE(v.ok()) << v.status();
+    if (v->subgroup < 0) break;
+    if (skip[v->subgroup]) {
+      ++passed_through;
+    } else {
+      for (uint64_t k = 0; k < v->numel; ++k) v->master[k] -= 1.0f;
+    }
+    ASSERT_TRUE(e.Done(/*updated=*/!skip[v->subgroup]).ok());
+  }
+  EXPECT_EQ(passed_through, 1);  // 9, cached by the step before
   e.AbortStep();
   StepStats stats;
-  run_step({}, &stats);
+  const std::vector<int> retried = run_step({}, &stats);
   EXPECT_EQ(stats.subgroups_left_on_tier, 0);
+  EXPECT_EQ(retried.size(), 3u);
   for (int i = 0; i < n; ++i) {
+    std::vector<float> master(1024);
     int64_t count = -1;
-    ASSERT_TRUE(e.ReadSubgroup(i, nullptr, {nullptr, nullptr}, &count).ok());
-    EXPECT_EQ(count, skip[i] ? 1 : 5) << "subgroup " << i;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {s0.data(), s1.data()}, &count).ok());
+    EXPECT_EQ(count, skip[i] ? 2 : 6) << "subgroup " << i;
+    float want = before[i][0];
+    for (int step = 0; step < (skip[i] ? 2 : 6); ++step) want -= 1.0f;
+    EXPECT_EQ(master[0], want) << "subgroup " << i;
   }
 }
 

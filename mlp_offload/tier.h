@@ -18,16 +18,14 @@ struct TierSpec {
   // Optional caps that emulate a slower tier (token bucket in io/); <= 0: none.
   double throttle_read_bytes_per_sec = 0;
   double throttle_write_bytes_per_sec = 0;
-  // Whether those caps are one device shared by every process whose tier is
-  // this directory (a state file in it, io/shared_throttle.h) instead of each
-  // process's own: emulates the ranks of a node sharing one drive.
+  // Whether those caps are one device shared by every process of the node
+  // whose tier is this directory (a node-local state file beside the tier
+  // locks, SharedThrottlePath in engine.h; io/shared_throttle.h) instead of
+  // each process's own: emulates the ranks of a node sharing one drive.
   bool throttle_shared = false;
   // For a shared throttle: with k processes streaming at once the device
   // gives cap / (1 + contention * (k - 1)) in total; 0: no loss. >= 0.
   double throttle_contention = 0;
-  // The shared throttle's state file, in the tier's directory (a fresh one
-  // resets the device's clocks).
-  static constexpr char kSharedThrottleFile[] = ".mlp_offload_throttle";
   // Tiers with the same non-empty pool share one bandwidth (two directories
   // on one device); the planner then splits the pool's bandwidth.
   std::string bandwidth_pool;

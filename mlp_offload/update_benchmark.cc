@@ -390,9 +390,20 @@ bool ReadAll(int fd, void* data, size_t n) {
 absl::StatusOr<Summary> RunRanks(const std::string& name,
                                  const BenchConfig& config, const Setup& setup,
                                  uint64_t params, uint64_t sg) {
-  // Fresh device clocks and stream counts for every configuration.
-  for (const std::string& d : setup.dirs)
-    unlink(absl::StrCat(d, "/", TierSpec::kSharedThrottleFile).c_str());
+  // Fresh device clocks and stream counts for every configuration, and no
+  // state file left behind in the lock directory.
+  struct ThrottleStates {
+    std::vector<std::string> paths;
+    void Remove() const {
+      for (const std::string& p : paths) unlink(p.c_str());
+    }
+    ~ThrottleStates() { Remove(); }
+  } throttle_states;
+  for (const std::string& d : setup.dirs) {
+    absl::StatusOr<std::string> state = SharedThrottlePath(setup.lock_dir, d);
+    if (state.ok()) throttle_states.paths.push_back(*state);
+  }
+  throttle_states.Remove();
   int up[2], go[2], report[2];
   if (pipe(up) != 0 || pipe(go) != 0 || pipe(report) != 0)
     return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));

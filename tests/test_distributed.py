@@ -543,6 +543,44 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             assert f.read() == data, path
 
 
+def checkpoint_after_commit_worker(rank, tiers, ckpt, out_dir, phase):
+    """Phase 1 trains 3 steps committing every 2, saves a checkpoint at step
+    3 (and the plain optimizer's run) and ends there: a crash, the last
+    commit of step 2. Phase 2 resumes the save on every rank, not the
+    commit, and trains steps 4 and 5 as the plain optimizer does."""
+    make = OPTIMIZERS["adamw"]
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    ref_path = os.path.join(out_dir, "ref_at_step3.pt")
+    if phase == 2:
+        load_reference(ref_path, ref, ref_opt)
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
+                              compute_threads=1, run_name="dist", commit_every=2,
+                              resume="auto", checkpoint_dir=ckpt)
+    pairs = ((ref_opt, ref), (opt, model))
+    if phase == 1:
+        train_same_batches(range(1, 4), pairs)
+        opt.save_checkpoint()
+        if rank == 0:
+            save_reference(ref_path, ref, ref_opt)
+        assert max(opt.engine.kept_commits) == (0, 2), opt.engine.kept_commits
+        opt.close()
+        return
+    assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 3), \
+        (rank, opt.resumed_from, opt.resumed_step)
+    assert_params_match(model, ref, rank)
+    train_same_batches(range(4, 6), pairs)
+    assert_params_match(model, ref, rank)
+    opt.close()
+
+
+def test_ranks_resume_a_checkpoint_saved_after_the_last_commit(tmp_path):
+    tiers, ckpt = tier_dirs(tmp_path), str(tmp_path / "ckpt")
+    spawn(checkpoint_after_commit_worker, tiers, ckpt, str(tmp_path), 1)
+    spawn(checkpoint_after_commit_worker, tiers, ckpt, str(tmp_path), 2)
+
+
 def new_owner_worker(rank, tiers, phase):
     """Rank 1 owns no subgroup until add_param_group gives it one. Phase
     "crash": a committed run dies during the add, rank 0 right after

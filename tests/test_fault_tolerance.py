@@ -1304,3 +1304,139 @@ def test_parameters_changed_while_a_failed_step_is_pending_are_refused(tmp_path,
     opt.step()
     assert reads == []
     opt.close()
+
+
+def test_resume_takes_a_checkpoint_the_run_saved_after_its_last_commit(tmp_path):
+    """commit_every=2 and a save_checkpoint at step 3, then a crash (the
+    process ends without another commit): resume='auto' takes the save, one
+    step newer than the commit, and continues bit-identical to a run that
+    never stopped. A save of another start of the run (resume='never'), or
+    of an older point of it, is never taken over the commit, whatever its
+    step count."""
+    tiers, ckpt = tier_dirs(tmp_path, 2), str(tmp_path / "ckpt")
+    kwargs = dict(run_name="r", commit_every=2, checkpoint_dir=ckpt)
+    want, _ = reference(tmp_path, 5)
+
+    model = make_model()
+    opt = wrap(model, tiers, **kwargs)
+    for k in range(3):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    opt.save_checkpoint()
+    opt.close()  # a crash: the last commit is of step 2
+    manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
+    assert manifest["run_id"] and manifest["commit_key"] == 3
+
+    model = make_model()
+    opt = wrap(model, tiers, resume="auto", **kwargs)
+    assert opt.resumed_from == "checkpoint" and opt.resumed_step == 3
+    for k in range(3, 5):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    assert_equal(params_of(model), want, "resumed from the checkpoint")
+    opt.close()  # the last commit is of step 4, after the save
+    opt = wrap(make_model(), tiers, resume="auto", **kwargs)
+    assert opt.resumed_from == "committed_step" and opt.resumed_step == 4
+    opt.close()
+
+    # Another start of the run: its commit (step 1) is resumed, not the
+    # first start's save of step 3.
+    model = make_model()
+    opt = wrap(model, tiers, **dict(kwargs, commit_every=1))
+    backward(model, 0)
+    opt.step()
+    opt.close()
+    opt = wrap(make_model(), tiers, resume="auto", **dict(kwargs, commit_every=1))
+    assert opt.resumed_from == "committed_step" and opt.resumed_step == 1
+    opt.close()
+
+    # A save made before a load (which starts a new epoch of the run) is
+    # older than the commits after the load, whatever their step counts:
+    # saved at step 3, then back to a save of step 1, then step 2 committed.
+    early = str(tmp_path / "early")
+    model = make_model()
+    opt = wrap(model, tiers, **kwargs)
+    for k in range(3):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+        if k == 0:
+            opt.save_checkpoint(early)  # step 1
+    opt.save_checkpoint()  # step 3
+    opt.load_checkpoint(early)
+    backward(model, 1)
+    opt.step()  # step 2: committed
+    opt.close()
+    opt = wrap(make_model(), tiers, resume="auto", **kwargs)
+    assert opt.resumed_from == "committed_step" and opt.resumed_step == 2
+    opt.close()
+
+
+@pytest.mark.parametrize("how", ["skipped_step", "step", "commit"])
+def test_a_record_whose_latest_version_a_failed_load_lost_is_never_committed(tmp_path, how):
+    """A record rewritten in memory (write_subgroup into the cache), then
+    dropped by a load that failed part-way, is lost: the next step raises
+    naming it, also when that subgroup has no gradient (it is read to find
+    out, not left on its tier), and so does an explicit commit; no commit
+    record names the stale version on disk, and a resume gets the last
+    commit whole."""
+    import ctypes
+    n, numel = 8, 1024
+    tier = str(tmp_path / "tier")
+    os.mkdir(tier)
+    spec = [dict(path=tier, name="a", read_bytes_per_sec=1e9, write_bytes_per_sec=1e9)]
+
+    def create(resume=False):
+        return _C.engine.Engine.create(spec, 6 * (4096 + 3 * 4 * numel), [numel] * n, 2,
+                                       "float32", commit_every=1, resume=resume,
+                                       tier_lock_dir=str(tmp_path))
+
+    def step(engine, skip):
+        engine.begin_step(skip)
+        try:
+            while True:
+                v = engine.next()
+                if v.subgroup < 0:
+                    break
+                if skip and skip[v.subgroup]:
+                    engine.done(updated=False)
+                    continue
+                t = torch.frombuffer((ctypes.c_float * numel).from_address(v.master),
+                                     dtype=torch.float32)
+                t += 1
+                engine.done()
+            return engine.end_step()
+        except BaseException:
+            engine.abort_step()
+            raise
+
+    e = create()
+    assert e.plan.num_cached >= 1
+    for i in range(n):
+        init = torch.full((numel,), float(i))
+        e.initialize_subgroup(i, init.data_ptr(), "float32", numel)
+    step(e, [])
+    e.save_checkpoint(str(tmp_path / "ckpt"))
+    cached = e.plan.order(0)[-1]  # kept in the cache after step 1
+    new, zeros = torch.full((numel,), 100.0), torch.zeros(numel)
+    e.write_subgroup(cached, new.data_ptr(), [zeros.data_ptr()] * 2, 1, numel)
+    os.truncate(str(tmp_path / "ckpt" / f"sg_{cached}.ckpt"), 1000)
+    with pytest.raises(errors.CorruptStateError, match="truncated"):
+        e.load_checkpoint(str(tmp_path / "ckpt"))
+    lost = f"subgroup {cached}.*held in memory only and is lost"
+    with pytest.raises(errors.CorruptStateError, match=lost):
+        if how == "commit":
+            e.set_epoch(1)  # the state changed since step 1's commit
+            e.commit()
+        else:
+            step(e, [i == cached for i in range(n)] if how == "skipped_step" else [])
+    assert e.committed_step == 1
+    e.close()
+    e = create(resume=True)
+    assert e.steps == 1
+    got = torch.empty(numel)
+    assert e.read_subgroup(cached, got.data_ptr(), [0, 0], numel) == 1
+    assert torch.equal(got, torch.full((numel,), cached + 1.0))
+    e.close()

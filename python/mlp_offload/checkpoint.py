@@ -111,6 +111,10 @@ def _schema_problem(m):
         return "'python_state_sha256' must be a sha256 in hex"
     if "save_id" in m and not (isinstance(m["save_id"], str) and m["save_id"]):
         return "'save_id' must be a non-empty string"
+    if m.get("run_id") is not None and not (isinstance(m["run_id"], str) and m["run_id"]):
+        return "'run_id' must be a non-empty string or null"
+    if m.get("commit_key") is not None and not _is_count(m["commit_key"]):
+        return "'commit_key' must be an integer >= 0 or null"
     if m.get("engine_dir") is not None and not _file_name(m["engine_dir"]):
         return "'engine_dir' must name a directory of the checkpoint directory"
     layout = m.get("layout")

@@ -2074,7 +2074,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         an older version wrote, whose owners went round-robin and differ
         from this one's, or None."""
         if self._world == 1 or "owners" in got or got.get("world_size") != self._world \
-                or got.get("subgroups") != [sg.param_ids for sg in self._subgroups] \
+                or got.get("subgroups") != self._subgroup_param_ids() \
                 or _ckpt.owners_of(got) == self._owners:
             return None
         return (f"it gave the subgroups to the ranks round-robin ({_ckpt.owners_of(got)}), "
@@ -2107,12 +2107,41 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._broadcast_params()
         self._note_param_versions()
 
+    def _checkpoint_after_commit(self):
+        """Collective: whether checkpoint_dir holds a save that this run
+        made after the commit the ranks agreed to resume (the same run id, a
+        newer (epoch, step)), as every rank sees it. A save of another run,
+        or of another start of this one, is never newer: its step count is
+        not this history's."""
+        newer = False
+        if self._checkpoint_dir is not None and self._run_id is not None:
+            try:
+                manifests = _ckpt.newest_complete_save(self._checkpoint_dir)
+            except (OffloadError, OSError, ValueError):
+                manifests = []  # none, or unreadable: the commit, as before
+            for m in manifests:
+                key = m.get("commit_key")
+                if m.get("rank") == 0 and m.get("run_id") == self._run_id \
+                        and isinstance(key, int) and key > self._agreed_key:
+                    newer = self._layout_difference(m["layout"]) is None
+                    if newer:
+                        _log.info("run %r: the checkpoint in %s, of %s, is newer than its "
+                                  "last commit, of %s: resuming the checkpoint",
+                                  self._run_prefix, self._checkpoint_dir,
+                                  _recovery.describe_commit(key),
+                                  _recovery.describe_commit(self._agreed_key))
+        if self._group is not None:
+            newer = not self._any_rank(not newer)
+        return newer
+
     def _resume_run(self):
-        """resume='auto'/'require': the committed step, else the checkpoint."""
+        """resume='auto'/'require': the committed step, else the checkpoint
+        (also over a commit when this run saved it after that commit)."""
         self._want_resume = False
         engine = self._engine
+        after_commit = self._agreed_key >= 0 and self._checkpoint_after_commit()
         # The same answer on every rank (_create_engine agreed on the commit).
-        if self._agreed_key >= 0:
+        if self._agreed_key >= 0 and not after_commit:
             key, step = self._agreed_key, self._agreed_step
             # Every rank raises if one cannot (none waits in the broadcast).
             with self._together(f"read its committed state of step {step}"):
@@ -2144,7 +2173,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if engine is not None:
                 self._prune_pystate()
             self.resumed_from, self.resumed_step = "committed_step", step
-        elif self._checkpoint_somewhere():
+        elif after_commit or self._checkpoint_somewhere():
+            if after_commit:
+                # As a resume of the commit would: the run's other directory
+                # (older commits, another packing) does not outlive it.
+                with self._together("remove the run directory it did not resume"):
+                    if engine is not None:
+                        self._discard_other_run_dir(strict=True)
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)
             self.resumed_from = "checkpoint"
             self.resumed_step = engine.steps if engine is not None else None
@@ -2843,13 +2878,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _manifest_path(self, directory, prev=False, rank=None):
         return _ckpt.manifest_path(directory, self._rank if rank is None else rank, prev)
 
+    def _subgroup_param_ids(self):
+        """Each subgroup's parameter indices, as layouts list them."""
+        return [sg.param_ids for sg in self._subgroups]
+
     def _layout_summary(self):
         return {
             "optimizer": type(self.optimizer).__name__,
             "world_size": self._world,
             "param_shapes": self._param_shapes,
             "group_sizes": [len(g["params"]) for g in self.param_groups],
-            "subgroups": [sg.param_ids for sg in self._subgroups],
+            "subgroups": self._subgroup_param_ids(),
             "dtype": _layout.DTYPE_NAMES[self._dtype],
             "num_state_arrays": self._num_arrays,
             "owners": self._owners,
@@ -2992,6 +3031,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "python_state": python_file,
             "python_state_sha256": _recovery.file_sha256(buf_path),
             "layout": self._layout_summary(),
+            # Where in its run the save was made: a resume='auto' of that
+            # run takes it over an older commit (_checkpoint_after_commit).
+            "run_id": self._run_id,
+            "commit_key": None if self._engine is None else _recovery.commit_key(
+                self._engine.epoch, self._engine.steps),
         }
         manifest["checksum"] = _ckpt.manifest_checksum(manifest)
         if old is not None:
@@ -3166,7 +3210,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             elif world == self._world and (
                     _ckpt.owners_of(mine["layout"]) == self._owners
                     or mine["layout"].get("subgroups")
-                    != [sg.param_ids for sg in self._subgroups]):
+                    != self._subgroup_param_ids()):
                 # (Another packing: this rank's manifest says how it differs.)
                 manifests = [mine]
             elif world == self._world and not shared:
