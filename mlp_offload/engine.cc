@@ -1332,7 +1332,7 @@ absl::Status Engine::Impl::OpenTiers() {
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
-      // The error names the state file, inside the tier's directory.
+      // The error names the state file (node-local, SharedThrottlePath).
       MLP_ASSIGN_OR_RETURN(io,
                            MakeSharedThrottledEngine(std::move(io), shared));
     } else if (spec.throttle_read_bytes_per_sec > 0 ||
@@ -2165,7 +2165,11 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
   if (e.config.commit_every > 0 && e.steps_done % e.config.commit_every == 0) {
     MutexLock l(&e.mu);
-    MLP_RETURN_IF_ERROR(e.WriteCommit());
+    const absl::Status committed = e.WriteCommit();
+    if (!committed.ok()) {
+      e.ResetStats();  // the step is done: its counts are not the next one's
+      return committed;
+    }
   }
   e.stats.seconds = SecondsSince(e.step_start) + e.stats.grad_offload_seconds;
   StepStats out = e.stats;

@@ -1290,6 +1290,37 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == second);
 }
 
+// A step whose commit failed is done: its I/O counts are not added to the
+// next step's stats.
+TEST(EngineTest, AStepWhoseCommitFailedLeavesNoCountsToTheNext) {
+  Model model({1000, 2000, 3000, 1500}, 27);
+  EngineConfig cfg = CommitEveryStep("failed_commit_stats");
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  std::vector<StepStats> stats;
+  const std::string blocker = CommitBlocker(cfg, 1);
+  for (int step = 1; step <= 4; ++step) {
+    model.NewGrads(2000 + step);
+    if (step == 3) ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    auto s = e.Step(AdamWInputs(model), StepOptions());
+    if (step == 3) {
+      ASSERT_FALSE(s.ok());
+      ASSERT_EQ(rmdir(blocker.c_str()), 0);
+      ASSERT_TRUE(e.RetryCommit().ok());
+      continue;
+    }
+    ASSERT_TRUE(s.ok()) << s.status();
+    stats.push_back(*s);
+  }
+  // Steps 2 and 4 go the same way (the order alternates): the same I/O.
+  EXPECT_EQ(e.plan().Order(1), e.plan().Order(3));
+  EXPECT_EQ(stats[2].bytes_read, stats[1].bytes_read);
+  EXPECT_EQ(stats[2].bytes_written, stats[1].bytes_written);
+  EXPECT_EQ(stats[2].cache_hits, stats[1].cache_hits);
+}
+
 TEST(EngineTest, LoadsAreCommittedByCommitNeverHalfWay) {
   // State written outside a step (a load, a re-packed state) is committed by
   // Commit(), records rewritten in the host cache at their own step count

@@ -1440,3 +1440,87 @@ def test_a_record_whose_latest_version_a_failed_load_lost_is_never_committed(tmp
     assert e.read_subgroup(cached, got.data_ptr(), [0, 0], numel) == 1
     assert torch.equal(got, torch.full((numel,), cached + 1.0))
     e.close()
+
+
+def test_a_checkpoint_saved_epochs_after_the_commit_is_taken_once(tmp_path):
+    """Two epochs between the last commit and a save (a refused
+    add_param_group starts two): the resume takes the save, and the commits
+    made after it are newer than the save, so the next resume takes them."""
+    tiers, ckpt = tier_dirs(tmp_path, 2), str(tmp_path / "ckpt")
+    kwargs = dict(run_name="r", commit_every=2, checkpoint_dir=ckpt)
+    model = make_model()
+    opt = wrap(model, tiers, **kwargs)
+    for k in range(3):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [next(model.parameters())]})
+    assert opt.engine.epoch == 2 and max(opt.engine.kept_commits) == (0, 2)
+    opt.save_checkpoint()
+    opt.close()
+    model = make_model()
+    opt = wrap(model, tiers, resume="auto", **kwargs)
+    assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 3)
+    for k in range(3, 7):  # commits of steps 4 and 6
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+        if k == 5:
+            at_six = params_of(model)
+    opt.close()  # the crash of step 7
+    model = make_model()
+    opt = wrap(model, tiers, resume="auto", **kwargs)
+    assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 6)
+    assert_equal(params_of(model), at_six, "the commit of step 6")
+    opt.close()
+
+
+@pytest.mark.parametrize("damage", ["python_state", "record"])
+def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
+    """A save newer than the last commit that cannot be loaded: damaged
+    where the load finds it before changing anything (the Python-side
+    state), the resume takes the commit and says why; found part-way (a
+    record), the resume raises saying the commit is intact and how to
+    resume it, and leaves the run free for that at once."""
+    tiers, ckpt = tier_dirs(tmp_path, 2), str(tmp_path / "ckpt")
+    kwargs = dict(run_name="r", commit_every=2, checkpoint_dir=ckpt)
+    model = make_model()
+    opt = wrap(model, tiers, **kwargs)
+    for k in range(3):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+        if k == 1:
+            at_commit = params_of(model)
+    opt.save_checkpoint()
+    opt.close()
+    manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
+    if damage == "python_state":
+        path = os.path.join(ckpt, manifest["python_state"])
+        with open(path, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        model = make_model()
+        with caplog.at_level("WARNING", logger="mlp_offload"):
+            opt = wrap(model, tiers, resume="auto", **kwargs)
+        assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2)
+        assert_equal(params_of(model), at_commit, "the commit")
+        assert any("could not be loaded" in r.getMessage() and "resuming the last commit"
+                   in r.getMessage() for r in caplog.records), caplog.text
+        opt.close()
+        return
+    engine_dir = os.path.join(ckpt, manifest["engine_dir"])
+    record = sorted(n for n in os.listdir(engine_dir) if n.startswith("sg_"))[0]
+    os.truncate(os.path.join(engine_dir, record), 100)
+    with pytest.raises(errors.CorruptStateError,
+                       match=r"truncated.*last commit, of step 2 \(epoch 0\), is intact on its "
+                             r"tiers: construct the optimizer without checkpoint_dir"):
+        wrap(make_model(), tiers, resume="auto", **kwargs)
+    model = make_model()
+    opt = wrap(model, tiers, resume="auto", **dict(kwargs, checkpoint_dir=None))
+    assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2)
+    assert_equal(params_of(model), at_commit, "the commit")
+    opt.close()

@@ -1341,3 +1341,30 @@ def test_frozen_subgroups_stay_on_their_tier_until_unfrozen(tmp_path, mode, fami
         assert sum(opt.last_step_stats["bytes_read"]) > sum(stats["bytes_read"])
     assert not any(torch.equal(p, b) for p, b in zip(model[:3].parameters(), before))
     opt.close()
+
+
+def test_frozen_bench_measures_what_the_frozen_layers_save(request, tmp_path):
+    """tools/frozen_bench.py on a tiny stack: with most layers frozen a step
+    moves the trainable layers' records alone; withholding the skip flags
+    (generic path) reads the frozen ones again."""
+    import json
+    import subprocess
+    import sys
+    script = request.config.getoption("--frozen_bench")
+    if not script:
+        pytest.skip("run through bazel: needs --frozen_bench")
+    out = subprocess.run(
+        [sys.executable, script, "--dir", str(tmp_path), "--layers", "4", "--frozen", "3",
+         "--width", "64", "--cap", "0", "--steps", "2", "--threads", "1", "--json"],
+        check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = {(r["optimizer"], r["frozen_layers"], r["skip_flags"]): r
+            for r in map(json.loads, out.splitlines())}
+    assert len(rows) == 5
+    for family in ("adamw", "rmsprop"):
+        full, frozen = rows[(family, 0, True)], rows[(family, 3, True)]
+        assert full["step_seconds"] > 0 and frozen["step_seconds"] > 0
+        # One layer of four moves: a quarter of the bytes (whole records).
+        assert frozen["bytes_moved"] * 4 == full["bytes_moved"], (full, frozen)
+    withheld = rows[("rmsprop", 3, False)]
+    assert withheld["bytes_moved"] > rows[("rmsprop", 3, True)]["bytes_moved"]
+    assert os.listdir(tmp_path) == []  # its directories are removed

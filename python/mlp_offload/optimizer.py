@@ -374,7 +374,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._pending_state = pending or None
             optimizer.state.clear()
         if self._want_resume:
-            self._resume_run()
+            try:
+                self._resume_run()
+            except BaseException:
+                # Nothing of this optimizer outlives it: the run's lock goes
+                # now (a retry in this process may open the run at once).
+                self.close()
+                raise
 
     # ----------------------------------------------------------------- setup
 
@@ -2108,38 +2114,79 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._note_param_versions()
 
     def _checkpoint_after_commit(self):
-        """Collective: whether checkpoint_dir holds a save that this run
-        made after the commit the ranks agreed to resume (the same run id, a
-        newer (epoch, step)), as every rank sees it. A save of another run,
-        or of another start of this one, is never newer: its step count is
-        not this history's."""
-        newer = False
+        """Collective: the key (recovery.commit_key) of the save in
+        checkpoint_dir if this run made it after the commit the ranks agreed
+        to resume (the same run id, a newer (epoch, step), this optimizer's
+        layout) and every rank sees it, else -1. A save of another run, or of
+        another fresh start of this one, is never newer: its step count is
+        not this history's. Rank 0 reads the save's manifests (the save it
+        would load: the newest complete one), the others only check that
+        they see it."""
+        key = -1
         if self._checkpoint_dir is not None and self._run_id is not None:
-            try:
-                manifests = _ckpt.newest_complete_save(self._checkpoint_dir)
-            except (OffloadError, OSError, ValueError):
-                manifests = []  # none, or unreadable: the commit, as before
-            for m in manifests:
-                key = m.get("commit_key")
-                if m.get("rank") == 0 and m.get("run_id") == self._run_id \
-                        and isinstance(key, int) and key > self._agreed_key:
-                    newer = self._layout_difference(m["layout"]) is None
-                    if newer:
-                        _log.info("run %r: the checkpoint in %s, of %s, is newer than its "
-                                  "last commit, of %s: resuming the checkpoint",
-                                  self._run_prefix, self._checkpoint_dir,
-                                  _recovery.describe_commit(key),
-                                  _recovery.describe_commit(self._agreed_key))
+            if self._rank == 0:
+                try:
+                    manifests = _ckpt.newest_complete_save(self._checkpoint_dir)
+                except (OffloadError, OSError, ValueError):
+                    manifests = []  # none, or unreadable: the commit, as before
+                m = next((m for m in manifests if m.get("rank") == 0), None)
+                if m is not None and m.get("run_id") == self._run_id \
+                        and isinstance(m.get("commit_key"), int) \
+                        and m["commit_key"] > self._agreed_key \
+                        and self._layout_difference(m["layout"]) is None:
+                    key = m["commit_key"]
+            else:
+                key = 0 if any(os.path.exists(self._manifest_path(
+                    self._checkpoint_dir, prev, rank=0)) for prev in (False, True)) else -1
         if self._group is not None:
-            newer = not self._any_rank(not newer)
-        return newer
+            seen_everywhere = not self._any_rank(key < 0)
+            key = self._max_over_ranks(key if self._rank == 0 else -1)[0] \
+                if seen_everywhere else -1
+        return key
+
+    def _resume_checkpoint_after_commit(self, key):
+        """Collective: loads the checkpoint that _checkpoint_after_commit
+        found newer than the agreed commit (its `key`); True once it is
+        loaded. A load that fails before any rank's state was touched leaves
+        the commit to resume (False, with a warning); one that fails
+        part-way raises, saying that the commit is intact."""
+        _log.info("run %r: the checkpoint in %s, of %s, is newer than its last commit, "
+                  "of %s: resuming the checkpoint", self._run_prefix, self._checkpoint_dir,
+                  _recovery.describe_commit(key), _recovery.describe_commit(self._agreed_key))
+        # As a resume of the commit would: the run's other directory (older
+        # commits, another packing) does not outlive it.
+        with self._together("remove the run directory it did not resume"):
+            if self._engine is not None:
+                self._discard_other_run_dir(strict=True)
+        epoch = self._epoch
+        # The load's epoch comes after the save's too, so that the commits
+        # made from now on are newer than that save (else a crash would take
+        # it over them again).
+        self._epoch = max(self._epoch, _recovery.split_commit_key(key)[0])
+        try:
+            self.load_checkpoint(self._checkpoint_dir, restore_params=True)
+        except Exception as e:
+            self._epoch = epoch
+            commit = _recovery.describe_commit(self._agreed_key)
+            if self._incomplete_load is not None:
+                if isinstance(e, OffloadError):
+                    raise type(e)(
+                        f"{e}; the run's last commit, of {commit}, is intact on its tiers: "
+                        f"construct the optimizer without checkpoint_dir to resume it") from e
+                raise
+            _log.warning("run %r: the checkpoint in %s could not be loaded (%s: %s): "
+                         "resuming the last commit, of %s, instead", self._run_prefix,
+                         self._checkpoint_dir, type(e).__name__, e, commit)
+            return False
+        return True
 
     def _resume_run(self):
         """resume='auto'/'require': the committed step, else the checkpoint
         (also over a commit when this run saved it after that commit)."""
         self._want_resume = False
         engine = self._engine
-        after_commit = self._agreed_key >= 0 and self._checkpoint_after_commit()
+        newer = self._checkpoint_after_commit() if self._agreed_key >= 0 else -1
+        after_commit = newer >= 0 and self._resume_checkpoint_after_commit(newer)
         # The same answer on every rank (_create_engine agreed on the commit).
         if self._agreed_key >= 0 and not after_commit:
             key, step = self._agreed_key, self._agreed_step
@@ -2173,13 +2220,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if engine is not None:
                 self._prune_pystate()
             self.resumed_from, self.resumed_step = "committed_step", step
-        elif after_commit or self._checkpoint_somewhere():
-            if after_commit:
-                # As a resume of the commit would: the run's other directory
-                # (older commits, another packing) does not outlive it.
-                with self._together("remove the run directory it did not resume"):
-                    if engine is not None:
-                        self._discard_other_run_dir(strict=True)
+        elif after_commit:
+            self.resumed_from = "checkpoint"
+            self.resumed_step = engine.steps if engine is not None else None
+        elif self._checkpoint_somewhere():
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)
             self.resumed_from = "checkpoint"
             self.resumed_step = engine.steps if engine is not None else None
