@@ -7,6 +7,7 @@ import contextlib
 import copy
 import errno
 import functools
+import json
 import os
 import shutil
 from unittest import mock
@@ -579,6 +580,32 @@ def test_ranks_resume_a_checkpoint_saved_after_the_last_commit(tmp_path):
     tiers, ckpt = tier_dirs(tmp_path), str(tmp_path / "ckpt")
     spawn(checkpoint_after_commit_worker, tiers, ckpt, str(tmp_path), 1)
     spawn(checkpoint_after_commit_worker, tiers, ckpt, str(tmp_path), 2)
+
+
+def damaged_part_worker(rank, tiers, ckpt, out_dir, phase):
+    """Phase 1 as checkpoint_after_commit_worker's; then rank 1's part of the
+    save is damaged: every rank resumes the commit of step 2 (every rank
+    checks its part before any loads), and trains on."""
+    if phase == 1:
+        checkpoint_after_commit_worker(rank, tiers, ckpt, out_dir, 1)
+        return
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1, run_name="dist",
+                              commit_every=2, resume="auto", checkpoint_dir=ckpt)
+    assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2), \
+        (rank, opt.resumed_from, opt.resumed_step)
+    train_same_batches(range(3, 5), ((opt, model),))
+    assert opt.engine is None or opt.engine.steps == 4
+    opt.close()
+
+
+def test_a_save_damaged_on_one_rank_leaves_every_rank_the_commit(tmp_path):
+    tiers, ckpt = tier_dirs(tmp_path), str(tmp_path / "ckpt")
+    spawn(damaged_part_worker, tiers, ckpt, str(tmp_path), 1)
+    with open(os.path.join(ckpt, "manifest.rank1.json")) as f:
+        os.remove(os.path.join(ckpt, json.load(f)["python_state"]))
+    spawn(damaged_part_worker, tiers, ckpt, str(tmp_path), 2)
 
 
 def new_owner_worker(rank, tiers, phase):

@@ -1478,11 +1478,12 @@ def test_a_checkpoint_saved_epochs_after_the_commit_is_taken_once(tmp_path):
 
 @pytest.mark.parametrize("damage", ["python_state", "record"])
 def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
-    """A save newer than the last commit that cannot be loaded: damaged
-    where the load finds it before changing anything (the Python-side
-    state), the resume takes the commit and says why; found part-way (a
-    record), the resume raises saying the commit is intact and how to
-    resume it, and leaves the run free for that at once."""
+    """A save newer than the last commit (two epochs newer) that cannot be
+    loaded: damaged where the load finds it before changing anything (the
+    Python-side state), the resume takes the commit and says why, and the
+    commits after it stay newer than the save once it is mended; found
+    part-way (a record), the resume raises saying the commit is intact and
+    how to resume it, and leaves the run free for that at once."""
     tiers, ckpt = tier_dirs(tmp_path, 2), str(tmp_path / "ckpt")
     kwargs = dict(run_name="r", commit_every=2, checkpoint_dir=ckpt)
     model = make_model()
@@ -1493,16 +1494,19 @@ def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
         opt.zero_grad()
         if k == 1:
             at_commit = params_of(model)
+    # Two epochs between the commit and the save (a refused add_param_group).
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [next(model.parameters())]})
     opt.save_checkpoint()
     opt.close()
     manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
     if damage == "python_state":
         path = os.path.join(ckpt, manifest["python_state"])
+        with open(path, "rb") as f:
+            good = f.read()
         with open(path, "r+b") as f:
             f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+            f.write(bytes([good[100] ^ 0xFF]))
         model = make_model()
         with caplog.at_level("WARNING", logger="mlp_offload"):
             opt = wrap(model, tiers, resume="auto", **kwargs)
@@ -1510,6 +1514,17 @@ def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
         assert_equal(params_of(model), at_commit, "the commit")
         assert any("could not be loaded" in r.getMessage() and "resuming the last commit"
                    in r.getMessage() for r in caplog.records), caplog.text
+        # The run goes on from the commit; once the save is mended, its
+        # newer commits are still what a resume takes.
+        for k in range(2, 4):  # steps 3 and 4: a commit of step 4
+            backward(model, k)
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        with open(path, "wb") as f:
+            f.write(good)
+        opt = wrap(make_model(), tiers, resume="auto", **kwargs)
+        assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 4)
         opt.close()
         return
     engine_dir = os.path.join(ckpt, manifest["engine_dir"])

@@ -229,6 +229,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (see _retry_kept_commit).
         self._kept_commit_pending = None
         self._load_started = False
+        self._load_applied = False
         # Distribution: which rank owns each subgroup (layout.assign_owners).
         self._group = None
         self._rank, self._world = 0, 1
@@ -2147,18 +2148,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _resume_checkpoint_after_commit(self, key):
         """Collective: loads the checkpoint that _checkpoint_after_commit
         found newer than the agreed commit (its `key`); True once it is
-        loaded. A load that fails before any rank's state was touched leaves
-        the commit to resume (False, with a warning); one that fails
-        part-way raises, saying that the commit is intact."""
+        loaded. A load that fails before any rank's state was touched (every
+        rank checks its files first) leaves the commit to resume (False,
+        with a warning; its later commits are still newer than the save);
+        one that fails part-way or after raises, saying that the commit is
+        intact."""
         _log.info("run %r: the checkpoint in %s, of %s, is newer than its last commit, "
                   "of %s: resuming the checkpoint", self._run_prefix, self._checkpoint_dir,
                   _recovery.describe_commit(key), _recovery.describe_commit(self._agreed_key))
-        # As a resume of the commit would: the run's other directory (older
-        # commits, another packing) does not outlive it.
-        with self._together("remove the run directory it did not resume"):
-            if self._engine is not None:
-                self._discard_other_run_dir(strict=True)
-        epoch = self._epoch
         # The load's epoch comes after the save's too, so that the commits
         # made from now on are newer than that save (else a crash would take
         # it over them again).
@@ -2166,18 +2163,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         try:
             self.load_checkpoint(self._checkpoint_dir, restore_params=True)
         except Exception as e:
-            self._epoch = epoch
             commit = _recovery.describe_commit(self._agreed_key)
-            if self._incomplete_load is not None:
+            if self._incomplete_load is not None or self._load_applied:
                 if isinstance(e, OffloadError):
                     raise type(e)(
                         f"{e}; the run's last commit, of {commit}, is intact on its tiers: "
                         f"construct the optimizer without checkpoint_dir to resume it") from e
                 raise
+            # Nothing changed on any rank. The commits made from now on
+            # are still newer than the save, which a later resume (its
+            # files mended) must not take over them.
             _log.warning("run %r: the checkpoint in %s could not be loaded (%s: %s): "
                          "resuming the last commit, of %s, instead", self._run_prefix,
                          self._checkpoint_dir, type(e).__name__, e, commit)
+            self._next_epoch()
             return False
+        # As a resume of the commit would: the run's other directory (older
+        # commits, another packing) does not outlive it.
+        with self._together("remove the run directory it did not resume"):
+            if self._engine is not None:
+                self._discard_other_run_dir(strict=True)
         return True
 
     def _resume_run(self):
@@ -3244,7 +3249,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         elif not other:
             key, world, mine = "own", self._world, self._read_manifest(directory)
         error = None
-        self._load_started = False
+        self._load_started = self._load_applied = False
+        python_states = None
         try:
             reader = f"loading it on {self._world} rank(s), "
             if key is None:
@@ -3271,9 +3277,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             else:
                 # Saved by another number of ranks: every part of that save.
                 manifests = _ckpt.save_manifests(directory, key, world, reader=reader)
-            self._load_checkpoint_files(directory, manifests)
+            python_states = self._check_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
+        # Every rank has checked its part before any changes its state: a
+        # damaged file of one rank's leaves every rank's state as it was.
+        checked = error is None
+        if self._group is not None:
+            checked = not self._any_rank(not checked)
+        if checked:
+            try:
+                self._apply_checkpoint_files(directory, manifests, python_states)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
         # A failure after some rank's state was touched leaves every rank's
         # state incomplete (part old, part loaded, or loaded on some ranks).
         # (A rank that failed before touching its state may see others that
@@ -3287,6 +3303,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Before the parameter broadcast, which would wait for a failed rank.
         self._raise_together(error, f"load its checkpoint files in {directory}")
         self._incomplete_load = None
+        self._load_applied = True  # (a failure from here is not "nothing changed")
         self._next_epoch()  # every rank: the load went through on all of them
         if self._group is not None:
             # Every rank counts the steps alike (older checkpoints, or a rank
@@ -3302,10 +3319,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # after this (model.load_state_dict) goes into the master copy.
             self._note_param_versions()
 
-    def _load_checkpoint_files(self, directory, manifests):
-        """This rank's part of load_checkpoint: checks, then the files.
-        `manifests`: this rank's manifest, or every saving rank's (another
-        rank count: resharded)."""
+    def _check_checkpoint_files(self, directory, manifests):
+        """The first part of load_checkpoint on this rank, which changes
+        nothing: checks the checkpoint against this optimizer and reads its
+        Python-side states (returned). `manifests`: this rank's manifest, or
+        every saving rank's (another rank count: resharded)."""
         want, got = self._layout_summary(), manifests[0]["layout"]
         reshard = len(manifests) != 1 or got.get("world_size") != self._world
         if reshard and len(manifests) != got.get("world_size"):
@@ -3332,7 +3350,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise StateMismatchError(
                 f"checkpoint in {directory} packs parameters into other subgroups "
                 f"(subgroup_numel differs)")
-        python_states = [self._read_python_state(directory, m) for m in manifests]
+        return [self._read_python_state(directory, m) for m in manifests]
+
+    def _apply_checkpoint_files(self, directory, manifests, python_states):
+        """The second part of load_checkpoint on this rank, once every rank
+        checked its part (_check_checkpoint_files): the load itself."""
+        reshard = len(manifests) != 1 or manifests[0]["layout"].get("world_size") != self._world
         self._load_started = True  # from here a failure leaves the state part loaded
         self.optimizer.load_state_dict({"state": {},
                                         "param_groups": python_states[0]["param_groups"]})
