@@ -484,16 +484,23 @@ def test_add_param_group_keeps_each_ranks_state(tmp_path, name, spill, persisten
         assert not [f for f in os.listdir(t) if "spill" in f], os.listdir(t)
 
 
+def reference_and_copy(out_dir, name, load):
+    """(the plain model and AdamW, a copy of the model, the path of their
+    saved run `name` in out_dir), the run loaded from there if `load`."""
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    ref_path = os.path.join(out_dir, name)
+    if load:
+        load_reference(ref_path, ref, ref_opt)
+    return ref, ref_opt, model, ref_path
+
+
 def commit_worker(rank, tiers, out_dir, phase):
     """Phase 1 trains 4 steps committing every 2 (and saves the plain
     optimizer's run at step 2); phase 2 resumes and trains steps 3 and 4."""
     make = OPTIMIZERS["adamw"]
-    ref = make_model()
-    model = copy.deepcopy(ref)
-    ref_opt = make(ref.parameters())
-    ref_path = os.path.join(out_dir, "ref_at_step2.pt")
-    if phase == 2:
-        load_reference(ref_path, ref, ref_opt)
+    ref, ref_opt, model, ref_path = reference_and_copy(out_dir, "ref_at_step2.pt", phase == 2)
     opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
                               compute_threads=1, run_name="dist", commit_every=2,
                               resume="auto")
@@ -544,21 +551,21 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             assert f.read() == data, path
 
 
+def committing_run(optimizer, tiers, ckpt):
+    """The run "dist" (a commit every 2 steps, resume='auto', checkpoints in
+    `ckpt`) of `optimizer`."""
+    return MLPOffloadOptimizer(optimizer, tiers=tiers, subgroup_numel=200, compute_threads=1,
+                               run_name="dist", commit_every=2, resume="auto",
+                               checkpoint_dir=ckpt)
+
+
 def checkpoint_after_commit_worker(rank, tiers, ckpt, out_dir, phase):
     """Phase 1 trains 3 steps committing every 2, saves a checkpoint at step
     3 (and the plain optimizer's run) and ends there: a crash, the last
     commit of step 2. Phase 2 resumes the save on every rank, not the
     commit, and trains steps 4 and 5 as the plain optimizer does."""
-    make = OPTIMIZERS["adamw"]
-    ref = make_model()
-    model = copy.deepcopy(ref)
-    ref_opt = make(ref.parameters())
-    ref_path = os.path.join(out_dir, "ref_at_step3.pt")
-    if phase == 2:
-        load_reference(ref_path, ref, ref_opt)
-    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
-                              compute_threads=1, run_name="dist", commit_every=2,
-                              resume="auto", checkpoint_dir=ckpt)
+    ref, ref_opt, model, ref_path = reference_and_copy(out_dir, "ref_at_step3.pt", phase == 2)
+    opt = committing_run(OPTIMIZERS["adamw"](model.parameters()), tiers, ckpt)
     pairs = ((ref_opt, ref), (opt, model))
     if phase == 1:
         train_same_batches(range(1, 4), pairs)
@@ -590,9 +597,7 @@ def damaged_part_worker(rank, tiers, ckpt, out_dir, phase):
         checkpoint_after_commit_worker(rank, tiers, ckpt, out_dir, 1)
         return
     model = make_model()
-    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
-                              subgroup_numel=200, compute_threads=1, run_name="dist",
-                              commit_every=2, resume="auto", checkpoint_dir=ckpt)
+    opt = committing_run(OPTIMIZERS["adamw"](model.parameters()), tiers, ckpt)
     assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2), \
         (rank, opt.resumed_from, opt.resumed_step)
     train_same_batches(range(3, 5), ((opt, model),))

@@ -1306,6 +1306,14 @@ def test_parameters_changed_while_a_failed_step_is_pending_are_refused(tmp_path,
     opt.close()
 
 
+def train(model, opt, steps):
+    """Steps `opt` on the batch of each of `steps`."""
+    for k in steps:
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+
+
 def test_resume_takes_a_checkpoint_the_run_saved_after_its_last_commit(tmp_path):
     """commit_every=2 and a save_checkpoint at step 3, then a crash (the
     process ends without another commit): resume='auto' takes the save, one
@@ -1319,10 +1327,7 @@ def test_resume_takes_a_checkpoint_the_run_saved_after_its_last_commit(tmp_path)
 
     model = make_model()
     opt = wrap(model, tiers, **kwargs)
-    for k in range(3):
-        backward(model, k)
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(3))
     opt.save_checkpoint()
     opt.close()  # a crash: the last commit is of step 2
     manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
@@ -1331,10 +1336,7 @@ def test_resume_takes_a_checkpoint_the_run_saved_after_its_last_commit(tmp_path)
     model = make_model()
     opt = wrap(model, tiers, resume="auto", **kwargs)
     assert opt.resumed_from == "checkpoint" and opt.resumed_step == 3
-    for k in range(3, 5):
-        backward(model, k)
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(3, 5))
     assert_equal(params_of(model), want, "resumed from the checkpoint")
     opt.close()  # the last commit is of step 4, after the save
     opt = wrap(make_model(), tiers, resume="auto", **kwargs)
@@ -1358,12 +1360,9 @@ def test_resume_takes_a_checkpoint_the_run_saved_after_its_last_commit(tmp_path)
     early = str(tmp_path / "early")
     model = make_model()
     opt = wrap(model, tiers, **kwargs)
-    for k in range(3):
-        backward(model, k)
-        opt.step()
-        opt.zero_grad()
-        if k == 0:
-            opt.save_checkpoint(early)  # step 1
+    train(model, opt, range(1))
+    opt.save_checkpoint(early)  # step 1
+    train(model, opt, range(1, 3))
     opt.save_checkpoint()  # step 3
     opt.load_checkpoint(early)
     backward(model, 1)
@@ -1442,23 +1441,31 @@ def test_a_record_whose_latest_version_a_failed_load_lost_is_never_committed(tmp
     e.close()
 
 
-def test_a_checkpoint_saved_epochs_after_the_commit_is_taken_once(tmp_path):
-    """Two epochs between the last commit and a save (a refused
-    add_param_group starts two): the resume takes the save, and the commits
-    made after it are newer than the save, so the next resume takes them."""
+def saved_two_epochs_after_a_commit(tmp_path):
+    """A run (commit_every=2) that took 3 steps, then a refused
+    add_param_group (which starts two epochs), a save of step 3 in epoch 2
+    and a crash: (tiers, the run's kwargs, the parameters at the commit of
+    step 2)."""
     tiers, ckpt = tier_dirs(tmp_path, 2), str(tmp_path / "ckpt")
     kwargs = dict(run_name="r", commit_every=2, checkpoint_dir=ckpt)
     model = make_model()
     opt = wrap(model, tiers, **kwargs)
-    for k in range(3):
-        backward(model, k)
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(2))
+    at_commit = params_of(model)
+    train(model, opt, range(2, 3))
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": [next(model.parameters())]})
     assert opt.engine.epoch == 2 and max(opt.engine.kept_commits) == (0, 2)
     opt.save_checkpoint()
     opt.close()
+    return tiers, kwargs, at_commit
+
+
+def test_a_checkpoint_saved_epochs_after_the_commit_is_taken_once(tmp_path):
+    """Two epochs between the last commit and a save: the resume takes the
+    save, and the commits made after it are newer than the save, so the
+    next resume takes them."""
+    tiers, kwargs, _ = saved_two_epochs_after_a_commit(tmp_path)
     model = make_model()
     opt = wrap(model, tiers, resume="auto", **kwargs)
     assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 3)
@@ -1484,21 +1491,8 @@ def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
     commits after it stay newer than the save once it is mended; found
     part-way (a record), the resume raises saying the commit is intact and
     how to resume it, and leaves the run free for that at once."""
-    tiers, ckpt = tier_dirs(tmp_path, 2), str(tmp_path / "ckpt")
-    kwargs = dict(run_name="r", commit_every=2, checkpoint_dir=ckpt)
-    model = make_model()
-    opt = wrap(model, tiers, **kwargs)
-    for k in range(3):
-        backward(model, k)
-        opt.step()
-        opt.zero_grad()
-        if k == 1:
-            at_commit = params_of(model)
-    # Two epochs between the commit and the save (a refused add_param_group).
-    with pytest.raises(ValueError, match="more than one parameter group"):
-        opt.add_param_group({"params": [next(model.parameters())]})
-    opt.save_checkpoint()
-    opt.close()
+    tiers, kwargs, at_commit = saved_two_epochs_after_a_commit(tmp_path)
+    ckpt = kwargs["checkpoint_dir"]
     manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
     if damage == "python_state":
         path = os.path.join(ckpt, manifest["python_state"])
