@@ -37,8 +37,9 @@ class PaceClock {
   virtual void StreamStops() {}
 };
 
-// `name` is the engine's name prefix: "<name>(<inner name>)". Submit never
-// blocks; Shutdown releases what is queued at its time and drains.
+// `name` is the engine's name prefix: "<name>(<inner name>)". Submit waits
+// for nothing but the clock's Reserve (a mutex; the shared clock's file lock
+// too); Shutdown releases what is queued at its time and drains.
 std::unique_ptr<IoEngine> MakePacedEngine(std::unique_ptr<IoEngine> inner,
                                           std::unique_ptr<PaceClock> clock,
                                           std::string name);
