@@ -1018,13 +1018,13 @@ struct Engine::Impl {
     return absl::OkStatus();
   }
 
-  // Subgroup i's state was replaced from outside (a checkpoint, a state
-  // dict): it is no longer part of a step that failed part-way, and once no
-  // subgroup is, that step is abandoned (the next Step updates every
-  // subgroup again instead of resuming it).
-  // A step failed: the subgroups it did not update are not done by it (its
-  // retry takes them again, and counts the ones it leaves on their tiers).
-  void ForgetUntouchedInStep() {
+  // The step ends without its EndStep going through (an I/O error, a
+  // subgroup not updated, AbortStep): the next one resumes it. The
+  // subgroups it did not update are not done by it (its retry takes them
+  // again, and counts the ones it leaves on their tiers).
+  void StepFailed() {
+    in_step = false;
+    step_failed = true;
     for (int i = 0; i < n(); ++i) {
       if (untouched_in_step[i] == kUpdated) continue;
       done_in_step[i] = false;
@@ -1033,6 +1033,10 @@ struct Engine::Impl {
     std::fill(untouched_in_step.begin(), untouched_in_step.end(), kUpdated);
   }
 
+  // Subgroup i's state was replaced from outside (a checkpoint, a state
+  // dict): it is no longer part of a step that failed part-way, and once no
+  // subgroup is, that step is abandoned (the next Step updates every
+  // subgroup again instead of resuming it).
   void SupersedeIncompleteStep(int i) {
     if (!step_failed) return;
     done_in_step[i] = false;
@@ -2142,16 +2146,12 @@ absl::StatusOr<StepStats> Engine::EndStep() {
         static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
   }
   if (!s.ok()) {
-    e.in_step = false;
-    e.step_failed = true;
-    e.ForgetUntouchedInStep();
+    e.StepFailed();
     return Annotate(s, absl::StrCat("step ", e.steps_done + 1));
   }
   for (int i = 0; i < e.n(); ++i) {
     if (!e.done_in_step[i]) {
-      e.in_step = false;
-      e.step_failed = true;
-      e.ForgetUntouchedInStep();
+      e.StepFailed();
       return absl::FailedPreconditionError(
           absl::StrCat("EndStep: subgroup ", i, " was not updated"));
     }
@@ -2193,9 +2193,7 @@ void Engine::AbortStep() {
       buf.state = BufState::kCached;
     }
   }
-  e.in_step = false;
-  e.step_failed = true;
-  e.ForgetUntouchedInStep();
+  e.StepFailed();
 }
 
 absl::Status Engine::Impl::ValidateStepInputs(

@@ -2104,9 +2104,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 for first in range(0, len(owned), per):
                     masters = {g: torch.empty(self._subgroups[g].numel, dtype=torch.float32)
                                for g in owned[first:first + per]}
-                    self._engine.read_masters(
-                        [_fp32_buffers(masters[g])[0] if g in masters else 0 for g in owned],
-                        [masters[g].numel() if g in masters else 0 for g in owned])
+                    buffers = [_fp32_buffers(masters[g]) if g in masters else (0, [], 0)
+                               for g in owned]
+                    self._engine.read_masters([b[0] for b in buffers], [b[2] for b in buffers])
                     for g, master in masters.items():
                         for p, _, off, n in self._subgroups[g].slices():
                             p.copy_(master[off:off + n].view(p.shape))
@@ -2225,11 +2225,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if engine is not None:
                 self._prune_pystate()
             self.resumed_from, self.resumed_step = "committed_step", step
-        elif after_commit:
-            self.resumed_from = "checkpoint"
-            self.resumed_step = engine.steps if engine is not None else None
-        elif self._checkpoint_somewhere():
-            self.load_checkpoint(self._checkpoint_dir, restore_params=True)
+        elif after_commit or self._checkpoint_somewhere():
+            if not after_commit:
+                self.load_checkpoint(self._checkpoint_dir, restore_params=True)
             self.resumed_from = "checkpoint"
             self.resumed_step = engine.steps if engine is not None else None
         if self.resumed_from is None:
@@ -3319,13 +3317,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # after this (model.load_state_dict) goes into the master copy.
             self._note_param_versions()
 
+    def _resharded(self, manifests):
+        """Whether a load of the save of `manifests` reshards it (saved by
+        another number of ranks)."""
+        return len(manifests) != 1 or manifests[0]["layout"].get("world_size") != self._world
+
     def _check_checkpoint_files(self, directory, manifests):
         """The first part of load_checkpoint on this rank, which changes
         nothing: checks the checkpoint against this optimizer and reads its
         Python-side states (returned). `manifests`: this rank's manifest, or
         every saving rank's (another rank count: resharded)."""
         want, got = self._layout_summary(), manifests[0]["layout"]
-        reshard = len(manifests) != 1 or got.get("world_size") != self._world
+        reshard = self._resharded(manifests)
         if reshard and len(manifests) != got.get("world_size"):
             raise StateMismatchError(
                 f"internal: resharding the checkpoint in {directory}, saved by "
@@ -3355,7 +3358,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _apply_checkpoint_files(self, directory, manifests, python_states):
         """The second part of load_checkpoint on this rank, once every rank
         checked its part (_check_checkpoint_files): the load itself."""
-        reshard = len(manifests) != 1 or manifests[0]["layout"].get("world_size") != self._world
+        reshard = self._resharded(manifests)
         self._load_started = True  # from here a failure leaves the state part loaded
         self.optimizer.load_state_dict({"state": {},
                                         "param_groups": python_states[0]["param_groups"]})
