@@ -1303,7 +1303,9 @@ TEST(EngineTest, AStepWhoseCommitFailedLeavesNoCountsToTheNext) {
   const std::string blocker = CommitBlocker(cfg, 1);
   for (int step = 1; step <= 4; ++step) {
     model.NewGrads(2000 + step);
-    if (step == 3) ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    if (step == 3) {
+      ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    }
     auto s = e.Step(AdamWInputs(model), StepOptions());
     if (step == 3) {
       ASSERT_FALSE(s.ok());
