@@ -45,6 +45,9 @@ def loss_of(model, step, dtype=torch.float32):
 
 def max_rel_diff(a, b):
     a, b = a.detach().float(), b.detach().float()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.numel() == 0:
+        return 0.0
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
 
 
@@ -659,7 +662,7 @@ def test_switched_off_features_keep_their_state_keys(tmp_path, switch):
 
 
 @pytest.mark.parametrize("case,error", [("dtype", errors.ConfigError),
-                                        ("empty_amsgrad", errors.ConfigError),
+                                        ("dtype_amsgrad", errors.ConfigError),
                                         ("tier_full", errors.TierFullError),
                                         ("no_room", errors.TierFullError)])
 def test_a_refused_add_param_group_changes_nothing(tmp_path, monkeypatch, case, error):
@@ -687,8 +690,9 @@ def test_a_refused_add_param_group_changes_nothing(tmp_path, monkeypatch, case, 
     before = copy.deepcopy(opt.state_dict())
     group = {
         "dtype": {"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]},
-        # Refused (no elements) after it made the optimizer need a third array.
-        "empty_amsgrad": {"params": [torch.nn.Parameter(torch.zeros(0))], "amsgrad": True},
+        # Refused with a hyperparameter that makes the optimizer need a third array.
+        "dtype_amsgrad": {"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float16))],
+                          "amsgrad": True},
         "tier_full": {"params": [torch.nn.Parameter(torch.zeros(1 << 16))]},
         "no_room": {"params": [torch.nn.Parameter(torch.zeros(3))]},
     }[case]
@@ -1368,3 +1372,98 @@ def test_frozen_bench_measures_what_the_frozen_layers_save(request, tmp_path):
     withheld = rows[("rmsprop", 3, False)]
     assert withheld["bytes_moved"] > rows[("rmsprop", 3, True)]["bytes_moved"]
     assert os.listdir(tmp_path) == []  # its directories are removed
+
+
+class WithEmptyParams(torch.nn.Module):
+    """A small model with parameters of no elements first, between and after
+    the others (an empty bias, a (0, n) weight)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.empty_first = torch.nn.Parameter(torch.zeros(0))
+        self.a = torch.nn.Linear(16, 32)
+        self.empty_mid = torch.nn.Parameter(torch.zeros(0, 32))
+        self.b = torch.nn.Linear(32, 8)
+        self.empty_last = torch.nn.Parameter(torch.zeros(4, 0))
+
+    def forward(self, x):
+        out = self.b(torch.nn.functional.gelu(self.a(x)))
+        return out + self.empty_first.sum() + self.empty_mid.sum() + self.empty_last.sum()
+
+    def groups(self):
+        # A group of only empty parameters, and a group mixing both.
+        return [{"params": [self.empty_first, self.empty_last], "lr": 3e-2},
+                {"params": [self.a.weight, self.empty_mid, self.a.bias, self.b.weight,
+                            self.b.bias]}]
+
+
+@pytest.mark.parametrize("family", ["adam", "sgd_momentum", "adagrad", "rmsprop"])
+def test_parameters_with_no_elements_are_kept_out_of_the_offloaded_state(tmp_path, family):
+    make = {
+        "adam": lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.1),
+        "sgd_momentum": lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9),
+        "adagrad": lambda g: torch.optim.Adagrad(g, lr=1e-2),
+        "rmsprop": lambda g: torch.optim.RMSprop(g, lr=1e-3, momentum=0.5),  # generic path
+    }[family]
+    for d in ("tier", "tier2"):
+        (tmp_path / d).mkdir()
+    ref = WithEmptyParams()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.groups())
+    opt = MLPOffloadOptimizer(make(model.groups()), tiers=[str(tmp_path / "tier")],
+                              subgroup_numel=300, compute_threads=1,
+                              checkpoint_dir=str(tmp_path / "ckpt"))
+    empty_ids = {0, 1, 3}  # state_dict numbering: group 0's two, then empty_mid
+
+    def train(steps, *twins):
+        for step in steps:
+            for o, m in ((ref_opt, ref), (opt, model)) + twins:
+                o.zero_grad()
+                x, y = batch(step)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+            for _, m in ((opt, model),) + twins:
+                assert_close(m, ref)
+
+    train(range(3))
+    sd = opt.state_dict()
+    ref_sd = ref_opt.state_dict()
+    assert sd["param_groups"] == ref_sd["param_groups"]
+    # torch has state for every parameter it stepped, the empty ones too; the
+    # wrapper none for those (empty tensors, which no step changes).
+    assert empty_ids <= set(ref_sd["state"])
+    assert_same_state(sd["state"], {k: v for k, v in ref_sd["state"].items()
+                                    if k not in empty_ids})
+    assert model.empty_mid not in opt.state and len(opt.state[model.empty_mid]) == 0
+    assert model.a.weight in opt.state
+
+    # Either way between the plain optimizer and the wrapper: the twins go on alike.
+    plain_model = copy.deepcopy(model)
+    plain = make(plain_model.groups())
+    plain.load_state_dict(sd)
+    twin = copy.deepcopy(model)
+    other = MLPOffloadOptimizer(make(twin.groups()), tiers=[str(tmp_path / "tier2")],
+                                subgroup_numel=100, compute_threads=1)
+    other.load_state_dict(ref_sd)  # with the empty parameters' state
+    train(range(3, 5), (plain, plain_model), (other, twin))
+    other.close()
+    opt.save_checkpoint()
+    before = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    train(range(5, 7))
+    # Back to the save: the plain optimizer from its own copy, the wrapper
+    # from its checkpoint.
+    ref.load_state_dict(before[0])
+    ref_opt.load_state_dict(before[1])
+    opt.load_checkpoint()
+    assert_close(model, ref)
+    train(range(5, 8))
+    assert_same_state(opt.state_dict()["state"], {
+        k: v for k, v in ref_opt.state_dict()["state"].items() if k not in empty_ids})
+    opt.close()
+
+
+def test_an_optimizer_of_parameters_with_no_elements_only_is_refused(tmp_path):
+    empties = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3, 0))]
+    with pytest.raises(errors.ConfigError, match="2 parameters all have no elements"):
+        wrap(torch.optim.Adam(empties), tmp_path)

@@ -3,7 +3,8 @@
 A subgroup is the unit the engine stores, streams and updates: a flat fp32
 record of at most `subgroup_numel` parameters of one param group, in the
 group's order. A parameter larger than that gets a subgroup of its own;
-parameters are never split.
+parameters are never split. A parameter with no elements is in none (it has
+nothing to store).
 """
 
 import ctypes
@@ -54,9 +55,11 @@ def pack(param_groups, subgroup_numel, trainable=None):
         for p in group["params"]:
             n = p.numel()
             if n == 0:
-                raise ConfigError(
-                    f"parameter {pid} (group {gi}) has no elements; remove it from "
-                    f"the optimizer")
+                # Nothing to store or update: in no subgroup (its state is
+                # empty tensors, which no step changes; state_dict lists
+                # none for it, as torch's does for a parameter never stepped).
+                pid += 1
+                continue
             # Frozen and trainable parameters go to different subgroups, so
             # that a subgroup without gradients can be skipped whole.
             grad = trainable.get(id(p), p.requires_grad)
@@ -71,7 +74,9 @@ def pack(param_groups, subgroup_numel, trainable=None):
             current.numel += n
             pid += 1
     if not subgroups:
-        raise ConfigError("the optimizer has no parameters")
+        raise ConfigError(
+            "the optimizer has no parameters" if pid == 0 else
+            f"the optimizer's {pid} parameters all have no elements: nothing to offload")
     return subgroups
 
 

@@ -499,6 +499,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Where each parameter is, by identity: {id(param): (subgroup, param index)}.
         self._slot_of = {id(p): (sg.index, pid) for sg in self._subgroups
                          for p, pid, _, _ in sg.slices()}
+        # Parameters with no elements, in no subgroup: {id(param): index}.
+        self._empty_params = {id(p): pid for pid, p in enumerate(params) if p.numel() == 0}
         self._local = {g: j for j, g in enumerate(self._owned)}
         # Per parameter: which offloaded state keys it has (False: none yet;
         # see generic.offloaded_keys_of) and, generic path, its Python-side state.
@@ -2568,9 +2570,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _state_view_entry(self, param):
         """(subgroup, param index, keys or None) of `param`, or None if it is
-        not a parameter of this rank's subgroups."""
+        not a parameter of this rank's subgroups (a parameter with no
+        elements: (None, its index, None), on every rank)."""
         self._state_view_prepare()
         slot = self._slot_of.get(id(param))
+        if slot is None and id(param) in self._empty_params:
+            return None, self._empty_params[id(param)], None  # no elements: no state
         if slot is None or slot[0] not in self._local:
             return None
         g, pid = slot
