@@ -228,7 +228,9 @@ class AdamUpdate {  // Adam (L2) and AdamW (decoupled): see UpdateArgs.
     V m = hn::LoadU(d, m_ + i);
     V v = hn::LoadU(d, v_ + i);
     m = hn::MulAdd(hn::Sub(g, m), one_minus_beta1_, m);  // torch's lerp
-    v = hn::MulAdd(hn::Mul(g, g), one_minus_beta2_, hn::Mul(v, beta2_));
+    // (1 - beta2) g first, as torch's addcmul: g * g alone overflows for
+    // |g| > 1.8e19, whose scaled square is still finite.
+    v = hn::MulAdd(hn::Mul(g, one_minus_beta2_), g, hn::Mul(v, beta2_));
     hn::StoreU(m, d, m_ + i);
     hn::StoreU(v, d, v_ + i);
     V v_used = v;

@@ -515,6 +515,101 @@ def test_resume_with_other_tiers_is_refused_and_the_commit_kept(tmp_path):
     opt.close()
 
 
+def committed_run(tiers, steps=3):
+    """Run "r" on `tiers`, a commit every step, `steps` steps: its parameters."""
+    model = make_model()
+    opt = wrap(model, tiers, run_name="r", commit_every=1)
+    for k in range(steps):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    want = params_of(model)
+    opt.close()
+    return want
+
+
+def tree(*dirs):
+    return sorted(os.path.join(r, f) for d in dirs for r, _, fs in os.walk(d) for f in fs)
+
+
+def test_a_tier_holding_another_runs_manifest_or_a_lost_commit_record_is_refused(tmp_path):
+    # Before, both looked like a run that never committed: resume="auto"
+    # started afresh and removed the commit records of every tier.
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    for d in (a, b, c):
+        os.mkdir(d)
+    want = committed_run([a, b])
+    # Tier c holds run "r"'s directory with another run's manifest (an
+    # earlier run of that name that never committed there).
+    other = wrap(make_model(), [c], run_name="other", commit_every=0)
+    other.close()
+    os.mkdir(os.path.join(c, "r.r0"))
+    with open(os.path.join(c, "r.r0", "MANIFEST"), "wb") as f:
+        f.write(open(os.path.join(a, "r.r0", "MANIFEST"), "rb").read()[:-1] + b"\x00")
+    before = tree(a, b, c)
+    with pytest.raises(errors.StateMismatchError,
+                       match=r"committed state is on .*/a/r.r0, .*/b/r.r0, but .*/c/r.r0 holds "
+                             r"another run's manifest"):
+        wrap(make_model(), [a, b, c], run_name="r", commit_every=1, resume="auto")
+    assert tree(a, b, c) == before
+    # Tier a lost its COMMIT (its COMMIT.prev and tier b's records are there).
+    lost = os.path.join(a, "r.r0", "COMMIT")
+    record = open(lost, "rb").read()
+    os.remove(lost)
+    before = tree(a, b)
+    for resume in ("auto", "require"):
+        with pytest.raises(errors.CorruptStateError,
+                           match=r"committed more than once, but .*/a/r.r0 has lost its "
+                                 r"commit record"):
+            wrap(make_model(), [a, b], run_name="r", commit_every=1, resume=resume)
+        assert tree(a, b) == before
+    with open(lost, "wb") as f:
+        f.write(record)
+    opt = wrap(model := make_model(), [a, b], run_name="r", commit_every=1, resume="require")
+    assert opt.resumed_step == 3
+    assert_equal(params_of(model), want, "resumed")
+    opt.close()
+
+
+def test_a_fresh_start_that_died_part_way_is_taken_up_again(tmp_path, monkeypatch):
+    # The fresh start marks every tier before it removes a commit record: a
+    # crash after the first removal leaves tiers with and without one, which
+    # the mark tells from a lost record.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    committed_run([a, b])
+    real_remove = os.remove
+    removed = []
+
+    def remove_once(path, *args, **kwargs):
+        if removed:
+            raise OSError(errno.EIO, "the process died here")
+        real_remove(path, *args, **kwargs)  # (a record that is not there: not counted)
+        removed.append(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "remove", remove_once)
+        with pytest.raises(errors.TierIOError, match="the process died here"):
+            wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="never")
+    assert removed == [os.path.join(a, "r.r0", "COMMIT")]
+    assert os.path.isfile(os.path.join(b, "r.r0", "COMMIT"))
+    opt = wrap(model := make_model(), [a, b], run_name="r", commit_every=1, resume="auto")
+    assert opt.resumed_from is None
+    fresh = params_of(model)
+    backward(model, 0)
+    opt.step()
+    assert not os.path.exists(os.path.join(a, "r.r0", "DISCARDING"))
+    opt.close()
+    assert_equal(fresh, params_of(make_model()), "fresh")
+    # A first commit that reached one tier only (no earlier record anywhere)
+    # is nothing to resume either.
+    for t in (a, b):
+        os.remove(os.path.join(t, "r.r0", "COMMIT.prev"))
+    os.remove(os.path.join(b, "r.r0", "COMMIT"))
+    opt = wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="auto")
+    assert opt.resumed_from is None
+    opt.close()
+
+
 def committed_run_after_one_step(tmp_path):
     """Tiers a and b, and a model and its optimizer (run "r", a commit every
     step) that took one step."""
@@ -1172,6 +1267,14 @@ def test_checkpoint_paths_and_manifests_that_are_wrong_are_named(tmp_path):
         path.write_text(json.dumps(m))
         with pytest.raises(errors.CorruptStateError, match=match):
             opt.load_checkpoint(ckpt)
+    path.write_text(json.dumps(good))
+    # The Python-side file gone: named, typed (it was a bare FileNotFoundError).
+    python_state = ckpt / good["python_state"]
+    python_state.rename(tmp_path / "moved.pt")
+    with pytest.raises(errors.TierNotFoundError, match=f"{python_state}: No such file"):
+        opt.load_checkpoint(ckpt)
+    (tmp_path / "moved.pt").rename(python_state)
+    opt.load_checkpoint(ckpt)
     opt.close()
 
 

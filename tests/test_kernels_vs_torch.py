@@ -128,6 +128,35 @@ def test_ten_steps_match_torch(case, dtypes):
                                param.to(out_dtype).view(torch.int16)), msg
 
 
+@pytest.mark.parametrize("case", [("adam", dict(lr=1e-2)),
+                                  ("adamw", dict(lr=1e-2, amsgrad=True))], ids=_case_id)
+def test_adam_takes_gradients_whose_square_overflows_fp32(case):
+    # |g| > 1.8e19 squares past fp32's range, (1 - beta2) g^2 does not: torch
+    # scales first, and so does the kernel (it used to leave v = inf, and
+    # the parameter stuck). bf16 gradients reach such values.
+    name, kwargs = case
+    seed = secrets.randbits(63)
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(N, generator=gen)
+    ref, opt, hp, param, names, state = _torch_and_kernel(name, kwargs, p0, 2)
+    for step in range(1, 4):
+        grad = torch.randn(N, generator=gen)
+        huge = torch.randint(0, N, (64,), generator=gen)
+        grad[huge] = 3e19 * torch.randn(64, generator=gen).sign()
+        ref.grad = grad.clone()
+        opt.step()
+        result = K.apply_optimizer(dict(hp, step=step), param.data_ptr(),
+                                   [s.data_ptr() for s in state], grad.data_ptr(),
+                                   "float32", N, num_threads=2)
+        assert result == {"nonfinite": False, "skipped": False}
+        for key, ours in zip(names, state):
+            assert torch.isfinite(ours).all(), (key, seed, step)
+            torch.testing.assert_close(ours, opt.state[ref][key], rtol=2e-5, atol=1e-6,
+                                       msg=lambda m, key=key: f"{key}, seed {seed}: {m}")
+        torch.testing.assert_close(param, ref.detach(), rtol=2e-5, atol=1e-6)
+        assert not torch.equal(param[huge], p0[huge])
+
+
 def test_nonfinite_gradient_skips_the_whole_update():
     hp = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, step=1)
     param = torch.randn(N)

@@ -534,6 +534,38 @@ def test_argument_errors(tmp_path):
         wrap(torch.optim.SGD(ps + ps[:1], lr=0.1, momentum=0.9), tmp_path)
 
 
+def test_parameters_that_overlap_in_memory_are_refused(tmp_path):
+    # Views of one tensor that overlap: torch applies both updates to the
+    # shared elements; each master copy written back in turn would keep one.
+    base = torch.randn(200)
+    a = torch.nn.Parameter(base[:150])
+    b = torch.nn.Parameter(base[50:])
+    other = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(errors.ConfigError, match="parameters 1 and 2 overlap in memory"):
+        wrap(torch.optim.SGD([other, a, b], lr=0.1), tmp_path)
+    opt = wrap(torch.optim.SGD([other, a], lr=0.1), tmp_path)
+    with pytest.raises(errors.ConfigError, match="parameters 1 and 2 overlap in memory"):
+        opt.add_param_group({"params": [b]})
+    assert len(opt.param_groups) == 1
+    opt.close()
+    # Views that share the storage without overlapping are two parameters,
+    # as in torch.
+    ref_base = base.clone()
+    ref = [torch.nn.Parameter(ref_base[:100]), torch.nn.Parameter(ref_base[100:])]
+    halves = [torch.nn.Parameter(base[:100]), torch.nn.Parameter(base[100:])]
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    opt = wrap(torch.optim.SGD(halves, lr=0.1, momentum=0.9), tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p, q in zip(halves, ref):
+            q.grad = torch.randn(q.shape, generator=gen)
+            p.grad = q.grad.clone()
+        ref_opt.step()
+        opt.step()
+    torch.testing.assert_close(base, ref_base, rtol=1e-6, atol=1e-7)
+    opt.close()
+
+
 @pytest.mark.parametrize("dampening,via", [(0.5, None), (0.0, None),
                                             (0.5, "checkpoint"), (0.5, "state_dict")])
 def test_sgd_momentum_switched_on_mid_training(tmp_path, dampening, via):

@@ -158,10 +158,25 @@ def test_matches_plain_optimizer(tmp_path, name, num_tiers, cache, mode):
     opt.close()
 
 
+class WithScalar(torch.nn.Module):
+    """A 0-dim parameter (a learnable temperature) among matrices and vectors."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+        self.lin = torch.nn.Linear(8, 6)
+
+
 # The generic path's probe takes the kinds of parameters a group has: Muon
 # takes matrices only (a vector probe would be refused), a conv weight has 3
-# dimensions, Adafactor keeps a full variance for vectors only.
+# dimensions, Adafactor keeps a full variance for vectors only; a scalar's
+# moments are offloaded, not the optimizer's 0-dim step counter (a 0-dim
+# probe took that for one).
 GENERIC_BY_SHAPE = {
+    "rmsprop_scalar": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9), WithScalar,
+                       ["square_avg", "momentum_buffer"]),
+    "nadam_scalar": (lambda ps: torch.optim.NAdam(ps, lr=1e-2), WithScalar,
+                     ["exp_avg", "exp_avg_sq"]),
     "muon_matrices": (lambda ps: torch.optim.Muon(ps, lr=2e-2),
                       lambda: torch.nn.Sequential(torch.nn.Linear(8, 24, bias=False),
                                                   torch.nn.Linear(24, 4, bias=False)),
@@ -194,6 +209,59 @@ def test_generic_probe_takes_the_groups_kinds_of_parameters(tmp_path, name):
         ref_opt.step()
         opt.step()
     assert_params_close(model, ref)
+    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sd.keys() == ref_sd.keys()
+    for pid, st in ref_sd.items():
+        assert sd[pid].keys() == st.keys()
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(sd[pid][k].float(), v.float(), rtol=1e-5,
+                                           atol=1e-7)
+    opt.close()
+
+
+# State shaped like a parameter that the probe did not find stays in host
+# memory (a warning says so) and the step still matches torch's: a factor of
+# Adafactor's that has the shape of a (1, n) weight, and a momentum buffer
+# that a scheduler switched on after construction (OneCycleLR's
+# cycle_momentum sets RMSprop's momentum when it is made).
+UNPROBED = {
+    "adafactor_column": (lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+                         lambda: torch.nn.Sequential(torch.nn.Linear(8, 6),
+                                                     torch.nn.Linear(6, 1)),
+                         None, "col_var"),
+    "rmsprop_onecycle": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+                         lambda: torch.nn.Linear(8, 6),
+                         lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
+                                                                       total_steps=10),
+                         "momentum_buffer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNPROBED))
+def test_state_the_probe_did_not_find_stays_in_host_memory(tmp_path, caplog, name):
+    make, make_net, make_scheduler, key = UNPROBED[name]
+    torch.manual_seed(0)
+    ref = make_net()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=[str(tmp_path)],
+                              subgroup_numel=64, compute_threads=1)
+    assert key not in opt._keys[0]
+    schedulers = [make_scheduler(o) for o in (ref_opt, opt)] if make_scheduler else []
+    gen = torch.Generator().manual_seed(3)
+    with caplog.at_level("WARNING", logger="mlp_offload.generic"):
+        for _ in range(5):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                q.grad = torch.randn(q.shape, generator=gen)
+                p.grad = q.grad.clone()
+            ref_opt.step()
+            opt.step()
+            for s in schedulers:
+                s.step()
+    assert_params_close(model, ref)
+    warned = [r.getMessage() for r in caplog.records if f"'{key}'" in r.getMessage()]
+    assert len(warned) == 1 and "kept in host memory, not offloaded" in warned[0], warned
     sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
     assert sd.keys() == ref_sd.keys()
     for pid, st in ref_sd.items():

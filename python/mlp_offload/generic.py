@@ -15,6 +15,7 @@ a throwaway instance of the optimizer's class on a small probe parameter.
 import contextlib
 import inspect
 import logging
+import weakref
 
 import torch
 
@@ -25,7 +26,9 @@ _log = logging.getLogger(__name__)
 # A probe parameter per number of dimensions: some optimizers keep other
 # state for each (Adafactor: factored row/column variances for a matrix, a
 # full variance for a vector), and some take only some (Muon: matrices).
-_PROBE_SHAPES = {0: (), 1: (7,), 2: (5, 3)}
+# Scalars are probed as one-element vectors: a 0-dim probe could not tell
+# its moments from the optimizer's 0-dim step counter.
+_PROBE_SHAPES = {0: (1,), 1: (7,), 2: (5, 3)}
 _PROBE_STEPS = 3
 
 
@@ -108,6 +111,24 @@ def discover_state_keys(optimizer, group_index):
                     keys.append(key)
     _log.debug("%s (group %d): offloaded state keys %s", cls.__name__, group_index, keys)
     return keys
+
+
+# The keys each optimizer instance was warned about (_warn_not_offloaded).
+_warned_not_offloaded = weakref.WeakKeyDictionary()
+
+
+def _warn_not_offloaded(optimizer, key, pid, value):
+    """Logs, once per optimizer and key, that a parameter-shaped state
+    tensor the probe did not find is kept in host memory."""
+    name = type(optimizer).__name__
+    warned = _warned_not_offloaded.setdefault(optimizer, set())
+    if key in warned:
+        return
+    warned.add(key)
+    _log.warning(
+        "%s created state '%s' (shape %s, first for parameter %d) that the probe did not "
+        "find: it is kept in host memory, not offloaded; pass generic_state_keys naming "
+        "every per-parameter state tensor to offload it", name, key, tuple(value.shape), pid)
 
 
 def step_without_hooks(optimizer):
@@ -206,10 +227,11 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                     continue
                 if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
                         and v.numel() > 1:
-                    raise OffloadError(
-                        f"{type(optimizer).__name__} created state '{k}' for parameter "
-                        f"{pid} that the probe did not see; pass generic_state_keys "
-                        f"naming all its per-parameter state tensors")
+                    # Shaped like the parameter, yet not offloaded: the probe
+                    # did not see it (a setting changed since construction,
+                    # a factor that matches this shape only). It stays in
+                    # host memory, which is correct but not offloaded.
+                    _warn_not_offloaded(optimizer, k, pid, v)
                 extra[k] = v
             py_state[pid] = extra
             has_state[pid] = has_state_value(present, keys)

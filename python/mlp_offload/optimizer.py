@@ -469,6 +469,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"parameter {i} is parameter {first[id(p)]} again (shape "
                                   f"{tuple(p.shape)}): list each parameter once")
             first[id(p)] = i
+        # Parameters that share memory (views of one tensor) must not
+        # overlap: each has its own master copy, written back in turn, so
+        # one's update would overwrite the other's (torch applies both).
+        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i)
+                       for i, p in enumerate(params) if p.numel() > 0)
+        for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+            if start < end:
+                raise ConfigError(
+                    f"parameters {min(i, j)} and {max(i, j)} overlap in memory (views of "
+                    f"one tensor): each is updated from its own master copy, so one's "
+                    f"update would overwrite the other's; give each its own storage")
 
         self._family = _hp.native_family(self.optimizer)
         if self._family is not None:
@@ -618,9 +629,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 failure = self._explain_other_world(e, self._run_name)
         else:
             # A fresh start: no commit of the run's other directory may
-            # outlive it (its epochs would pass for newer ones).
+            # outlive it (its epochs would pass for newer ones), and this
+            # one's records go through discard_run (whose mark tells a
+            # crash part-way from a lost record) before the engine's.
             try:
                 self._discard_other_run_dir(strict=True)
+                self._discard_run_dir(self._run_name, strict=True)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = e
         # (resume='never' in a group: the ranks raise together here too.)
@@ -3394,7 +3408,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _read_python_state(directory, manifest):
         python_path = os.path.join(directory, manifest["python_state"])
         want_sha = manifest.get("python_state_sha256")
-        if want_sha is not None and _recovery.file_sha256(python_path) != want_sha:
-            raise CorruptStateError(f"checkpoint file {python_path} is corrupt: checksum "
-                                    f"mismatch")
-        return torch.load(python_path, weights_only=True)
+        try:
+            if want_sha is not None and _recovery.file_sha256(python_path) != want_sha:
+                raise CorruptStateError(f"checkpoint file {python_path} is corrupt: checksum "
+                                        f"mismatch")
+            return torch.load(python_path, weights_only=True)
+        except OSError as e:
+            raise _recovery.os_error_to_tier_error(
+                e, "reading the checkpoint's Python-side state", python_path) from e

@@ -89,16 +89,39 @@ def _hold_run_lock(d, held):
             f"was removed") from None
 
 
+# Written into every tier's run directory before a discard removes anything:
+# a crash part-way through the removals leaves some tiers with a commit record
+# and some without, which has_committed_state would otherwise take for a lost
+# record (and refuse to start afresh over).
+DISCARD_MARK = "DISCARDING"
+
+
+def _write_discard_mark(d):
+    fd = os.open(os.path.join(d, DISCARD_MARK), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def discard_run(dirs):
-    """Removes a run's directories: first every tier's commit records, so
-    that a crash part-way leaves no tier list that looks committed, then
-    the rest. TierInUseError, before anything is removed, if a live engine
-    uses one; OSError as it comes."""
+    """Removes a run's directories: first a mark on every tier (DISCARD_MARK),
+    then every tier's commit records, so that a crash part-way leaves no tier
+    list that looks committed, then the rest. TierInUseError, before anything
+    is removed, if a live engine uses one; OSError as it comes."""
     held = []
     try:
         for d in dirs:
             if os.path.isdir(d) and not os.path.islink(d):
                 _hold_run_lock(d, held)
+        for d in dirs:
+            if os.path.isdir(d) and not os.path.islink(d):
+                _write_discard_mark(d)
         for name in ("COMMIT", "COMMIT.prev"):
             for d in dirs:
                 if os.path.islink(d):
@@ -121,25 +144,56 @@ def discard_run(dirs):
 def has_committed_state(dirs):
     """Whether every tier's run directory holds a manifest and a commit record.
 
-    A tier without them means the run never committed (or a fresh start was
-    under way when it died): nothing there to resume. But a commit record on
-    some tiers while another tier has no manifest at all is a tier list that
-    is not the run's (a tier added, replaced, or not mounted yet): that is
-    refused (StateMismatchError naming them), as a fresh start would destroy
-    the commit.
+    Nothing to resume (False) where no tier holds a COMMIT, where a discard
+    was under way (DISCARD_MARK), or where the run's first commit reached
+    some tiers only (a crash part-way: the same manifest on every tier, no
+    earlier record anywhere). Any other mix would be destroyed by a fresh
+    start, and is refused before anything is changed:
+    StateMismatchError for a tier list that is not the run's (a tier
+    added, replaced or not mounted yet: it has no manifest, or another
+    run's); CorruptStateError for a tier that lost its COMMIT while the run
+    has committed more than once (a commit replaces a tier's record, it
+    never removes it).
     """
+    names = ("MANIFEST", "COMMIT", "COMMIT.prev", DISCARD_MARK)
     has = {name: [_regular_file(os.path.join(d, name), name, d) for d in dirs]
-           for name in ("MANIFEST", "COMMIT")}
+           for name in names}
+    if any(has[DISCARD_MARK]):
+        return False
     if all(has["MANIFEST"]) and all(has["COMMIT"]):
         return True
-    if any(has["COMMIT"]) and not all(has["MANIFEST"]):
-        committed = [d for d, c in zip(dirs, has["COMMIT"]) if c]
+    if not any(has["COMMIT"]):
+        return False
+    committed = [d for d, c in zip(dirs, has["COMMIT"]) if c]
+    keep = "(or resume='never' to start afresh, which discards the commit)"
+    if not all(has["MANIFEST"]):
         foreign = [d for d, m in zip(dirs, has["MANIFEST"]) if not m]
         raise StateMismatchError(
             f"the run's committed state is on {', '.join(committed)}, but "
             f"{', '.join(foreign)} holds none of it: give the tiers the run used, in its "
-            f"order (or resume='never' to start afresh, which discards the commit)")
-    return False
+            f"order {keep}")
+    manifests = [_read_small(os.path.join(d, "MANIFEST"), d) for d in dirs]
+    lacking = [d for d, c in zip(dirs, has["COMMIT"]) if not c]
+    ref = manifests[dirs.index(committed[0])]
+    if any(m != ref for m in manifests):
+        others = [d for d, m in zip(dirs, manifests) if m != ref]
+        raise StateMismatchError(
+            f"the run's committed state is on {', '.join(committed)}, but "
+            f"{', '.join(others)} holds another run's manifest: give the tiers the run used, "
+            f"in its order {keep}")
+    if any(has["COMMIT.prev"]):
+        raise CorruptStateError(
+            f"the run has committed more than once, but {', '.join(lacking)} has lost its "
+            f"commit record (COMMIT; the other tiers hold theirs): restore it {keep}")
+    return False  # its first commit reached some tiers only
+
+
+def _read_small(path, d):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise os_error_to_tier_error(e, "reading the run's MANIFEST", d) from e
 
 
 def _regular_file(path, name, d):
