@@ -108,6 +108,30 @@ def max_rel_diff(a, b):
     return (a - b).abs().max().item() / scale
 
 
+def twins(tmp_path, make, make_net):
+    """A model with the plain optimizer `make` builds, and its copy with
+    that optimizer wrapped (subgroups of 64): ref, model, ref_opt, opt."""
+    torch.manual_seed(0)
+    ref = make_net()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=[str(tmp_path)],
+                              subgroup_numel=64, compute_threads=1)
+    return ref, model, ref_opt, opt
+
+
+def assert_same_state(opt, ref_opt):
+    """opt's state_dict state is ref_opt's: the same keys, tensors close."""
+    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sd.keys() == ref_sd.keys()
+    for pid, st in ref_sd.items():
+        assert sd[pid].keys() == st.keys()
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(sd[pid][k].float(), v.float(), rtol=1e-5,
+                                           atol=1e-7)
+
+
 def assert_params_close(model, ref):
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         rel = max_rel_diff(p.detach(), q.detach())
@@ -192,12 +216,7 @@ GENERIC_BY_SHAPE = {
 @pytest.mark.parametrize("name", sorted(GENERIC_BY_SHAPE))
 def test_generic_probe_takes_the_groups_kinds_of_parameters(tmp_path, name):
     make, make_net, keys = GENERIC_BY_SHAPE[name]
-    torch.manual_seed(0)
-    ref = make_net()
-    model = copy.deepcopy(ref)
-    ref_opt = make(ref.parameters())
-    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=[str(tmp_path)],
-                              subgroup_numel=64, compute_threads=1)
+    ref, model, ref_opt, opt = twins(tmp_path, make, make_net)
     assert opt._keys == [keys]
     gen = torch.Generator().manual_seed(3)
     for _ in range(4):
@@ -209,14 +228,7 @@ def test_generic_probe_takes_the_groups_kinds_of_parameters(tmp_path, name):
         ref_opt.step()
         opt.step()
     assert_params_close(model, ref)
-    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-    assert sd.keys() == ref_sd.keys()
-    for pid, st in ref_sd.items():
-        assert sd[pid].keys() == st.keys()
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                torch.testing.assert_close(sd[pid][k].float(), v.float(), rtol=1e-5,
-                                           atol=1e-7)
+    assert_same_state(opt, ref_opt)
     opt.close()
 
 
@@ -241,12 +253,7 @@ UNPROBED = {
 @pytest.mark.parametrize("name", sorted(UNPROBED))
 def test_state_the_probe_did_not_find_stays_in_host_memory(tmp_path, caplog, name):
     make, make_net, make_scheduler, key = UNPROBED[name]
-    torch.manual_seed(0)
-    ref = make_net()
-    model = copy.deepcopy(ref)
-    ref_opt = make(ref.parameters())
-    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=[str(tmp_path)],
-                              subgroup_numel=64, compute_threads=1)
+    ref, model, ref_opt, opt = twins(tmp_path, make, make_net)
     assert key not in opt._keys[0]
     schedulers = [make_scheduler(o) for o in (ref_opt, opt)] if make_scheduler else []
     gen = torch.Generator().manual_seed(3)
@@ -262,12 +269,5 @@ def test_state_the_probe_did_not_find_stays_in_host_memory(tmp_path, caplog, nam
     assert_params_close(model, ref)
     warned = [r.getMessage() for r in caplog.records if f"'{key}'" in r.getMessage()]
     assert len(warned) == 1 and "kept in host memory, not offloaded" in warned[0], warned
-    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
-    assert sd.keys() == ref_sd.keys()
-    for pid, st in ref_sd.items():
-        assert sd[pid].keys() == st.keys()
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                torch.testing.assert_close(sd[pid][k].float(), v.float(), rtol=1e-5,
-                                           atol=1e-7)
+    assert_same_state(opt, ref_opt)
     opt.close()

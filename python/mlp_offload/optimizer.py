@@ -630,11 +630,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         else:
             # A fresh start: no commit of the run's other directory may
             # outlive it (its epochs would pass for newer ones), and this
-            # one's records go through discard_run (whose mark tells a
-            # crash part-way from a lost record) before the engine's.
+            # one's records go first (recovery.clear_commits, whose mark
+            # tells a crash part-way from a lost record).
             try:
                 self._discard_other_run_dir(strict=True)
-                self._discard_run_dir(self._run_name, strict=True)
+                self._clear_commits(self._run_name)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = e
         # (resume='never' in a group: the ranks raise together here too.)
@@ -756,6 +756,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     e, f"removing the run directory {name}", dirs[0]) from e
             _log.warning("run %r: could not remove %s, which holds no commit it resumes "
                          "(%s)", self._run_prefix, name, e)
+
+    def _clear_commits(self, name):
+        """Removes the commit records of this rank's run directory `name` on
+        every tier (recovery.clear_commits); a failure raises a TierError."""
+        dirs = _recovery.run_dirs(self._tiers, name)
+        try:
+            _recovery.clear_commits(dirs)
+        except TierInUseError:
+            raise
+        except OSError as e:
+            raise _recovery.os_error_to_tier_error(
+                e, f"removing the commit records of {name}", dirs[0]) from e
 
     def _discard_other_run_dir(self, strict=False):
         """Removes this rank's run directory that the engine does not use;

@@ -83,62 +83,84 @@ def _hold_run_lock(d, held):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        who = "another optimizer in this process" if holder == str(os.getpid()) \
+            else "another live process"
         raise TierInUseError(
-            f"run directory {d} is in use by a live engine (run lock {path}, pid "
-            f"{holder}): another optimizer runs this run_name on these tiers; nothing "
-            f"was removed") from None
+            f"run directory {d} is in use by a live engine (run lock {path} is held by "
+            f"{who} (pid {holder})): it runs this run_name on these tiers; nothing was "
+            f"removed") from None
 
 
-# Written into every tier's run directory before a discard removes anything:
-# a crash part-way through the removals leaves some tiers with a commit record
-# and some without, which has_committed_state would otherwise take for a lost
-# record (and refuse to start afresh over).
+# Written into every tier's run directory before a fresh start removes a
+# commit record: a crash part-way through the removals leaves some tiers with
+# a commit record and some without, which has_committed_state would otherwise
+# take for a lost record (and refuse to start afresh over). It goes with the
+# records (clear_commits) or the directory (discard_run), before any engine
+# commits there.
 DISCARD_MARK = "DISCARDING"
 
 
-def _write_discard_mark(d):
-    fd = os.open(os.path.join(d, DISCARD_MARK), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _remove_commit_records(dirs):
+    """Under the run locks: marks every tier, then removes every tier's
+    COMMIT, then every COMMIT.prev (a run directory planted as a symlink:
+    nothing in what it names)."""
+    real = [d for d in dirs if os.path.isdir(d) and not os.path.islink(d)]
+    for d in real:
+        fd = os.open(os.path.join(d, DISCARD_MARK),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(d)
+    for name in ("COMMIT", "COMMIT.prev"):
+        for d in real:
+            try:
+                os.remove(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+    return real
 
 
-def discard_run(dirs):
-    """Removes a run's directories: first a mark on every tier (DISCARD_MARK),
-    then every tier's commit records, so that a crash part-way leaves no tier
-    list that looks committed, then the rest. TierInUseError, before anything
-    is removed, if a live engine uses one; OSError as it comes."""
+def _under_run_locks(dirs, work):
     held = []
     try:
         for d in dirs:
             if os.path.isdir(d) and not os.path.islink(d):
                 _hold_run_lock(d, held)
-        for d in dirs:
-            if os.path.isdir(d) and not os.path.islink(d):
-                _write_discard_mark(d)
-        for name in ("COMMIT", "COMMIT.prev"):
-            for d in dirs:
-                if os.path.islink(d):
-                    continue  # only the link goes (below), never what it names
-                try:
-                    os.remove(os.path.join(d, name))
-                except (FileNotFoundError, NotADirectoryError):
-                    pass
-        for d in dirs:
-            if os.path.lexists(d):
-                if os.path.islink(d) or not os.path.isdir(d):
-                    os.remove(d)
-                else:
-                    shutil.rmtree(d)
+        work()
     finally:
         for fd in held:
             os.close(fd)
+
+
+def clear_commits(dirs):
+    """A fresh start in run directories that stay: every tier's commit
+    records go (marked first, see DISCARD_MARK), then the marks; the rest is
+    the engine's to replace. TierInUseError, before anything is removed, if
+    a live engine uses one; OSError as it comes."""
+    def work():
+        for d in _remove_commit_records(dirs):
+            os.remove(os.path.join(d, DISCARD_MARK))
+            fsync_dir(d)
+    _under_run_locks(dirs, work)
+
+
+def discard_run(dirs):
+    """Removes a run's directories: first every tier's commit records
+    (marked first, see DISCARD_MARK), so that a crash part-way leaves no
+    tier list that looks committed, then the rest. TierInUseError, before
+    anything is removed, if a live engine uses one; OSError as it comes."""
+    def work():
+        _remove_commit_records(dirs)
+        for d in dirs:
+            if os.path.lexists(d):
+                if os.path.islink(d) or not os.path.isdir(d):
+                    os.remove(d)  # only the link goes, never what it names
+                else:
+                    shutil.rmtree(d)
+    _under_run_locks(dirs, work)
 
 
 def has_committed_state(dirs):
