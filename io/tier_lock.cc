@@ -27,7 +27,10 @@
 //    waits only for a finite chain of earlier tickets (K round-robin lanes; a
 //    lane does not lend its turn to another, which costs some utilisation when
 //    hold times differ widely but never starves anyone);
-//  - no busy waiting: the kernel's lock wait queue does the sleeping;
+//  - no busy waiting: the kernel's lock wait queue does the sleeping (a
+//    bounded wait, Acquire's timeout, polls instead: F_OFD_SETLKW cannot be
+//    given a deadline, and a holder that is alive but stopped would keep
+//    its byte for ever);
 //  - death: the kernel drops every lock of a process's OFDs when it dies, so a
 //    SIGKILLed holder (or waiter, or a process that died while taking a
 //    ticket) releases its byte and the chain moves on.
@@ -57,15 +60,21 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "io/file.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -82,6 +91,32 @@ constexpr int64_t kMarkLanes = 16;
 
 // Applies an OFD lock of `type` (F_RDLCK, F_WRLCK, F_UNLCK) to byte `offset`;
 // `wait` sleeps until it is granted. Returns errno (0 on success).
+int OfdLock(int fd, short type, off_t offset, bool wait);
+
+// When a bounded wait gives up (see OfdLockUntil).
+struct Deadline {
+  bool bounded = false;
+  MonoTime at;
+};
+
+// OfdLock that waits until `deadline` at most (unbounded: the kernel's
+// wait). A bounded one polls, sleeping from 50 us doubling to 2 ms between
+// tries, so a release is seen within 2 ms. ETIMEDOUT when the deadline
+// passed.
+int OfdLockUntil(int fd, short type, off_t offset, const Deadline& deadline) {
+  if (!deadline.bounded) return OfdLock(fd, type, offset, /*wait=*/true);
+  MonoClock::duration pause = std::chrono::microseconds(50);
+  for (;;) {
+    const int err = OfdLock(fd, type, offset, /*wait=*/false);
+    if (err != EAGAIN && err != EACCES) return err;
+    const MonoTime now = MonoNow();
+    if (now >= deadline.at) return ETIMEDOUT;
+    std::this_thread::sleep_for(std::min(pause, deadline.at - now));
+    pause =
+        std::min<MonoClock::duration>(pause * 2, std::chrono::milliseconds(2));
+  }
+}
+
 int OfdLock(int fd, short type, off_t offset, bool wait) {
   struct flock fl;
   std::memset(&fl, 0, sizeof(fl));
@@ -147,8 +182,21 @@ struct TierLock::Impl {
     return n == sizeof(mark) && mark == t + 1;
   }
 
-  absl::StatusOr<int64_t> TakeTicket() {
-    if (int err = OfdLock(fd, F_WRLCK, 0, /*wait=*/true); err != 0) {
+  // DeadlineExceeded naming the lock, for a wait on `what` that outlasted
+  // `timeout`.
+  absl::Status TimedOut(absl::Duration timeout, absl::string_view what) const {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "waited ", absl::FormatDuration(timeout), " for the tier lock ", path,
+        " (", what,
+        "): a process that shares the tier holds its turn without making "
+        "progress (stopped, or hung in I/O); the lock is freed when it "
+        "resumes or dies"));
+  }
+
+  absl::StatusOr<int64_t> TakeTicket(const Deadline& deadline,
+                                     absl::Duration timeout) {
+    if (int err = OfdLockUntil(fd, F_WRLCK, 0, deadline); err != 0) {
+      if (err == ETIMEDOUT) return TimedOut(timeout, "its ticket counter");
       return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) on the ticket counter of",
                          absl::StrCat(path, " at offset 0"));
     }
@@ -234,22 +282,36 @@ absl::StatusOr<std::unique_ptr<TierLock>> TierLock::Open(
   return std::unique_ptr<TierLock>(new TierLock(std::move(impl)));
 }
 
-absl::Status TierLock::Acquire() {
+absl::Status TierLock::Acquire(absl::Duration timeout) {
   if (impl_->held) {
     return absl::FailedPreconditionError(
         absl::StrCat("TierLock::Acquire on ", impl_->path,
                      ": already held by this object (not reentrant)"));
   }
-  MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket());
+  if (timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TierLock::Acquire on ", impl_->path,
+                     ": negative timeout ", absl::FormatDuration(timeout)));
+  }
+  Deadline deadline;
+  deadline.bounded = timeout != absl::InfiniteDuration();
+  if (deadline.bounded) deadline.at = MonoAfter(timeout);
+  MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket(deadline, timeout));
   // Waits for the lane's earlier tickets back to one that entered (a ticket
   // that died waiting never did; the one it waited for may hold the lock).
   absl::Status status;
   for (int64_t p = t - impl_->max_holders; p >= 0 && status.ok();
        p -= impl_->max_holders) {
     const off_t byte = kTicketBase + p;
-    if (int err = OfdLock(impl_->fd, F_RDLCK, byte, /*wait=*/true); err != 0) {
-      status = ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
-                           impl_->Where(p));
+    if (int err = OfdLockUntil(impl_->fd, F_RDLCK, byte, deadline); err != 0) {
+      // (Our own byte is released below: the tickets after ours see that
+      // we never entered and wait for the one we waited for.)
+      status =
+          err == ETIMEDOUT
+              ? impl_->TimedOut(timeout,
+                                absl::StrCat("ticket ", t, " waiting for ", p))
+              : ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
+                            impl_->Where(p));
       break;
     }
     OfdLock(impl_->fd, F_UNLCK, byte, false);

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace mlp_offload {
 
@@ -21,10 +22,12 @@ class TierLock {
       const std::string& lock_path, int max_holders = 1);
   ~TierLock();  // releases if held
 
-  // Blocks until this process holds one of the K slots. Not reentrant per
-  // TierLock object (one holder per object); several objects (threads) in
-  // one process count as separate holders.
-  absl::Status Acquire();
+  // Blocks until this process holds one of the K slots, or `timeout` passed
+  // (DeadlineExceeded naming the lock; nothing held, and the tickets after
+  // ours are not held up by it). Not reentrant per TierLock object (one
+  // holder per object); several objects (threads) in one process count as
+  // separate holders.
+  absl::Status Acquire(absl::Duration timeout = absl::InfiniteDuration());
   void Release();
   bool held() const;
   // Whether another holder took a ticket after ours (someone is waiting or

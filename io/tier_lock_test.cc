@@ -15,8 +15,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "io/internal/test_util.h"
+#include "mlp_offload/base/clock.h"
 
 namespace mlp_offload {
 namespace {
@@ -296,6 +299,63 @@ TEST(TierLockTest, AForkedChildDoesNotRemoveItsParentsFile) {
   EXPECT_TRUE(WaitOk(child));
   EXPECT_TRUE(Exists(file));
   EXPECT_TRUE(lock->Acquire().ok());
+}
+
+// A holder that is alive but makes no progress (a stopped process) never
+// frees its byte: a bounded Acquire gives up, naming the lock, and leaves
+// no trace that holds up the tickets after it.
+TEST(TierLockTest, AWaitPastItsTimeoutFailsAndHoldsNobodyUp) {
+  const std::string path = ScratchPath("tier_timeout");
+  auto a = *TierLock::Open(path);
+  auto b = *TierLock::Open(path);
+  auto c = *TierLock::Open(path);
+  ASSERT_TRUE(a->Acquire().ok());
+  const MonoTime start = MonoNow();
+  absl::Status s = b->Acquire(absl::Milliseconds(200));
+  const absl::Duration waited = ToAbslDuration(MonoNow() - start);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find(path + ".tickets"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("ticket 1 waiting for 0"), std::string::npos) << s;
+  EXPECT_GE(waited, absl::Milliseconds(200));
+  EXPECT_LT(waited, absl::Seconds(10));
+  EXPECT_FALSE(b->held());
+  // c waits behind b's abandoned ticket, and so behind a: it enters once a
+  // leaves, not before.
+  std::atomic<bool> entered{false};
+  std::thread waiter([&] {
+    if (c->Acquire(absl::Seconds(60)).ok()) entered = true;
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(entered.load()) << "c got in while a held the lock";
+  a->Release();
+  waiter.join();
+  EXPECT_TRUE(entered.load());
+  c->Release();
+  // b can try again.
+  EXPECT_TRUE(b->Acquire(absl::Milliseconds(200)).ok());
+  b->Release();
+  EXPECT_EQ(b->Acquire(absl::Seconds(-1)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TierLockTest, AWaitForTheTicketCounterIsBoundedToo) {
+  const std::string path = ScratchPath("tier_counter");
+  auto a = *TierLock::Open(path);
+  // Another open file description holds the counter's byte (a process
+  // stopped while it took a ticket).
+  const int fd = open((path + ".tickets").c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = 0;
+  fl.l_len = 1;
+  ASSERT_EQ(fcntl(fd, F_OFD_SETLK, &fl), 0);
+  absl::Status s = a->Acquire(absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("its ticket counter"), std::string::npos) << s;
+  close(fd);
+  EXPECT_TRUE(a->Acquire(absl::Milliseconds(1000)).ok());
 }
 
 TEST(TierLockTest, RejectsZeroHolders) {

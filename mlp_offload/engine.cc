@@ -70,8 +70,9 @@ uint64_t StableHash(absl::string_view s) {
 // of thrashing it.
 class LockedDispatcher {
  public:
-  LockedDispatcher(IoEngine* engine, std::unique_ptr<TierLock> lock)
-      : engine_(engine), lock_(std::move(lock)) {
+  LockedDispatcher(IoEngine* engine, std::unique_ptr<TierLock> lock,
+                   absl::Duration timeout)
+      : engine_(engine), lock_(std::move(lock)), timeout_(timeout) {
     absl::StatusOr<std::thread> t =
         StartThread("a tier lock's dispatcher", [this] { Dispatch(); });
     if (t.ok()) {
@@ -112,7 +113,9 @@ class LockedDispatcher {
         mu_.Await(ready);
         if (queue_.empty() && stop_) return;
       }
-      absl::Status locked = lock_->Acquire();
+      // A wait past the timeout fails this turn's requests (the step
+      // fails, naming the lock, and may be retried).
+      absl::Status locked = lock_->Acquire(timeout_);
       uint64_t turn = 0;
       for (;;) {
         std::deque<Pending> batch;
@@ -163,6 +166,7 @@ class LockedDispatcher {
 
   IoEngine* const engine_;
   std::unique_ptr<TierLock> lock_;
+  const absl::Duration timeout_;
   absl::Status start_status_;  // fixed after construction
   std::thread dispatcher_;
   Mutex mu_;
@@ -181,11 +185,12 @@ class TierChannel {
  public:
   // `locks`: none, one for every request, or {reads' lock, writes' lock}.
   TierChannel(std::unique_ptr<IoEngine> engine,
-              std::vector<std::unique_ptr<TierLock>> locks)
+              std::vector<std::unique_ptr<TierLock>> locks,
+              absl::Duration lock_timeout)
       : engine_(std::move(engine)) {
     for (auto& lock : locks) {
-      dispatchers_.push_back(
-          std::make_unique<LockedDispatcher>(engine_.get(), std::move(lock)));
+      dispatchers_.push_back(std::make_unique<LockedDispatcher>(
+          engine_.get(), std::move(lock), lock_timeout));
       if (start_status_.ok())
         start_status_ = dispatchers_.back()->start_status();
     }
@@ -1370,8 +1375,8 @@ absl::Status Engine::Impl::OpenTiers() {
         locks.push_back(std::move(lock));
       }
     }
-    tier.channel =
-        std::make_unique<TierChannel>(std::move(io), std::move(locks));
+    tier.channel = std::make_unique<TierChannel>(
+        std::move(io), std::move(locks), config.tier_lock_timeout);
     MLP_RETURN_IF_ERROR(tier.channel->start_status());
   }
   return absl::OkStatus();
@@ -1546,6 +1551,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("compute_threads must be in [1, ", kMaxComputeThreads,
                      "], got ", config.compute_threads));
+  }
+  if (config.tier_lock_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier_lock_timeout must be > 0 (InfiniteDuration: no "
+                     "limit), got ",
+                     absl::FormatDuration(config.tier_lock_timeout)));
   }
   auto impl = std::make_unique<Impl>(config);
   MLP_RETURN_IF_ERROR(impl->pool.start_status());

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "io/fault_injection.h"
 #include "io/io_engine.h"
 #include "kernels/optimizer_kernels.h"
@@ -90,6 +91,11 @@ struct EngineConfig {
   // turn overlap the first reads of the next). Every process sharing a tier
   // must use the same mode (they use different lock files).
   TierLockMode tier_lock_mode = TierLockMode::kExclusive;
+  // How long a tier's I/O may wait for the tier lock (a process sharing the
+  // tier that holds it and is stopped or hung would otherwise hold up this
+  // one for ever): past it, the requests fail with DeadlineExceeded naming
+  // the lock. InfiniteDuration: no limit.
+  absl::Duration tier_lock_timeout = absl::InfiniteDuration();
   // The node-local directory of the tier locks' files ("": /dev/shm, or /tmp
   // where there is none). A tier's lock is named after its resolved path and
   // the user (TierLockPrefix), so the processes of one node that share a tier

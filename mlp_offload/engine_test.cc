@@ -529,6 +529,47 @@ TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
   EXPECT_FALSE(p.read);
 }
 
+// A process sharing the tier that holds its lock and makes no progress
+// (stopped, hung) fails this one's step after tier_lock_timeout, naming the
+// lock, instead of holding it up for ever; once the lock is free the step
+// goes through.
+TEST(EngineTest, AWaitForTheTierLockPastItsTimeoutFailsTheStep) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.num_state_arrays = 1;
+  cfg.techniques.cache_reuse = false;
+  cfg.tier_lock_timeout = absl::ZeroDuration();
+  EXPECT_EQ(Engine::Create(cfg).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  cfg.tier_lock_timeout = absl::Milliseconds(300);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 5);
+  auto prefix = TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  auto other = TierLock::Open(*prefix);
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE((*other)->Acquire().ok());
+  auto run_step = [&e]() -> absl::Status {
+    absl::Status s = e.BeginStep();
+    while (s.ok()) {
+      absl::StatusOr<SubgroupView> v = e.Next();
+      if (!v.ok()) return v.status();
+      if (v->subgroup < 0) return e.EndStep().status();
+      s = e.Done();
+    }
+    return s;
+  };
+  absl::Status failed = run_step();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDeadlineExceeded) << failed;
+  EXPECT_NE(failed.message().find(*prefix + ".tickets"), std::string::npos)
+      << failed;
+  e.AbortStep();
+  (*other)->Release();
+  absl::Status ok = run_step();
+  EXPECT_TRUE(ok.ok()) << ok;
+  EXPECT_EQ(e.step(), 1);
+}
+
 TEST(EngineTest, TierLocksAreNodeLocalAndNamedAfterTheTier) {
   EngineConfig cfg = SmallConfig(2);
   auto engine = Engine::Create(cfg);

@@ -5,8 +5,12 @@ clip_grad_norm_, mixed precision, and the errors for what is not supported.
 """
 
 import copy
+import datetime
+import fcntl
 import os
 import re
+import struct
+import time
 
 import pytest
 import torch
@@ -965,6 +969,58 @@ def test_tier_lock_options_reach_the_engine_and_change_no_result(tmp_path, slots
         results.append([p.detach().clone() for p in model.parameters()])
     assert os.listdir(locks) == []  # removed by their last user
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_tier_lock_held_without_progress_times_out_and_the_step_is_retried(tmp_path):
+    # Another process of the node that shares the tier holds its lock and is
+    # stopped (here: the ticket counter's byte, held through another open
+    # file description): the step raises, naming the lock, after
+    # tier_lock_timeout instead of waiting for ever; retried once the lock is
+    # free, it completes as if nothing had happened.
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), _new_dir(tmp_path / "tier"),
+               mode="mlp", tier_lock_dir=str(locks), tier_lock_timeout=0.5)
+    (tickets,) = [locks / n for n in os.listdir(locks) if n.endswith(".tickets")]
+    fd = os.open(tickets, os.O_RDWR)
+    flock = struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock)
+    try:
+        for o, m in ((ref_opt, ref), (opt, model)):
+            o.zero_grad()
+            loss_of(m, 0).backward()
+        ref_opt.step()
+        start = time.monotonic()
+        with pytest.raises(errors.TierLockTimeoutError,
+                           match=rf"waited 500ms for the tier lock {re.escape(str(tickets))} "
+                                 r"\(its ticket counter\)"):
+            opt.step()
+        assert 0.5 <= time.monotonic() - start < 30
+    finally:
+        os.close(fd)
+    opt.step()
+    assert_close(model, ref)
+    opt.close()
+    for bad in (0, -1.0, float("nan"), "10"):
+        with pytest.raises(errors.ConfigError, match="tier_lock_timeout must be"):
+            wrap(torch.optim.AdamW(make_model().parameters()), tmp_path / "tier",
+                 tier_lock_timeout=bad)
+    # By default, the process group's timeout (torch's default without one).
+    opt = wrap(torch.optim.AdamW(make_model().parameters()), tmp_path / "tier")
+    assert opt._engine_settings["tier_lock_timeout"] == 1800.0
+    opt.close()
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=7))
+    try:
+        opt = wrap(torch.optim.AdamW(make_model().parameters()), tmp_path / "tier")
+        assert opt._engine_settings["tier_lock_timeout"] == 7.0
+        opt.close()
+    finally:
+        dist.destroy_process_group()
 
 
 # --------------------------------------------- parameters changed by the user

@@ -4,7 +4,9 @@
 // a typo is a ConfigError naming the key), tensors as integer data pointers
 // plus element counts, dtypes as names. Every blocking engine call runs with
 // the GIL released; every absl::Status goes through ThrowIfError.
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
@@ -529,9 +531,9 @@ void RegisterEngineBindings(py::module_& parent) {
              const std::string& grad_dtype, py::object techniques,
              int compute_threads, py::object io, const std::string& run_name,
              int tier_lock_slots, const std::string& tier_lock_mode,
-             const std::string& tier_lock_dir, bool verify_checksums,
-             bool fault_injection, bool resume, int commit_every,
-             int64_t resume_epoch, int64_t resume_step) {
+             const std::string& tier_lock_dir, double tier_lock_timeout_s,
+             bool verify_checksums, bool fault_injection, bool resume,
+             int commit_every, int64_t resume_epoch, int64_t resume_step) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -544,6 +546,16 @@ void RegisterEngineBindings(py::module_& parent) {
             config.run_name = run_name;
             config.tier_lock_slots = tier_lock_slots;
             config.tier_lock_dir = tier_lock_dir;
+            // (NaN fails the comparison too.)
+            if (!(tier_lock_timeout_s > 0)) {
+              throw py::value_error(
+                  "tier_lock_timeout_s must be > 0 seconds (inf: no limit), "
+                  "got " +
+                  std::to_string(tier_lock_timeout_s));
+            }
+            config.tier_lock_timeout = std::isinf(tier_lock_timeout_s)
+                                           ? absl::InfiniteDuration()
+                                           : absl::Seconds(tier_lock_timeout_s);
             if (tier_lock_mode == "exclusive") {
               config.tier_lock_mode = TierLockMode::kExclusive;
             } else if (tier_lock_mode == "per_direction") {
@@ -574,7 +586,10 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("run_name") = "mlp_offload_run",
           py::arg("tier_lock_slots") = 1,
           py::arg("tier_lock_mode") = "exclusive",
-          py::arg("tier_lock_dir") = "", py::arg("verify_checksums") = true,
+          py::arg("tier_lock_dir") = "",
+          py::arg("tier_lock_timeout_s") =
+              std::numeric_limits<double>::infinity(),
+          py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
           py::arg("commit_every") = 0, py::arg("resume_epoch") = 0,
           py::arg("resume_step") = -1,

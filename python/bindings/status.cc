@@ -41,6 +41,9 @@ PyObject* ExceptionFor(const absl::Status& status) {
     case absl::StatusCode::kAlreadyExists:
       name = "TierInUseError";
       break;
+    case absl::StatusCode::kDeadlineExceeded:
+      name = "TierLockTimeoutError";
+      break;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kAborted:
     case absl::StatusCode::kInternal:

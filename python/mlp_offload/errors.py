@@ -38,6 +38,11 @@ class TierInUseError(TierError):
     """A tier directory is already used by another live run."""
 
 
+class TierLockTimeoutError(TierError):
+    """A tier's I/O waited past tier_lock_timeout for the tier lock: a process
+    sharing the tier holds it without making progress (stopped, or hung)."""
+
+
 class CorruptStateError(OffloadError):
     """Offloaded state failed its checksum or has a bad header/manifest."""
 

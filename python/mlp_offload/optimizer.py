@@ -27,6 +27,7 @@ import io as _io
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -65,6 +66,23 @@ _SPILL_HEADROOM_BYTES = 64 << 20
 # The collective methods, as _enter_collective tells them apart.
 _COLLECTIVE_OPS = ("step", "state_dict", "load_state_dict", "save_checkpoint",
                    "load_checkpoint", "add_param_group")
+
+
+_DEFAULT_GROUP_TIMEOUT = 1800.0  # seconds: torch's default process-group timeout
+
+
+def _group_timeout(group):
+    """The timeout (seconds) of process group `group`'s CPU backend, where
+    torch says it (a private attribute: else, and without a group, torch's
+    default)."""
+    if group is None:
+        return _DEFAULT_GROUP_TIMEOUT
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        seconds = timeout.total_seconds()
+    except (AttributeError, RuntimeError, TypeError):
+        return _DEFAULT_GROUP_TIMEOUT
+    return seconds if math.isfinite(seconds) and seconds > 0 else _DEFAULT_GROUP_TIMEOUT
 
 
 def _fp32_buffers(master, arrays=()):
@@ -171,6 +189,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         is named after its resolved path, so the processes of a node that
         share a tier take turns on it and other nodes (sharing a parallel
         file system) take their own turns; nothing is locked on the tier.
+      tier_lock_timeout: seconds a tier's I/O may wait for the tier lock
+        (None: the process group's timeout, or torch's default of 1800 s
+        without one; math.inf: no limit). A process sharing the tier that
+        holds the lock while stopped or hung would otherwise hold this one
+        up for ever, in native code that no collective's timeout reaches:
+        past it, step() raises TierLockTimeoutError naming the lock (the
+        step can be retried).
       tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
         dict does not say; unknown bandwidths are assumed equal.
       nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
@@ -212,7 +237,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, tiers, host_cache_bytes=0, subgroup_numel=100_000_000,
                  mode="mlp", *, multipath=None, cache_reuse=None,
                  delayed_grad_conversion=None, tier_lock=None, tier_lock_slots=1,
-                 tier_lock_mode="exclusive", tier_lock_dir=None,
+                 tier_lock_mode="exclusive", tier_lock_dir=None, tier_lock_timeout=None,
                  tier_bandwidths=None,
                  nonfinite="raise", process_group=None, generic_state_keys=None,
                  compute_threads=None, io=None, verify_checksums=True, run_name=None,
@@ -250,6 +275,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if compute_threads is None:
                 compute_threads = max(1, min(8, os.cpu_count() or 1))
             tier_lock_slots = _config.check_int("tier_lock_slots", tier_lock_slots, minimum=1)
+            if tier_lock_timeout is None:
+                tier_lock_timeout = _group_timeout(self._group)
+            elif tier_lock_timeout != math.inf:
+                tier_lock_timeout = _config.check_number(
+                    "tier_lock_timeout", tier_lock_timeout, inclusive=False,
+                    what=" seconds (math.inf: no limit; None: the process group's timeout)")
             if tier_lock_mode not in _TIER_LOCK_MODES:
                 raise ConfigError(f"tier_lock_mode must be one of {_TIER_LOCK_MODES}, got "
                                   f"{tier_lock_mode!r}")
@@ -281,6 +312,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "tier_lock_slots": tier_lock_slots,
                 "tier_lock_mode": tier_lock_mode,
                 "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
+                "tier_lock_timeout": tier_lock_timeout,
             }
             self._run_prefix = run_name or "mlp_offload"
             if resume not in _recovery.RESUME_MODES:
@@ -865,6 +897,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             tier_lock_slots=self._engine_settings["tier_lock_slots"],
             tier_lock_mode=self._engine_settings["tier_lock_mode"],
             tier_lock_dir=self._engine_settings["tier_lock_dir"],
+            tier_lock_timeout_s=self._engine_settings["tier_lock_timeout"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_epoch=resume_epoch,
             resume_step=resume_step)
