@@ -53,6 +53,17 @@ bool WaitOk(pid_t pid) {
          WEXITSTATUS(status) == 0;
 }
 
+// Write-locks byte `offset` of `fd`'s file through its open file
+// description (as another TierLock's would be), without waiting.
+bool WriteLockByte(int fd, off_t offset) {
+  struct flock fl = {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = offset;
+  fl.l_len = 1;
+  return fcntl(fd, F_OFD_SETLK, &fl) == 0;
+}
+
 // Reads one byte from `fd` within `ms`; -1 when nothing came.
 int ReadByte(int fd, int ms) {
   pollfd p{fd, POLLIN, 0};
@@ -253,12 +264,7 @@ TEST(TierLockTest, OpeningWhileTheFileIsRemovedOpensTheNewOne) {
   // presence byte is write-locked.
   const int remover = open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   ASSERT_GE(remover, 0);
-  struct flock fl = {};
-  fl.l_type = F_WRLCK;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = 1;
-  fl.l_len = 1;
-  ASSERT_EQ(fcntl(remover, F_OFD_SETLK, &fl), 0);
+  ASSERT_TRUE(WriteLockByte(remover, 1));
   std::atomic<bool> opened{false};
   absl::StatusOr<std::unique_ptr<TierLock>> lock;
   std::thread opener([&] {
@@ -345,12 +351,7 @@ TEST(TierLockTest, AWaitForTheTicketCounterIsBoundedToo) {
   // stopped while it took a ticket).
   const int fd = open((path + ".tickets").c_str(), O_RDWR | O_CLOEXEC);
   ASSERT_GE(fd, 0);
-  struct flock fl = {};
-  fl.l_type = F_WRLCK;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = 0;
-  fl.l_len = 1;
-  ASSERT_EQ(fcntl(fd, F_OFD_SETLK, &fl), 0);
+  ASSERT_TRUE(WriteLockByte(fd, 0));
   absl::Status s = a->Acquire(absl::Milliseconds(100));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_NE(s.message().find("its ticket counter"), std::string::npos) << s;

@@ -15,7 +15,7 @@ import torch
 from conftest import tier_dirs
 
 import mlp_offload
-from mlp_offload import MLPOffloadOptimizer, cli
+from mlp_offload import MLPOffloadOptimizer, cli, errors
 from mlp_offload.errors import ConfigError, CorruptStateError, StateMismatchError
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
@@ -114,8 +114,13 @@ def test_export_default_names_and_bad_arguments(saved):
         mlp_offload.export_master_weights(saved["ckpt"], out, names=["a"] * 6)
     with pytest.raises(ConfigError, match="dtype"):
         mlp_offload.export_master_weights(saved["ckpt"], out, dtype=torch.int8)
-    with pytest.raises(StateMismatchError, match="manifest.rank0.json is missing"):
+    with pytest.raises(errors.TierNotFoundError,
+                       match=f"checkpoint directory {saved['tmp'] / 'nothing'} does not exist"):
         mlp_offload.master_weights(str(saved["tmp"] / "nothing"))
+    empty = saved["tmp"] / "empty"
+    empty.mkdir()
+    with pytest.raises(StateMismatchError, match="manifest.rank0.json is missing"):
+        mlp_offload.master_weights(str(empty))
 
 
 def copy_with_a_flipped_byte(saved, tmp_path, record, offset):
@@ -198,6 +203,20 @@ def test_cli_export(saved, tmp_path):
         assert err.getvalue().count("\n") == 1
     assert sorted(os.listdir(saved["ckpt"])) == before
     json.loads(open(manifest).read())
+
+
+def test_export_names_the_checkpoint_for_what_is_wrong_with_it(saved, tmp_path):
+    # A checkpoint whose engine files are gone: the error is the read's,
+    # naming the checkpoint, not a failure to write OUT; OUT is not made.
+    ckpt = tmp_path / "damaged"
+    shutil.copytree(saved["ckpt"], ckpt)
+    (engine_dir,) = [d for d in os.listdir(ckpt) if d.startswith("engine-")]
+    shutil.rmtree(ckpt / engine_dir)
+    out = tmp_path / "w.safetensors"
+    with pytest.raises(errors.TierNotFoundError) as e:
+        mlp_offload.export_master_weights(ckpt, out)
+    assert engine_dir in str(e.value) and "write the exported weights" not in str(e.value)
+    assert not out.exists() and os.listdir(tmp_path) == ["damaged"]
 
 
 def test_cli_export_missing_names_file_names_the_flag(tmp_path):

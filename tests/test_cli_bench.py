@@ -91,6 +91,19 @@ def test_bench_out_of_range_arguments_exit_2(tmp_path, monkeypatch, capsys, bad)
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["--params", "2e6", "--subgroup-numel", "1"],
+     "2000000 subgroups (2000000 params in subgroups of 1): the benchmark takes at most "
+     "1000000"),
+    (["--out", "b.txt"], ".txt is not an image format matplotlib writes"),
+])
+def test_bench_setups_refused_before_the_header(capsys, argv, want):
+    code = cli.main(["bench", "--quiet", "--out", ""] + TINY + argv)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out
+    assert err.count("\n") == 1 and want in err, err
+
+
 def test_bench_budget_beyond_an_int_is_one_line_error_before_the_header(capsys):
     code = cli.main(["bench", "--quiet", "--out", ""] + TINY + ["--budget-fraction", "1e300"])
     out, err = capsys.readouterr()

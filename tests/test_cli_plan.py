@@ -107,6 +107,20 @@ def test_capacity_too_small_is_one_line_error(capsys):
     assert err.count("\n") == 1 and "error:" in err and "state needs" in err
 
 
+def test_a_configuration_that_does_not_fit_is_named_and_the_others_planned(capsys):
+    # 140B on the default tiers: the baseline (one path) does not fit the
+    # node-local tier; MLP-Offload spills to the second.
+    code, out, err = run(capsys, "plan", "--params", "140B", "--host-cache", "0")
+    assert code == 0 and err == "", err
+    assert re.search(r"^baseline\s+does not fit \(below\)", out, re.M), out
+    assert re.search(r"^  baseline: plan: the tiers hold .* but the state needs", out, re.M)
+    assert re.search(r"^mlp\s+nvme \d+ \| pfs \d+", out, re.M), out
+    assert re.search(r"predicted update phase per step: mlp [\d.]+ s$", out, re.M), out
+    _, rows = plan_json(capsys, "--params", "140B", "--host-cache", "0")
+    assert "state needs" in rows["baseline"]["error"]
+    assert rows["mlp"]["predicted_seconds"] > 0 and rows["mlp"]["speedup_vs_baseline"] is None
+
+
 @pytest.mark.parametrize("bad", [["--params", "70X"], ["--host-cache", "lots"],
                                  ["--tier", "nvme:/x:6"], ["--configs", "fast"],
                                  ["--params", "1e400"], ["--host-cache", "1e30TB"],

@@ -45,8 +45,10 @@ def test_train_json_fp32_matches_torch(tmp_path, capsys):
 
 
 def test_train_table_bf16(tmp_path, capsys):
+    # An --out without an extension is a PNG, and the path printed is the
+    # file's (matplotlib adds the ".png").
     png = tmp_path / "t.png"
-    code = cli.main(["train", "--dtype", "bfloat16", "--out", str(png)] + TINY)
+    code = cli.main(["train", "--dtype", "bfloat16", "--out", str(tmp_path / "t")] + TINY)
     out = capsys.readouterr().out
     assert code == 0
     rows = {}
@@ -88,8 +90,26 @@ def test_train_largest_seed_runs(capsys):
     assert code == 0 and len(json.loads(capsys.readouterr().out)["runs"]["mlp"]["loss"]) == 6
 
 
+def test_train_one_step_summary_says_what_it_averages(capsys):
+    tiny = TINY[2:] + ["--steps", "1"]
+    assert cli.main(["train", "--out", "", "--no-compare"] + tiny) == 0
+    out = capsys.readouterr().out
+    assert "summary (1 steps; times are of step 1, seconds)" in out, out
+
+
+def test_help_shows_defaults_of_zero(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"--seed \S+ .*?\(default: 0\)", help_text), help_text
+
+
 @pytest.mark.parametrize("argv,want", [
     (["--corpus-chars", "10", "--seq-len", "16"], "must be more than --seq-len + 1"),
+    # A plot format matplotlib does not write: refused before the run, not
+    # after it.
+    (["--out", "{tmp}/x.txt"], ".txt is not an image format matplotlib writes"),
     # Its first linear layer alone would take 192 TB (more than any address
     # space): torch's allocation error becomes a ConfigError.
     pytest.param(

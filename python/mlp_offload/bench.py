@@ -25,7 +25,7 @@ from mlp_offload import _C
 from mlp_offload import config as _config
 from mlp_offload.errors import ConfigError
 from mlp_offload.units import MAX_INT
-from mlp_offload.whatif import CONFIGS, techniques_of
+from mlp_offload.whatif import CONFIGS, MAX_SUBGROUPS, techniques_of
 
 _log = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ def subgroup_sizes(params, subgroup_numel):
     if params < 1 or subgroup_numel < 1:
         raise ConfigError(f"params and subgroup_numel must be >= 1, got {params}, "
                           f"{subgroup_numel}")
+    if -(-params // subgroup_numel) > MAX_SUBGROUPS:
+        raise ConfigError(
+            f"{-(-params // subgroup_numel)} subgroups ({params} params in subgroups of "
+            f"{subgroup_numel}): the benchmark takes at most {MAX_SUBGROUPS}; raise "
+            f"subgroup_numel")
     full, rest = divmod(params, subgroup_numel)
     return [subgroup_numel] * full + ([rest] if rest else [])
 

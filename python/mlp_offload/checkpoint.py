@@ -32,7 +32,8 @@ import torch
 from mlp_offload import _C
 from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
-from mlp_offload.errors import ConfigError, CorruptStateError, StateMismatchError
+from mlp_offload.errors import (ConfigError, CorruptStateError, OffloadError,
+                                StateMismatchError, TierNotFoundError)
 
 CHECKPOINT_FORMAT = "mlp_offload.optimizer_checkpoint"
 # 3: the layout lists the rank that owns each subgroup; 2: the manifest
@@ -260,6 +261,10 @@ def record_sources(directory, manifests):
 
 def _open_save(directory):
     directory = os.fspath(directory)
+    if not os.path.lexists(directory):
+        raise TierNotFoundError(f"checkpoint directory {directory} does not exist")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint directory {directory} is not a directory")
     manifests = newest_complete_save(directory)
     return directory, manifests, manifests[0]["layout"]
 
@@ -365,15 +370,27 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
     text += b" " * (-len(text) % 8)
     out = os.fspath(out)
 
+    read_failure = []  # (error, engine dir): a read of the checkpoint failed
+
     def write(f):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for _, sg_shapes, src, j in _subgroups(directory, manifests, layout):
-            flat = _read_masters(src, j, sg_shapes, verify_checksums).to(dtype)
+            try:
+                flat = _read_masters(src, j, sg_shapes, verify_checksums).to(dtype)
+            except OSError as e:
+                read_failure.append((e, src))
+                raise
             f.write(memoryview(flat.view(torch.uint8).numpy()))
 
     try:
         _recovery.write_file_atomically(out, write, mode=0o644)
     except OSError as e:
+        if read_failure and read_failure[0][0] is e:
+            # The checkpoint's fault, not OUT's (typed errors name the file).
+            if isinstance(e, OffloadError):
+                raise
+            raise _recovery.os_error_to_tier_error(
+                e, "read the checkpoint", read_failure[0][1]) from e
         raise _recovery.os_error_to_tier_error(e, "write the exported weights", out) from e
     return out

@@ -93,10 +93,21 @@ def _number(lo=None, hi=None, lo_open=False):
 
 
 def _writable_out(path):
-    """A PNG/JSON path to write at the end: its directory exists and is
-    writable now, not found out after the run."""
+    """The plot's path to write at the end (`path`, with ".png" where it has
+    no extension, as matplotlib would add): a format matplotlib writes, in a
+    directory that exists and is writable now, not found out after the
+    run."""
     if not path:
-        return
+        return path
+    ext = os.path.splitext(path)[1]
+    if not ext:
+        path += ".png"
+    else:
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if ext[1:].lower() not in formats:
+            raise ConfigError(f"--out {path}: {ext} is not an image format matplotlib "
+                              f"writes ({', '.join(sorted(formats))})")
     if os.path.isdir(path):
         raise ConfigError(f"--out {path} is a directory")
     # Missing directories are made at the end: the nearest existing one
@@ -108,6 +119,7 @@ def _writable_out(path):
         raise ConfigError(f"--out {path}: {d} is not a directory")
     if not os.access(d, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path}: directory {d} is not writable")
+    return path
 
 
 def _distinct_dirs(paths, what):
@@ -136,7 +148,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None/False ones (the help text says those)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "%(default)" in (action.help or ""):
+        if action.default is None or action.default is False \
+                or "%(default)" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -283,7 +296,7 @@ def _cmd_plan(args, out):
                             configs=args.configs)
     if args.json:
         for row in result["configs"]:
-            row.pop("summary")
+            row.pop("summary", None)
         json.dump(result, out, indent=2, allow_nan=False)
         out.write("\n")
         return 0
@@ -309,7 +322,11 @@ def _cmd_plan(args, out):
     out.write("\nper rank, steady-state step:\n")
     rows = []
     names = [t["name"] for t in r["tiers"]]
+    fits = [c for c in r["configs"] if "error" not in c]
     for c in r["configs"]:
+        if "error" in c:
+            rows.append([c["config"], "does not fit (below)"] + ["-"] * 7)
+            continue
         placement = " | ".join(f"{n} {k}" for n, k in zip(names, c["subgroups_per_tier"]) if k)
         read = sum(t["bytes_read"] for t in c["traffic"])
         written = sum(t["bytes_written"] for t in c["traffic"])
@@ -321,11 +338,14 @@ def _cmd_plan(args, out):
                      f"{speed:.2f}x" if speed is not None else "-"])
     _table(["config", "placement (subgroups)", "cached", "host_mem", "read", "written",
             "io_s", "update_s", "speedup"], rows, out)
+    for c in r["configs"]:
+        if "error" in c:
+            out.write(f"  {c['config']}: {c['error']}\n")
     if args.verbose:
-        for c in r["configs"]:
+        for c in fits:
             out.write("\n" + c["summary"])
     out.write("\npredicted update phase per step: " + ", ".join(
-        f"{c['config']} {c['predicted_seconds']:.2f} s" for c in r["configs"]))
+        f"{c['config']} {c['predicted_seconds']:.2f} s" for c in fits))
     mlp = next((c for c in r["configs"] if c["config"] == "mlp"), None)
     if mlp is not None and mlp["speedup_vs_baseline"]:
         out.write(f" (MLP-Offload {mlp['speedup_vs_baseline']:.2f}x faster than baseline)")
@@ -337,7 +357,7 @@ def _cmd_plan(args, out):
 
 def _cmd_bench(args, out):
     from mlp_offload import bench, plot
-    _writable_out(args.out)
+    args.out = _writable_out(args.out)
     if args.tiers:
         _distinct_dirs(args.tiers, "tier directory")
     # Checked before the header.
@@ -398,7 +418,7 @@ def _cmd_bench(args, out):
 
 def _cmd_train(args, out):
     from mlp_offload import corpus, plot, train
-    _writable_out(args.out)
+    args.out = _writable_out(args.out)
     if args.tiers:
         _distinct_dirs(args.tiers, "tier directory")
     if args.corpus_chars <= args.seq_len + 1:
@@ -476,8 +496,8 @@ def _cmd_train(args, out):
         json.dump(doc, out, indent=2)
         out.write("\n")
         return 0
-    out.write(f"\nsummary ({args.steps} steps; times are means over steps 2..{args.steps}, "
-              f"seconds):\n")
+    over = f"means over steps 2..{args.steps}" if args.steps > 1 else "of step 1"
+    out.write(f"\nsummary ({args.steps} steps; times are {over}, seconds):\n")
     rows = []
     for mode, run in runs.items():
         m = run["mean_seconds"]

@@ -11,7 +11,7 @@ rank sees it (the node's bandwidth split among the ranks that share it).
 from mlp_offload import _C
 from mlp_offload import config as _config
 from mlp_offload import units
-from mlp_offload.errors import ConfigError
+from mlp_offload.errors import ConfigError, TierFullError
 
 # fp32 arrays per parameter in the offloaded record: the master copy plus the
 # optimizer's state (what `--optimizer` selects).
@@ -141,8 +141,14 @@ def what_if(params, tiers, host_cache_bytes, ranks=1, subgroup_numel=100_000_000
     cache_per_rank = host_cache_bytes // ranks
     rows = []
     for config in configs:
-        plan, budget = plan_config(config, sizes, arrays, grad_bytes, rank_tiers,
-                                   cache_per_rank, compute_params_per_sec, ranks)
+        try:
+            plan, budget = plan_config(config, sizes, arrays, grad_bytes, rank_tiers,
+                                       cache_per_rank, compute_params_per_sec, ranks)
+        except TierFullError as e:
+            # This configuration does not fit these tiers (the baseline uses
+            # one path only); the others may.
+            rows.append({"config": config, "error": str(e)})
+            continue
         counts = [0] * len(tiers)
         state = [0] * len(tiers)
         for i, t in enumerate(plan.tier_of_subgroup):
@@ -165,10 +171,14 @@ def what_if(params, tiers, host_cache_bytes, ranks=1, subgroup_numel=100_000_000
             "predicted_seconds": plan.predicted_seconds,
             "summary": plan.to_string(rank_tiers),
         })
-    base = next((r["predicted_seconds"] for r in rows if r["config"] == "baseline"), None)
+    if all("error" in r for r in rows):
+        raise TierFullError("; ".join(f"{r['config']}: {r['error']}" for r in rows))
+    base = next((r["predicted_seconds"] for r in rows
+                 if r["config"] == "baseline" and "error" not in r), None)
     for r in rows:
         r["speedup_vs_baseline"] = (base / r["predicted_seconds"]
-                                    if base and r["predicted_seconds"] > 0 else None)
+                                    if base and "error" not in r and r["predicted_seconds"] > 0
+                                    else None)
     return {
         "params": params,
         "ranks": ranks,
