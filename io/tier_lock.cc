@@ -93,9 +93,14 @@ constexpr int64_t kMarkLanes = 16;
 // `wait` sleeps until it is granted. Returns errno (0 on success).
 int OfdLock(int fd, short type, off_t offset, bool wait);
 
-// When a bounded wait gives up (see OfdLockUntil).
+// A wait's limit (Acquire's timeout) and when it runs out.
 struct Deadline {
-  bool bounded = false;
+  explicit Deadline(absl::Duration t)
+      : timeout(t), bounded(t != absl::InfiniteDuration()) {
+    if (bounded) at = MonoAfter(t);
+  }
+  absl::Duration timeout;
+  bool bounded;
   MonoTime at;
 };
 
@@ -183,20 +188,20 @@ struct TierLock::Impl {
   }
 
   // DeadlineExceeded naming the lock, for a wait on `what` that outlasted
-  // `timeout`.
-  absl::Status TimedOut(absl::Duration timeout, absl::string_view what) const {
+  // its deadline.
+  absl::Status TimedOut(const Deadline& deadline,
+                        absl::string_view what) const {
     return absl::DeadlineExceededError(absl::StrCat(
-        "waited ", absl::FormatDuration(timeout), " for the tier lock ", path,
-        " (", what,
+        "waited ", absl::FormatDuration(deadline.timeout),
+        " for the tier lock ", path, " (", what,
         "): a process that shares the tier holds its turn without making "
         "progress (stopped, or hung in I/O); the lock is freed when it "
         "resumes or dies"));
   }
 
-  absl::StatusOr<int64_t> TakeTicket(const Deadline& deadline,
-                                     absl::Duration timeout) {
+  absl::StatusOr<int64_t> TakeTicket(const Deadline& deadline) {
     if (int err = OfdLockUntil(fd, F_WRLCK, 0, deadline); err != 0) {
-      if (err == ETIMEDOUT) return TimedOut(timeout, "its ticket counter");
+      if (err == ETIMEDOUT) return TimedOut(deadline, "its ticket counter");
       return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) on the ticket counter of",
                          absl::StrCat(path, " at offset 0"));
     }
@@ -293,10 +298,8 @@ absl::Status TierLock::Acquire(absl::Duration timeout) {
         absl::StrCat("TierLock::Acquire on ", impl_->path,
                      ": negative timeout ", absl::FormatDuration(timeout)));
   }
-  Deadline deadline;
-  deadline.bounded = timeout != absl::InfiniteDuration();
-  if (deadline.bounded) deadline.at = MonoAfter(timeout);
-  MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket(deadline, timeout));
+  const Deadline deadline(timeout);
+  MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket(deadline));
   // Waits for the lane's earlier tickets back to one that entered (a ticket
   // that died waiting never did; the one it waited for may hold the lock).
   absl::Status status;
@@ -308,7 +311,7 @@ absl::Status TierLock::Acquire(absl::Duration timeout) {
       // we never entered and wait for the one we waited for.)
       status =
           err == ETIMEDOUT
-              ? impl_->TimedOut(timeout,
+              ? impl_->TimedOut(deadline,
                                 absl::StrCat("ticket ", t, " waiting for ", p))
               : ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
                             impl_->Where(p));

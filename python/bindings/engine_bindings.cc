@@ -546,12 +546,9 @@ void RegisterEngineBindings(py::module_& parent) {
             config.run_name = run_name;
             config.tier_lock_slots = tier_lock_slots;
             config.tier_lock_dir = tier_lock_dir;
-            // (NaN fails the comparison too.)
-            if (!(tier_lock_timeout_s > 0)) {
-              throw py::value_error(
-                  "tier_lock_timeout_s must be > 0 seconds (inf: no limit), "
-                  "got " +
-                  std::to_string(tier_lock_timeout_s));
+            // The engine refuses one <= 0; NaN has no Duration.
+            if (std::isnan(tier_lock_timeout_s)) {
+              throw py::value_error("tier_lock_timeout_s is NaN");
             }
             config.tier_lock_timeout = std::isinf(tier_lock_timeout_s)
                                            ? absl::InfiniteDuration()

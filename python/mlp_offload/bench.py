@@ -25,7 +25,7 @@ from mlp_offload import _C
 from mlp_offload import config as _config
 from mlp_offload.errors import ConfigError
 from mlp_offload.units import MAX_INT
-from mlp_offload.whatif import CONFIGS, MAX_SUBGROUPS, techniques_of
+from mlp_offload.whatif import CONFIGS, split_into_subgroups, techniques_of
 
 _log = logging.getLogger(__name__)
 
@@ -38,13 +38,9 @@ def subgroup_sizes(params, subgroup_numel):
     if params < 1 or subgroup_numel < 1:
         raise ConfigError(f"params and subgroup_numel must be >= 1, got {params}, "
                           f"{subgroup_numel}")
-    if -(-params // subgroup_numel) > MAX_SUBGROUPS:
-        raise ConfigError(
-            f"{-(-params // subgroup_numel)} subgroups ({params} params in subgroups of "
-            f"{subgroup_numel}): the benchmark takes at most {MAX_SUBGROUPS}; raise "
-            f"subgroup_numel")
-    full, rest = divmod(params, subgroup_numel)
-    return [subgroup_numel] * full + ([rest] if rest else [])
+    return split_into_subgroups(
+        params, subgroup_numel,
+        f"({params} params in subgroups of {subgroup_numel}): the benchmark")
 
 
 def host_budget(state_bytes, budget_fraction):

@@ -666,7 +666,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # tells a crash part-way from a lost record).
             try:
                 self._discard_other_run_dir(strict=True)
-                self._clear_commits(self._run_name)
+                self._on_run_dir(self._run_name, _recovery.clear_commits,
+                                 "removing the commit records of")
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = e
         # (resume='never' in a group: the ranks raise together here too.)
@@ -773,33 +774,29 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return all(os.path.isfile(os.path.join(d, "COMMIT"))
                    for d in _recovery.run_dirs(self._tiers, name))
 
+    def _on_run_dir(self, name, op, what):
+        """op(dirs) on this rank's run directory `name` on every tier
+        (recovery.discard_run, clear_commits); an OSError raises as a
+        TierError naming `what` and the directory, TierInUseError as it is."""
+        dirs = _recovery.run_dirs(self._tiers, name)
+        try:
+            op(dirs)
+        except TierInUseError:
+            raise
+        except OSError as e:
+            raise _recovery.os_error_to_tier_error(e, f"{what} {name}", dirs[0]) from e
+
     def _discard_run_dir(self, name, strict=False):
         """Removes this rank's run directory `name` on every tier
         (recovery.discard_run). strict: a failure raises (a TierError), else
         it is logged (the next add_param_group or fresh start clears it)."""
-        dirs = _recovery.run_dirs(self._tiers, name)
         try:
-            _recovery.discard_run(dirs)
-        except (OSError, TierInUseError) as e:
+            self._on_run_dir(name, _recovery.discard_run, "removing the run directory")
+        except TierError as e:
             if strict:
-                if isinstance(e, TierInUseError):
-                    raise
-                raise _recovery.os_error_to_tier_error(
-                    e, f"removing the run directory {name}", dirs[0]) from e
+                raise
             _log.warning("run %r: could not remove %s, which holds no commit it resumes "
                          "(%s)", self._run_prefix, name, e)
-
-    def _clear_commits(self, name):
-        """Removes the commit records of this rank's run directory `name` on
-        every tier (recovery.clear_commits); a failure raises a TierError."""
-        dirs = _recovery.run_dirs(self._tiers, name)
-        try:
-            _recovery.clear_commits(dirs)
-        except TierInUseError:
-            raise
-        except OSError as e:
-            raise _recovery.os_error_to_tier_error(
-                e, f"removing the commit records of {name}", dirs[0]) from e
 
     def _discard_other_run_dir(self, strict=False):
         """Removes this rank's run directory that the engine does not use;

@@ -83,13 +83,21 @@ def shard_subgroups(params, ranks, subgroup_numel):
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
     if subgroup_numel < 1:
         raise ConfigError(f"subgroup_numel must be >= 1, got {subgroup_numel}")
-    shard = -(-params // ranks)
-    if -(-shard // subgroup_numel) > MAX_SUBGROUPS:
-        raise ConfigError(
-            f"{-(-shard // subgroup_numel)} subgroups per rank ({params} params, {ranks} "
-            f"ranks, subgroups of {subgroup_numel}): the planner takes at most "
-            f"{MAX_SUBGROUPS}; raise subgroup_numel")
-    full, rest = divmod(shard, subgroup_numel)
+    return split_into_subgroups(
+        -(-params // ranks), subgroup_numel,
+        f"per rank ({params} params, {ranks} ranks, subgroups of {subgroup_numel}): the "
+        f"planner")
+
+
+def split_into_subgroups(numel, subgroup_numel, who):
+    """Sizes of `numel` parameters in subgroups of `subgroup_numel` (the last
+    one the rest); ConfigError beyond MAX_SUBGROUPS of them, saying `who`
+    takes at most that many."""
+    count = -(-numel // subgroup_numel)
+    if count > MAX_SUBGROUPS:
+        raise ConfigError(f"{count} subgroups {who} takes at most {MAX_SUBGROUPS}; raise "
+                          f"subgroup_numel")
+    full, rest = divmod(numel, subgroup_numel)
     return [subgroup_numel] * full + ([rest] if rest else [])
 
 
