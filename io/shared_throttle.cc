@@ -8,12 +8,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "io/internal/paced_engine.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
@@ -48,12 +51,34 @@ int64_t MonotonicNs() {
 // Holds flock(LOCK_EX) on a descriptor for its lifetime. flock locks belong
 // to the open file description, so they exclude other engines (each opens the
 // file itself) and other processes; threads of one engine are kept apart by
-// the engine's mutex.
+// the engine's mutex. A bounded wait polls (flock takes no deadline), sleeping
+// from 50 us doubling to 2 ms between tries.
 class FileLock {
  public:
-  static absl::StatusOr<FileLock> Take(int fd, const std::string& path) {
-    while (flock(fd, LOCK_EX) != 0) {
-      if (errno != EINTR) return ErrnoStatus(errno, "flock", path);
+  static absl::StatusOr<FileLock> Take(int fd, const std::string& path,
+                                       absl::Duration timeout) {
+    if (timeout == absl::InfiniteDuration()) {
+      while (flock(fd, LOCK_EX) != 0) {
+        if (errno != EINTR) return ErrnoStatus(errno, "flock", path);
+      }
+      return FileLock(fd);
+    }
+    const MonoTime deadline = MonoAfter(timeout);
+    MonoClock::duration pause = std::chrono::microseconds(50);
+    while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      if (errno == EINTR) continue;
+      if (errno != EWOULDBLOCK) return ErrnoStatus(errno, "flock", path);
+      const MonoTime now = MonoNow();
+      if (now >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "waited ", absl::FormatDuration(timeout),
+            " for the lock of the shared throttle state file ", path,
+            ": a process that shares the device holds it without making "
+            "progress (stopped, or hung in I/O)"));
+      }
+      std::this_thread::sleep_for(std::min(pause, deadline - now));
+      pause = std::min<MonoClock::duration>(pause * 2,
+                                            std::chrono::milliseconds(2));
     }
     return FileLock(fd);
   }
@@ -101,6 +126,7 @@ class SharedClock final : public internal_io::PaceClock {
   SharedClock(const SharedThrottleOptions& options, int fd)
       : rate_{options.read_bytes_per_sec, options.write_bytes_per_sec},
         contention_(options.contention),
+        lock_timeout_(options.lock_timeout),
         path_(options.state_path),
         fd_(fd) {}
   ~SharedClock() override { close(fd_); }
@@ -114,7 +140,8 @@ class SharedClock final : public internal_io::PaceClock {
     ::mlp_offload::MutexLock lock(&mu_);
     // A failed stream count is reported by the next piece (once).
     MLP_RETURN_IF_ERROR(std::exchange(count_error_, absl::OkStatus()));
-    MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
+    MLP_ASSIGN_OR_RETURN(FileLock file_lock,
+                         FileLock::Take(fd_, path_, lock_timeout_));
     Record record;
     MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
     const double factor =
@@ -148,7 +175,8 @@ class SharedClock final : public internal_io::PaceClock {
 
  private:
   absl::Status AddToStreamCount(int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd_, path_));
+    MLP_ASSIGN_OR_RETURN(FileLock file_lock,
+                         FileLock::Take(fd_, path_, lock_timeout_));
     Record record;
     MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
     record.streaming = std::max(0, record.streaming + delta);
@@ -157,6 +185,7 @@ class SharedClock final : public internal_io::PaceClock {
 
   const double rate_[2];
   const double contention_;
+  const absl::Duration lock_timeout_;
   const std::string path_;
   const int fd_;
   ::mlp_offload::Mutex mu_;
@@ -167,8 +196,10 @@ class SharedClock final : public internal_io::PaceClock {
 // Under the file's lock: an empty file becomes a state file (its record
 // written, so a full disk is an error here, not later); a state file is
 // joined. Anything else is somebody else's file.
-absl::Status ClaimStateFile(int fd, const std::string& path) {
-  MLP_ASSIGN_OR_RETURN(FileLock file_lock, FileLock::Take(fd, path));
+absl::Status ClaimStateFile(int fd, const std::string& path,
+                            absl::Duration lock_timeout) {
+  MLP_ASSIGN_OR_RETURN(FileLock file_lock,
+                       FileLock::Take(fd, path, lock_timeout));
   struct stat st;
   if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
   if (!S_ISREG(st.st_mode)) {
@@ -210,10 +241,17 @@ absl::StatusOr<std::unique_ptr<IoEngine>> MakeSharedThrottledEngine(
         absl::StrCat("shared throttle ", options.state_path,
                      ": contention must be >= 0, got ", options.contention));
   }
+  if (!(options.lock_timeout > absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared throttle ", options.state_path,
+                     ": lock_timeout must be > 0, got ",
+                     absl::FormatDuration(options.lock_timeout)));
+  }
   const int fd = open(options.state_path.c_str(),
                       O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return ErrnoStatus(errno, "open", options.state_path);
-  const absl::Status claimed = ClaimStateFile(fd, options.state_path);
+  const absl::Status claimed =
+      ClaimStateFile(fd, options.state_path, options.lock_timeout);
   if (!claimed.ok()) {
     close(fd);
     return claimed;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "io/io_engine.h"
 
 namespace mlp_offload {
@@ -26,6 +27,12 @@ struct SharedThrottleOptions {
   // concurrent streams (seeks, a parallel file system's lock traffic, an
   // SSD's mixed streams). Must be >= 0.
   double contention = 0;
+  // How long a request waits for the state file's lock, which another
+  // process holds only for a read and a write of 32 bytes: a holder that is
+  // stopped (SIGSTOP) or hung in I/O fails the waiting request with
+  // DeadlineExceeded naming the file once this has passed. Infinite: no
+  // limit. Must be > 0.
+  absl::Duration lock_timeout = absl::InfiniteDuration();
 };
 
 // Wraps `inner` so that its requests are cut into 1 MiB pieces and released
@@ -35,7 +42,8 @@ struct SharedThrottleOptions {
 // of 32 bytes (keep the file on a local file system: the engine puts it
 // beside its node-local tier locks). Fails, naming the file, if the state file
 // cannot be created, opened or written (a full disk), or is not a throttle
-// state file; InvalidArgument for a negative contention. The file is read and
+// state file; InvalidArgument for a negative contention or a lock_timeout that
+// is not positive. The file is read and
 // written under flock, never mapped: if it is truncated or overwritten while in
 // use, the requests that need it fail with Unavailable naming it.
 //

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -273,6 +274,65 @@ TEST_F(SharedThrottleTest, AStateFileChangedInUseFailsRequestsNamingIt) {
             .Wait()
             .ok());
   }
+}
+
+// A process that holds the state file's lock and makes no progress (here a
+// descriptor of this test holding the flock) fails a request that waits past
+// lock_timeout with DeadlineExceeded naming the file; once it lets go, the
+// engine's requests go through again. Creating an engine waits the same way.
+TEST_F(SharedThrottleTest, AWaitForTheStateFilesLockIsBounded) {
+  IoEngineOptions inner;
+  inner.kind = IoEngineOptions::Kind::kThreadPool;
+  inner.block_size = kMiB;
+  SharedThrottleOptions options;
+  options.state_path = state_;
+  options.read_bytes_per_sec = kCap;
+  options.write_bytes_per_sec = kCap;
+  options.lock_timeout = absl::Milliseconds(150);
+  absl::StatusOr<std::unique_ptr<IoEngine>> engine =
+      MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::unique_ptr<File> file = Open("a");
+  AlignedBuffer buf = *AlignedBuffer::Allocate(2 * kMiB);
+
+  const int holder = open(state_.c_str(), O_RDWR);
+  ASSERT_GE(holder, 0);
+  ASSERT_EQ(flock(holder, LOCK_EX), 0);
+  const MonoTime start = MonoNow();
+  const absl::StatusOr<size_t> write =
+      (*engine)
+          ->Submit({IoOp::kWrite, file.get(), 0, 2 * kMiB, buf.data()})
+          .Wait();
+  const double waited = SecondsSince(start);
+  EXPECT_EQ(write.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << write.status();
+  EXPECT_NE(write.status().message().find(state_), std::string::npos)
+      << write.status();
+  EXPECT_GE(waited, 0.14);
+  absl::StatusOr<std::unique_ptr<IoEngine>> second =
+      MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << second.status();
+
+  ASSERT_EQ(flock(holder, LOCK_UN), 0);
+  close(holder);
+  absl::Status again;
+  // (The engine's stream count may report its failed piece's count once.)
+  for (int i = 0; i < 2; ++i) {
+    again = (*engine)
+                ->Submit({IoOp::kWrite, file.get(), 0, 2 * kMiB, buf.data()})
+                .Wait()
+                .status();
+    if (again.ok()) break;
+  }
+  EXPECT_TRUE(again.ok()) << again;
+  (*engine)->Shutdown();
+
+  options.lock_timeout = absl::ZeroDuration();
+  EXPECT_EQ(MakeSharedThrottledEngine(*CreateIoEngine(inner), options)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // A state file that cannot be written when it is created (a full disk; here

@@ -99,6 +99,11 @@ struct Deadline {
       : timeout(t), bounded(t != absl::InfiniteDuration()) {
     if (bounded) at = MonoAfter(t);
   }
+  // The call a failed wait names: a bounded one polls without sleeping in
+  // the kernel.
+  const char* Call() const {
+    return bounded ? "fcntl(F_OFD_SETLK, polled)" : "fcntl(F_OFD_SETLKW)";
+  }
   absl::Duration timeout;
   bool bounded;
   MonoTime at;
@@ -202,8 +207,9 @@ struct TierLock::Impl {
   absl::StatusOr<int64_t> TakeTicket(const Deadline& deadline) {
     if (int err = OfdLockUntil(fd, F_WRLCK, 0, deadline); err != 0) {
       if (err == ETIMEDOUT) return TimedOut(deadline, "its ticket counter");
-      return ErrnoStatus(err, "fcntl(F_OFD_SETLKW) on the ticket counter of",
-                         absl::StrCat(path, " at offset 0"));
+      return ErrnoStatus(
+          err, absl::StrCat(deadline.Call(), " on the ticket counter of"),
+          absl::StrCat(path, " at offset 0"));
     }
     int64_t counter = 0;
     const ssize_t n = pread(fd, &counter, sizeof(counter), 0);
@@ -313,8 +319,10 @@ absl::Status TierLock::Acquire(absl::Duration timeout) {
           err == ETIMEDOUT
               ? impl_->TimedOut(deadline,
                                 absl::StrCat("ticket ", t, " waiting for ", p))
-              : ErrnoStatus(err, "fcntl(F_OFD_SETLKW) waiting for a ticket in",
-                            impl_->Where(p));
+              : ErrnoStatus(
+                    err,
+                    absl::StrCat(deadline.Call(), " waiting for a ticket in"),
+                    impl_->Where(p));
       break;
     }
     OfdLock(impl_->fd, F_UNLCK, byte, false);

@@ -1341,6 +1341,9 @@ absl::Status Engine::Impl::OpenTiers() {
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
+      // A rank stopped inside the file's 32-byte section holds the others
+      // up no longer than one stopped while holding the tier lock.
+      shared.lock_timeout = config.tier_lock_timeout;
       // The error names the state file (node-local, SharedThrottlePath).
       MLP_ASSIGN_OR_RETURN(io,
                            MakeSharedThrottledEngine(std::move(io), shared));

@@ -94,7 +94,8 @@ struct EngineConfig {
   // How long a tier's I/O may wait for the tier lock (a process sharing the
   // tier that holds it and is stopped or hung would otherwise hold up this
   // one for ever): past it, the requests fail with DeadlineExceeded naming
-  // the lock. InfiniteDuration: no limit.
+  // the lock. The same bound holds for the lock of a shared throttle's state
+  // file (TierSpec::throttle_shared). InfiniteDuration: no limit.
   absl::Duration tier_lock_timeout = absl::InfiniteDuration();
   // The node-local directory of the tier locks' files ("": /dev/shm, or /tmp
   // where there is none). A tier's lock is named after its resolved path and
