@@ -152,6 +152,10 @@ absl::Status FaultInjectingEngine::RegisterBuffers(
   return impl_->inner->RegisterBuffers(buffers);
 }
 
+void FaultInjectingEngine::SetInterrupted(bool interrupted) {
+  impl_->inner->SetInterrupted(interrupted);
+}
+
 namespace {
 
 // One engine's own clocks, one per direction. Virtual scheduling (GCRA
@@ -175,6 +179,22 @@ class LocalClock final : public internal_io::PaceClock {
                std::chrono::duration<double>(static_cast<double>(bytes) /
                                              rate_[static_cast<int>(op)]));
     return release;
+  }
+
+  // The queued pieces' time is given back: the device is free once the
+  // pieces already released are through, at most one piece from now.
+  void Interrupted() override {
+    ::mlp_offload::MutexLock lock(&mu_);
+    const MonoTime now = MonoNow();
+    for (int o = 0; o < 2; ++o) {
+      if (rate_[o] <= 0) continue;
+      const MonoTime last_piece_done =
+          now +
+          std::chrono::duration_cast<MonoClock::duration>(
+              std::chrono::duration<double>(
+                  static_cast<double>(internal_io::kPaceChunk) / rate_[o]));
+      next_release_[o] = std::min(next_release_[o], last_piece_done);
+    }
   }
 
  private:

@@ -46,6 +46,7 @@ class FaultInjectingEngine : public IoEngine {
   void Submit(const IoRequest& request, IoCallback done) override;
   void Shutdown() override;
   absl::Status RegisterBuffers(absl::Span<const iovec> buffers) override;
+  void SetInterrupted(bool interrupted) override;  // the inner engine's
   using IoEngine::Submit;
 
  private:

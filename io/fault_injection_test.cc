@@ -13,6 +13,7 @@
 #include "io/aligned_buffer.h"
 #include "io/file.h"
 #include "io/internal/test_util.h"
+#include "mlp_offload/base/clock.h"
 
 namespace mlp_offload {
 namespace {
@@ -189,6 +190,52 @@ TEST_P(FaultInjectionTest, ThrottledEngineRoundTripsAndNamesItself) {
   engine->Shutdown();
   EXPECT_EQ(engine->Submit(Req(IoOp::kRead, 0, 4096)).Wait().status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// Interrupted, a throttle fails the pieces it holds back at once with
+// Cancelled (the request whose pieces the device has is completed as usual),
+// and new ones too; once the interruption is over, the time the dropped
+// pieces had reserved is given back and requests go through at the cap.
+// Through the fault-injecting wrapper, which passes the interruption on.
+TEST_P(FaultInjectionTest, AnInterruptedThrottleDropsWhatItHoldsBack) {
+  constexpr double kRate = 2e6;  // bytes/s: 0.5 s per 1 MiB piece
+  FaultInjectingEngine engine(MakeThrottledEngine(Inner(), kRate, kRate));
+  std::vector<IoFuture> queued;
+  for (int r = 0; r < 8; ++r) {
+    queued.push_back(engine.Submit(Req(IoOp::kWrite, 0, kSize)));
+  }
+  ASSERT_TRUE(queued[0].Wait().ok());  // released at once
+  const MonoTime start = MonoNow();
+  engine.SetInterrupted(true);
+  int cancelled = 0;
+  for (int r = 1; r < 8; ++r) {
+    const absl::StatusOr<size_t> result = queued[r].Wait();
+    if (!result.ok()) {
+      EXPECT_EQ(result.status().code(), absl::StatusCode::kCancelled)
+          << result.status();
+      EXPECT_NE(result.status().message().find("interrupted"),
+                std::string::npos)
+          << result.status();
+      ++cancelled;
+    }
+  }
+  // Without the interruption the last would end 3.5 s from now.
+  EXPECT_LT(SecondsSince(start), 1.5);
+  EXPECT_GE(cancelled, 5);
+  EXPECT_EQ(engine.Submit(Req(IoOp::kRead, 0, kSize)).Wait().status().code(),
+            absl::StatusCode::kCancelled);
+
+  engine.SetInterrupted(false);
+  const MonoTime again = MonoNow();
+  absl::StatusOr<size_t> read =
+      engine.Submit(Req(IoOp::kRead, 0, kSize)).Wait();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(std::memcmp(in_.data(), out_.data(), kSize), 0);
+  absl::StatusOr<size_t> write =
+      engine.Submit(Req(IoOp::kWrite, 0, kSize)).Wait();
+  ASSERT_TRUE(write.ok()) << write.status();
+  // The dropped pieces' 3 s are not waited out: at most one piece's time.
+  EXPECT_LT(SecondsSince(again), 1.5);
 }
 
 std::string KindName(

@@ -94,6 +94,15 @@ class IoEngine {
   // span unregisters.
   virtual absl::Status RegisterBuffers(absl::Span<const iovec> buffers);
 
+  // While interrupted, requests the engine holds back from the device (a
+  // throttle's queued pieces) fail with Cancelled at once instead of waiting
+  // for their time, and so do the new ones it would hold back; requests the
+  // device has are completed as usual (it may be reading into or writing from
+  // their buffers). For a caller that must stop soon (Ctrl-C during a step
+  // under a bandwidth cap). Thread-safe. The plain engines hold nothing back:
+  // for them it does nothing.
+  virtual void SetInterrupted(bool interrupted) { (void)interrupted; }
+
   // Convenience: Submit returning a future.
   IoFuture Submit(const IoRequest& request);
 };

@@ -467,6 +467,7 @@ struct Engine::Impl {
     std::string manifest;  // the bytes of dir/MANIFEST, as written or read
   };
   std::vector<Tier> tiers;
+  std::atomic<bool> interrupted{false};  // SetInterrupted
 
   // Per subgroup.
   std::vector<uint64_t> numel;
@@ -1124,6 +1125,7 @@ struct Engine::Impl {
   // hits are skipped without counting against the depth, so the tiers start
   // reading the first records that miss while the step begins on the hits.
   void IssueReads() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (interrupted.load(std::memory_order_relaxed)) return;
     int reading = 0;
     for (const Buffer& buf : buffers)
       reading += buf.state == BufState::kReading;
@@ -2055,6 +2057,12 @@ absl::StatusOr<SubgroupView> Engine::Next() {
   Impl& e = *impl_;
   if (!e.in_step)
     return absl::FailedPreconditionError("Next: no step running (BeginStep)");
+  if (e.interrupted.load()) {
+    return absl::CancelledError(absl::StrCat(
+        "step ", e.steps_done + 1,
+        " interrupted: the subgroups finished keep their update and the "
+        "next step resumes the others"));
+  }
   MutexLock l(&e.mu);
   // Skip what an earlier, failed attempt of this step already updated.
   while (e.pos < e.order.size() && e.done_in_step[e.order[e.pos]]) ++e.pos;
@@ -2189,6 +2197,14 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   StepStats out = e.stats;
   e.ResetStats();
   return out;
+}
+
+void Engine::SetInterrupted(bool interrupted) {
+  Impl& e = *impl_;
+  e.interrupted.store(interrupted);
+  for (Impl::Tier& tier : e.tiers) {
+    tier.channel->engine()->SetInterrupted(interrupted);
+  }
 }
 
 void Engine::AbortStep() {

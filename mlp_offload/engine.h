@@ -275,6 +275,16 @@ class Engine {
   // written before calling AbortStep.)
   void AbortStep();
 
+  // For a caller that must stop a step soon (Ctrl-C), from another thread:
+  // while interrupted, Next (and so Step) returns Cancelled instead of the
+  // next subgroup, reads ahead are not issued, and requests a tier's
+  // bandwidth cap holds back fail at once (IoEngine::SetInterrupted);
+  // requests the device has are waited for. Step then ends as a failed step
+  // does (AbortStep: the subgroups finished keep their update, the next step
+  // resumes the rest). In effect until SetInterrupted(false), which the
+  // caller must call before the next step. Thread-safe.
+  void SetInterrupted(bool interrupted);
+
   // Copies subgroup `i`'s master parameters and state arrays out (fp32) or in,
   // whichever tier (or cache) holds them. For state_dict / load_state_dict.
   absl::Status ReadSubgroup(int i, float* master,

@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "io/fault_injection.h"
 #include "io/tier_lock.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/threads.h"
 #include "mlp_offload/state_store.h"
 
@@ -1782,6 +1783,69 @@ TEST_P(WriteFaultTest, FailsTheStepAndARetryFinishesIt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TierLock, WriteFaultTest, ::testing::Bool());
+
+// SetInterrupted from another thread stops a step under a tiny bandwidth cap
+// at once (not when the cap has let the rest through): Cancelled, the step
+// left incomplete; after SetInterrupted(false) a retry finishes it with the
+// uninterrupted result.
+TEST(EngineTest, AnInterruptedStepStopsSoonAndARetryFinishesIt) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.techniques.cache_reuse = false;  // every record streams each step
+  for (TierSpec& spec : cfg.tiers) {
+    spec.throttle_read_bytes_per_sec = spec.throttle_write_bytes_per_sec = 40e3;
+  }
+  Model model(cfg.subgroup_numel, 6);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  Reference ref(model);
+  model.NewGrads(1);
+  ref.Step(model, 1, 1.0f);
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+
+  std::promise<MonoTime> interrupted_at;
+  std::thread interrupter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    interrupted_at.set_value(MonoNow());
+    e.SetInterrupted(true);
+  });
+  const MonoTime start = MonoNow();
+  absl::StatusOr<StepStats> stats = e.Step(in, StepOptions());
+  const MonoTime returned = MonoNow();
+  interrupter.join();
+  const MonoTime at = interrupted_at.get_future().get();
+  ASSERT_FALSE(stats.ok())
+      << "the step finished in "
+      << std::chrono::duration<double>(returned - start).count()
+      << " s, before the interruption";
+  EXPECT_EQ(stats.status().code(), absl::StatusCode::kCancelled)
+      << stats.status();
+  // About 1 s of capped I/O per tier was left.
+  EXPECT_LT(std::chrono::duration<double>(returned - at).count(), 0.5);
+  EXPECT_TRUE(e.step_incomplete());
+  EXPECT_EQ(e.step(), 0);
+  // Still interrupted: refused again, nothing changed.
+  EXPECT_EQ(e.Step(in, StepOptions()).status().code(),
+            absl::StatusCode::kCancelled);
+
+  e.SetInterrupted(false);
+  stats = e.Step(in, StepOptions());
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_FALSE(e.step_incomplete());
+  EXPECT_EQ(e.step(), 1);
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
+        v(master.size());
+    int64_t step = 0;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
+    EXPECT_EQ(step, 1);
+    EXPECT_EQ(master, ref.master[i]) << i;
+    EXPECT_EQ(m, ref.m[i]) << i;
+    EXPECT_EQ(v, ref.v[i]) << i;
+  }
+}
 
 TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
   EngineConfig cfg = SmallConfig(1);

@@ -14,7 +14,10 @@ import errno
 import json
 import os
 import shutil
+import signal
 import stat
+import threading
+import time
 
 import pytest
 import torch
@@ -136,6 +139,57 @@ def test_fault_fails_the_step_whole_and_training_continues(tmp_path, monkeypatch
     for pid, st in want_sd["state"].items():
         for key, value in st.items():
             assert torch.equal(sd["state"][pid][key], value), (pid, key)
+    opt.close()
+
+
+@pytest.mark.parametrize("path", ["native", "generic", "staged"])
+def test_ctrl_c_during_a_slow_step_stops_it_soon_and_the_next_step_finishes_it(
+        tmp_path, monkeypatch, path):
+    # Under a 20 kB/s cap a step takes about 2 s of I/O, in native code:
+    # Ctrl-C interrupts the engine, which drops the requests the cap holds
+    # back and stops at its next subgroup, instead of being seen when the
+    # step is over. The step is then held back like a failed one.
+    make = None
+    if path == "generic":
+        make = lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5)  # noqa: E731
+    want_params, _ = reference(tmp_path, 2, make)
+    if path == "staged":
+        monkeypatch.setattr(cuda_path, "_STAGE_CPU_PARAMS", True)
+    cap = 2e4
+    tiers = [{"path": d, "throttle_read_bytes_per_sec": cap,
+              "throttle_write_bytes_per_sec": cap} for d in tier_dirs(tmp_path)]
+    model = make_model()
+    opt = wrap(model, tiers, make=make)
+    assert (opt._staging is not None) == (path == "staged")
+    backward(model, 0)
+    opt.step()  # the first step writes the initial state, then updates it
+    opt.zero_grad()
+    backward(model, 1)
+    before = params_of(model)
+    sent = []
+
+    def ctrl_c():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.3, ctrl_c)
+    try:
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        raised = time.monotonic()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert sent, f"the step ended after {raised - start:.2f} s, before Ctrl-C"
+    # Without the interruption the step's I/O had more than 1 s left.
+    assert raised - sent[0] < 0.8, f"{raised - sent[0]:.2f} s from Ctrl-C to the exception"
+    assert opt.engine.steps == 1 and opt.engine.step_incomplete
+    assert_equal(params_of(model), before, "after the interrupted step")
+    opt.step()  # the same gradients: finishes the step
+    assert_equal(params_of(model), want_params, "after the interrupted step's retry")
     opt.close()
 
 

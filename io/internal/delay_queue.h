@@ -34,6 +34,9 @@ class DelayQueue {
   // after waiting for it.
   void RunAt(MonoTime when, std::function<void()> fn);
   const absl::Status& start_status() const { return start_status_; }
+  // Runs every closure queued so far now, in the order they would have run
+  // (each then sees whatever made the caller hurry, e.g. an interruption).
+  void Hurry();
   // Waits until every closure added so far has run (at its time), then stops
   // the thread. Idempotent.
   void Drain();

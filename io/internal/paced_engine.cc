@@ -59,6 +59,10 @@ class PacedEngine final : public IoEngine {
       inner_->Submit(request, std::move(finish));
       return;
     }
+    if (Interrupted()) {
+      finish(Cancelled());
+      return;
+    }
     std::vector<Piece> pieces =
         SplitRequest(request, std::move(finish), kPaceChunk);
     for (Piece& piece : pieces) {
@@ -74,6 +78,10 @@ class PacedEngine final : public IoEngine {
       part.buffer = piece.buffer;
       delays_.RunAt(*release, [this, part, tracker = piece.tracker]() {
         const uint64_t offset = part.offset;
+        if (Interrupted()) {
+          tracker->PieceDone(offset, Cancelled());
+          return;
+        }
         inner_->Submit(part, [tracker, offset](absl::StatusOr<size_t> result) {
           tracker->PieceDone(offset, result.status());
         });
@@ -94,7 +102,33 @@ class PacedEngine final : public IoEngine {
     return inner_->RegisterBuffers(buffers);
   }
 
+  // Queued pieces run now and, seeing the flag, fail; the device's clock
+  // keeps the time they had reserved (they may have been another process's
+  // turn).
+  void SetInterrupted(bool interrupted) override {
+    {
+      ::mlp_offload::MutexLock lock(&mu_);
+      interrupted_ = interrupted;
+    }
+    if (interrupted) {
+      delays_.Hurry();
+      clock_->Interrupted();
+    }
+    inner_->SetInterrupted(interrupted);
+  }
+
  private:
+  bool Interrupted() {
+    ::mlp_offload::MutexLock lock(&mu_);
+    return interrupted_;
+  }
+  absl::Status Cancelled() const {
+    return absl::CancelledError(
+        absl::StrCat(name_,
+                     ": interrupted before the bandwidth cap let the "
+                     "request go to the device"));
+  }
+
   void Begin() {
     ::mlp_offload::MutexLock lock(&mu_);
     if (outstanding_++ == 0) clock_->StreamStarts();
@@ -110,6 +144,7 @@ class PacedEngine final : public IoEngine {
   ::mlp_offload::Mutex mu_;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
   // Last: drained before the rest goes away.
   DelayQueue delays_;
 };

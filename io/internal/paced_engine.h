@@ -32,6 +32,11 @@ class PaceClock {
   // piece may be released (monotonic). Thread-safe. An error (a clock kept
   // in a file that went away) fails the piece with it.
   virtual absl::StatusOr<MonoTime> Reserve(IoOp op, size_t bytes) = 0;
+  // The engine was interrupted (IoEngine::SetInterrupted): the pieces it
+  // had queued will never go to the device. A clock of one engine gives back
+  // the time they reserved; the shared clock keeps it (other processes may
+  // have reserved after them).
+  virtual void Interrupted() {}
   // The engine goes from no request outstanding to one, and back.
   virtual void StreamStarts() {}
   virtual void StreamStops() {}

@@ -4,12 +4,15 @@
 // a typo is a ConfigError naming the key), tensors as integer data pointers
 // plus element counts, dtypes as names. Every blocking engine call runs with
 // the GIL released; every absl::Status goes through ThrowIfError.
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <future>
 #include <limits>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -18,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/optimizer_kernels.h"
+#include "mlp_offload/base/threads.h"
 #include "mlp_offload/engine.h"
 #include "mlp_offload/planner.h"
 #include "mlp_offload/state_store.h"
@@ -320,7 +324,72 @@ class PyEngine {
     }
   }
 
+  // WithoutGil for a call that may run long (a step under a tiny bandwidth
+  // cap, a slow file system), made from Python's main thread: the call runs
+  // on a thread of its own while this one checks for signals every 50 ms,
+  // as the interpreter does between bytecodes. When a handler raises
+  // (Ctrl-C: KeyboardInterrupt), the engine is interrupted
+  // (Engine::SetInterrupted: the step stops at its next subgroup, a cap's
+  // held-back requests are dropped), the call is waited for, and the
+  // handler's exception is raised whether the call completed or not: the
+  // optimizer holds the step back as it does one that failed, and the next
+  // step() finishes it. From another thread (no signals there), or where no
+  // thread can be started: WithoutGil.
+  template <typename Call>
+  auto Interruptible(Call call) {
+    if (!InMainThread()) return WithoutGil(call);
+    Engine& engine = get();
+    using Result = decltype(call(engine));
+    std::promise<Result> promise;
+    std::future<Result> done = promise.get_future();
+    absl::StatusOr<std::thread> worker =
+        StartThread("an interruptible engine call", [&] {
+          try {
+            promise.set_value(call(engine));
+          } catch (...) {
+            promise.set_exception(std::current_exception());
+          }
+        });
+    if (!worker.ok()) return WithoutGil(call);
+    auto wait_for_it = [&] {
+      py::gil_scoped_release release;
+      done.wait();
+      worker->join();
+    };
+    for (;;) {
+      {
+        py::gil_scoped_release release;
+        if (done.wait_for(std::chrono::milliseconds(50)) ==
+            std::future_status::ready) {
+          break;
+        }
+      }
+      if (PyErr_CheckSignals() != 0) {
+        py::error_already_set raised;  // takes the handler's exception
+        engine.SetInterrupted(true);
+        wait_for_it();
+        engine.SetInterrupted(false);
+        throw raised;
+      }
+    }
+    wait_for_it();
+    Result result = done.get();
+    if constexpr (std::is_same_v<Result, absl::Status>) {
+      ThrowIfError(result);
+    } else {
+      return ValueOrThrow(std::move(result));
+    }
+  }
+
  private:
+  static bool InMainThread() {
+    static const uint64_t main_ident = py::module_::import("threading")
+                                           .attr("main_thread")()
+                                           .attr("ident")
+                                           .cast<uint64_t>();
+    return PyThread_get_thread_ident() == main_ident;
+  }
+
   std::unique_ptr<Engine> engine_;
 };
 
@@ -781,7 +850,7 @@ void RegisterEngineBindings(py::module_& parent) {
             options.param_out_dtype = DTypeFromName(param_out_dtype);
             options.grad_scale = grad_scale;
             options.skip_if_nonfinite = skip_if_nonfinite;
-            return StatsToDict(e.WithoutGil(
+            return StatsToDict(e.Interruptible(
                 [&](Engine& engine) { return engine.Step(in, options); }));
           },
           py::arg("hyperparams"), py::arg("inputs"), py::arg("param_out_dtype"),
@@ -822,7 +891,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "next",
           [](PyEngine& e) {
-            return e.WithoutGil([&](Engine& engine) { return engine.Next(); });
+            return e.Interruptible(
+                [&](Engine& engine) { return engine.Next(); });
           },
           "The next resident record of a generic step (subgroup -1 after the "
           "last).")
@@ -838,8 +908,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "end_step",
           [](PyEngine& e) {
-            return StatsToDict(
-                e.WithoutGil([&](Engine& engine) { return engine.EndStep(); }));
+            return StatsToDict(e.Interruptible(
+                [&](Engine& engine) { return engine.EndStep(); }));
           },
           "Finishes a generic step; returns its stats dict.")
       .def(
