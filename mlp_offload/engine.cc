@@ -2129,6 +2129,13 @@ absl::Status Engine::Done(bool updated) {
   {
     MutexLock l(&e.mu);
     b = e.buffer_of[i];
+    // Only the record Next handed out: another may still be being read
+    // into, or have no buffer yet.
+    if (b < 0 || e.buffers[b].state != BufState::kInUse) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Done: subgroup ", i,
+          " was not handed out by Next (call Next before each Done)"));
+    }
     unchanged_on_disk = !updated && e.OnDisk(i);
   }
   if ((!kept || commit) && !unchanged_on_disk) {

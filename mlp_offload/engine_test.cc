@@ -517,6 +517,49 @@ HeldLockProbe StepWithAHeldLock(TierLockMode mode,
   return probe;
 }
 
+// Done without the Next that hands the record out (before any, or twice
+// after one) is refused and changes nothing: it used to checksum and write a
+// buffer still being read into (or buffers[-1]), a torn record that became
+// the subgroup's latest version.
+TEST(EngineTest, DoneWithoutNextIsRefused) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques.cache_reuse = false;  // records are read during the step
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  Model model(cfg.subgroup_numel, 9);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  ASSERT_TRUE(e.BeginStep().ok());
+  absl::Status early = e.Done();
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition) << early;
+  EXPECT_NE(early.message().find("not handed out by Next"), std::string::npos)
+      << early;
+  int handed = 0;
+  for (;;) {
+    absl::StatusOr<SubgroupView> v = e.Next();
+    ASSERT_TRUE(v.ok()) << v.status();
+    if (v->subgroup < 0) break;
+    for (uint64_t k = 0; k < v->numel; ++k) v->master[k] += 1.0f;
+    ASSERT_TRUE(e.Done().ok());
+    EXPECT_EQ(e.Done().code(), absl::StatusCode::kFailedPrecondition);
+    ++handed;
+  }
+  EXPECT_EQ(handed, 4);
+  ASSERT_TRUE(e.EndStep().ok());
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
+        v(master.size());
+    int64_t step = 0;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
+    EXPECT_EQ(step, 1) << i;
+    for (size_t k = 0; k < master.size(); ++k) {
+      ASSERT_EQ(master[k], model.init[i][k] + 1.0f) << i << " " << k;
+    }
+  }
+}
+
 TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
   // Per direction: reads take the tier's read lock and writes its write
   // lock, so a rank reads while another writes, but writes wait for it.

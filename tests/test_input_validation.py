@@ -9,6 +9,7 @@ a second optimizer of this process on a live run is named as such.
 
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -162,6 +163,73 @@ def test_a_thread_the_system_refuses_is_a_system_resource_error(tmp_path):
     assert all(re.match(r"could not start a thread \(.+\): Resource temporarily "
                         r"unavailable \(the system's limit on threads", m) for m in refused)
     assert not issubclass(errors.SystemResourceError, errors.TierError)
+
+
+def test_a_thread_refused_to_a_kernel_call_is_a_system_resource_error():
+    """A kernel call whose thread pool cannot start raises SystemResourceError
+    (the error used to be raised without the GIL: the interpreter crashed)."""
+    from mlp_offload import _C
+    x = torch.randn(1000)
+    y = torch.empty(1000, dtype=torch.bfloat16)
+    for threads in (5, 6):  # pools not made yet in this thread
+        _C._fail_nth_thread_start_for_testing(1)
+        try:
+            with pytest.raises(errors.SystemResourceError, match="could not start a thread"):
+                if threads == 5:
+                    _C.kernels.convert_from_float32(x.data_ptr(), y.data_ptr(), "bfloat16",
+                                                    1000, num_threads=threads)
+                else:
+                    _C.kernels.convert_to_float32(y.data_ptr(), "bfloat16", x.data_ptr(),
+                                                  1000, num_threads=threads)
+        finally:
+            _C._fail_nth_thread_start_for_testing(0)
+    _C.kernels.convert_from_float32(x.data_ptr(), y.data_ptr(), "bfloat16", 1000,
+                                    num_threads=5)
+    assert torch.equal(y, x.to(torch.bfloat16))
+
+
+def test_the_engine_is_used_by_one_thread_at_a_time(tmp_path):
+    """While a step runs in one thread (without the GIL), a call of the
+    engine or close() from another raises ConcurrentUseError and changes
+    nothing (close() used to free the engine under the step: a crash)."""
+    import threading
+    # About 1 s of capped I/O a step.
+    tiers = [{"path": d, "throttle_read_bytes_per_sec": 1e5,
+              "throttle_write_bytes_per_sec": 1e5} for d in tier_dirs(tmp_path, 1)]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = wrap(model, tiers, subgroup_numel=2000)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()  # the initial state is written
+    running = threading.Event()
+    outcome = []
+
+    def step():
+        running.set()
+        try:
+            opt.step()
+            outcome.append("done")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    running.wait()
+    engine = opt.engine
+    deadline = time.monotonic() + 5
+    while not engine.busy and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.busy, "the step never started"
+    with pytest.raises(errors.ConcurrentUseError, match="another thread"):
+        engine.steps
+    with pytest.raises(errors.ConcurrentUseError, match="another thread"):
+        opt.close()
+    with pytest.raises(errors.ConcurrentUseError, match="another thread"):
+        engine.close()
+    worker.join()
+    assert outcome == ["done"], outcome
+    assert not engine.busy and engine.steps == 2
+    opt.close()
+    assert engine.closed
 
 
 def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):

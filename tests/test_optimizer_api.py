@@ -1227,6 +1227,64 @@ def test_partial_gradients_in_a_subgroup_are_refused_with_the_fix_that_applies(t
                              r"zero_grad\(set_to_none=False\)"):
         opt.step()
     opt.close()
+    # A layer frozen mid-training, packed (trainable) with one still training.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path,
+               subgroup_numel=10**6)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    model[1].requires_grad_(False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(errors.OffloadError,
+                       match=r"parameters \[2, 3\] have no gradient.*parameters \[2, 3\] were "
+                             r"frozen \(requires_grad=False\) after the optimizer packed them"):
+        opt.step()
+    opt.close()
+
+
+def test_a_grad_scaler_step_without_gradients_is_a_step_without_gradients(tmp_path):
+    # GradScaler passes found_inf = sum([]) = 0 (an int) when no gradient was
+    # unscaled: the step is skipped as any step without gradients.
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batch(0)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y))  # no backward
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    assert opt.last_step_stats == {"skipped": True, "no_gradients": True}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    # Training then goes on as usual.
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not opt.last_step_stats.get("skipped") and opt.engine.steps == 1
+    opt.close()
+
+
+def test_a_state_dict_of_another_optimizer_is_refused_naming_what_it_lacks(tmp_path):
+    model = make_model()
+    sgd = torch.optim.SGD(make_model().parameters(), lr=1e-2, momentum=0.9)
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tmp_path)
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    before = opt.state_dict()
+    with pytest.raises(errors.ConfigError,
+                       match=r"param group 0 has no 'betas', which Adam needs.*"
+                             r"'momentum'.*another optimizer"):
+        opt.load_state_dict(sgd.state_dict())
+    # Nothing changed: the groups and the state are the ones before.
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, st in before["state"].items():
+        for key, value in st.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+    opt.step()
+    opt.close()
 
 
 def test_a_step_without_gradients_leaves_no_stale_stats(tmp_path):

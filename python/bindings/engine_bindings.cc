@@ -291,14 +291,20 @@ class PyEngine {
       : engine_(std::move(engine)) {}
   ~PyEngine() { Close(); }
 
+  // The engine, for a call from Python. The Engine is used by one thread at
+  // a time: while a call that released the GIL runs (a step), a call from
+  // another thread raises ConcurrentUseError instead of racing it, and
+  // close() too instead of destroying the engine under it.
   Engine& get() {
     if (engine_ == nullptr) {
       ThrowIfError(absl::FailedPreconditionError("the engine is closed"));
     }
+    if (busy_ > 0) ThrowBusy("");
     return *engine_;
   }
 
   void Close() {
+    if (busy_ > 0) ThrowBusy("close() ");
     std::unique_ptr<Engine> engine = std::move(engine_);
     if (engine != nullptr) {
       py::gil_scoped_release release;
@@ -306,6 +312,7 @@ class PyEngine {
     }
   }
   bool closed() const { return engine_ == nullptr; }
+  bool busy() const { return busy_ > 0; }
 
   // Returns call(engine), made without the GIL (the engine's I/O and compute
   // threads run while Python goes on): an absl::Status raises unless OK, a
@@ -313,6 +320,7 @@ class PyEngine {
   template <typename Call>
   auto WithoutGil(Call call) {
     Engine& engine = get();
+    const Busy busy(this);
     auto result = [&] {
       py::gil_scoped_release release;
       return call(engine);
@@ -339,6 +347,7 @@ class PyEngine {
   auto Interruptible(Call call) {
     if (!InMainThread()) return WithoutGil(call);
     Engine& engine = get();
+    const Busy busy(this);
     using Result = decltype(call(engine));
     std::promise<Result> promise;
     std::future<Result> done = promise.get_future();
@@ -350,7 +359,18 @@ class PyEngine {
             promise.set_exception(std::current_exception());
           }
         });
-    if (!worker.ok()) return WithoutGil(call);
+    if (!worker.ok()) {  // no thread to spare: as WithoutGil
+      Result result = [&] {
+        py::gil_scoped_release release;
+        return call(engine);
+      }();
+      if constexpr (std::is_same_v<Result, absl::Status>) {
+        ThrowIfError(result);
+        return;
+      } else {
+        return ValueOrThrow(std::move(result));
+      }
+    }
     auto wait_for_it = [&] {
       py::gil_scoped_release release;
       done.wait();
@@ -382,6 +402,31 @@ class PyEngine {
   }
 
  private:
+  // Marks the engine in use for its life; made and destroyed with the GIL
+  // held, which guards busy_.
+  class Busy {
+   public:
+    explicit Busy(PyEngine* e) : e_(e) { ++e_->busy_; }
+    ~Busy() { --e_->busy_; }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    PyEngine* const e_;
+  };
+
+  [[noreturn]] static void ThrowBusy(const std::string& what) {
+    py::object cls =
+        py::module_::import("mlp_offload.errors").attr("ConcurrentUseError");
+    PyErr_SetString(
+        cls.ptr(),
+        (what + "the engine is in use by another thread's call (a step "
+                "runs without the GIL): call the optimizer from one thread "
+                "at a time")
+            .c_str());
+    throw py::error_already_set();
+  }
+
   static bool InMainThread() {
     static const uint64_t main_ident = py::module_::import("threading")
                                            .attr("main_thread")()
@@ -391,6 +436,7 @@ class PyEngine {
   }
 
   std::unique_ptr<Engine> engine_;
+  int busy_ = 0;  // calls running without the GIL (guarded by the GIL)
 };
 
 // The buffers handed to initialize/read/write_subgroup and read_masters are
@@ -664,6 +710,9 @@ void RegisterEngineBindings(py::module_& parent) {
       .def("close", &PyEngine::Close,
            "Flushes and destroys the engine (releases its tiers). Idempotent.")
       .def_property_readonly("closed", &PyEngine::closed)
+      .def_property_readonly(
+          "busy", &PyEngine::busy,
+          "Whether a call of another thread is running (without the GIL).")
       .def_property_readonly("plan", [](PyEngine& e) { return e.get().plan(); })
       .def_property_readonly(
           "num_subgroups", [](PyEngine& e) { return e.get().num_subgroups(); })
@@ -915,9 +964,10 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "abort_step",
           [](PyEngine& e) {
-            Engine& engine = e.get();
-            py::gil_scoped_release release;
-            engine.AbortStep();
+            e.WithoutGil([](Engine& engine) {
+              engine.AbortStep();
+              return absl::OkStatus();
+            });
           },
           "Aborts a generic step: nothing of it is committed.")
       .def(

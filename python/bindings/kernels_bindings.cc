@@ -188,8 +188,10 @@ void RegisterKernelBindings(pybind11::module_& m) {
         for (uint64_t address : state) RequireAddress("init_state", address, n);
         const std::vector<float*> pointers = StatePointers(state);
         float* const arrays[3] = {pointers[0], pointers[1], pointers[2]};
+        // Before the GIL goes: a pool that cannot start raises.
+        ThreadPool* const pool = PoolFor(num_threads);
         py::gil_scoped_release release;
-        InitState(hp, arrays, n, PoolFor(num_threads));
+        InitState(hp, arrays, n, pool);
       },
       py::arg("hyperparams"), py::arg("state"), py::arg("n"),
       py::arg("num_threads") = 1,
@@ -219,8 +221,10 @@ void RegisterKernelBindings(pybind11::module_& m) {
         transform.skip_if_nonfinite = skip_if_nonfinite;
         absl::StatusOr<UpdateResult> result;
         {
+          // Before the GIL goes: a pool that cannot start raises.
+          ThreadPool* const pool = PoolFor(num_threads);
           py::gil_scoped_release release;
-          result = ApplyOptimizer(hp, spans, transform, PoolFor(num_threads));
+          result = ApplyOptimizer(hp, spans, transform, pool);
         }
         const UpdateResult r = ValueOrThrow(std::move(result));
         py::dict out;
@@ -246,9 +250,11 @@ void RegisterKernelBindings(pybind11::module_& m) {
         RequireAddress("grad_stats: grad", grad, n);
         GradStats stats;
         {
+          // Before the GIL goes: a pool that cannot start raises.
+          ThreadPool* const pool = PoolFor(num_threads);
           py::gil_scoped_release release;
-          stats = ComputeGradStats(AsPointer(grad), parsed, n, grad_scale,
-                                   PoolFor(num_threads));
+          stats =
+              ComputeGradStats(AsPointer(grad), parsed, n, grad_scale, pool);
         }
         return py::make_tuple(stats.nonfinite, stats.sum_squares);
       },
@@ -263,10 +269,11 @@ void RegisterKernelBindings(pybind11::module_& m) {
         const DType parsed = ValueOrThrow(ParseDType(src_dtype));
         RequireAddress("convert_to_float32: src", src, n);
         RequireAddress("convert_to_float32: dst", dst, n);
+        // Before the GIL goes: a pool that cannot start raises.
+        ThreadPool* const pool = PoolFor(num_threads);
         py::gil_scoped_release release;
         ConvertToFloat32(AsPointer(src), parsed,
-                         static_cast<float*>(AsPointer(dst)), n,
-                         PoolFor(num_threads));
+                         static_cast<float*>(AsPointer(dst)), n, pool);
       },
       py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("n"),
       py::arg("num_threads") = 1);
@@ -278,9 +285,11 @@ void RegisterKernelBindings(pybind11::module_& m) {
         const DType parsed = ValueOrThrow(ParseDType(dst_dtype));
         RequireAddress("convert_from_float32: src", src, n);
         RequireAddress("convert_from_float32: dst", dst, n);
+        // Before the GIL goes: a pool that cannot start raises.
+        ThreadPool* const pool = PoolFor(num_threads);
         py::gil_scoped_release release;
         ConvertFromFloat32(static_cast<const float*>(AsPointer(src)),
-                           AsPointer(dst), parsed, n, PoolFor(num_threads));
+                           AsPointer(dst), parsed, n, pool);
       },
       py::arg("src"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"),
       py::arg("num_threads") = 1,
@@ -293,9 +302,10 @@ void RegisterKernelBindings(pybind11::module_& m) {
         StreamPattern pattern{update_streams, read_bytes, write_bytes};
         absl::StatusOr<double> gbps;
         {
+          // Before the GIL goes: a pool that cannot start raises.
+          ThreadPool* const pool = PoolFor(num_threads);
           py::gil_scoped_release release;
-          gbps = MeasureStreamBandwidth(pattern, n, repetitions,
-                                        PoolFor(num_threads));
+          gbps = MeasureStreamBandwidth(pattern, n, repetitions, pool);
         }
         return ValueOrThrow(std::move(gbps));
       },

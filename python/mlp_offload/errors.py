@@ -61,5 +61,11 @@ class CancelledError(OffloadError):
     """An operation was cancelled (engine shut down)."""
 
 
+class ConcurrentUseError(OffloadError):
+    """The engine was called (or closed) from a thread while another
+    thread's call of it was running: the optimizer is used by one thread at
+    a time."""
+
+
 class NonFiniteGradientError(OffloadError, FloatingPointError):
     """Gradients contain NaN/Inf and no GradScaler asked to skip the step."""

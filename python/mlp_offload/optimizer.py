@@ -46,9 +46,9 @@ from mlp_offload import layout as _layout
 from mlp_offload import recovery as _recovery
 from mlp_offload import state_view as _state_view
 from mlp_offload import _C
-from mlp_offload.errors import (ConfigError, CorruptStateError, NonFiniteGradientError,
-                                OffloadError, StateMismatchError, TierError, TierFullError,
-                                TierInUseError)
+from mlp_offload.errors import (ConcurrentUseError, ConfigError, CorruptStateError,
+                                NonFiniteGradientError, OffloadError, StateMismatchError,
+                                TierError, TierFullError, TierInUseError)
 
 _log = logging.getLogger(__name__)
 
@@ -1213,7 +1213,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def close(self):
         """Flushes and releases the engine (and its tier directories); any
-        later use of the optimizer raises OffloadError."""
+        later use of the optimizer raises OffloadError. From another thread
+        while a step runs: ConcurrentUseError, and nothing is closed."""
+        if self._engine is not None and self._engine.busy:
+            raise ConcurrentUseError(
+                "close(): the optimizer's engine is in use by another thread's "
+                "call (a step): close it from the thread that trains, or after "
+                "the step")
         self._closed = True
         for h in self._grad_hooks:
             h.remove()
@@ -1608,7 +1614,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 missing = [pid for pid, h in zip(sg.param_ids, have) if not h]
                 frozen = [pid for p, pid, h in zip(sg.params, sg.param_ids, have)
                           if not h and not p.requires_grad]
-                if frozen:
+                # Frozen after they were packed (trainable then), with others
+                # of their subgroup still training.
+                frozen_since = [pid for p, pid, h in zip(sg.params, sg.param_ids, have)
+                                if not h and not p.requires_grad
+                                and self._packed_trainable.get(id(p), True)]
+                if frozen_since:
+                    hint = (f"parameters {frozen_since[:8]}"
+                            f"{'...' if len(frozen_since) > 8 else ''} were frozen "
+                            f"(requires_grad=False) after the optimizer packed them with "
+                            f"parameters that still train: freeze a subgroup's parameters "
+                            f"together, give a part that is frozen at its own time a param "
+                            f"group of its own when the optimizer is built (subgroups never "
+                            f"span param groups)")
+                elif frozen:
                     # Packed while all were frozen, some unfrozen since.
                     hint = (f"parameters {frozen[:8]}{'...' if len(frozen) > 8 else ''} are "
                             f"frozen (requires_grad=False) and were packed with parameters "
@@ -1713,7 +1732,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         scale = getattr(self, "grad_scale", None)
         amp = found_inf is not None
-        amp_inf = amp and float(found_inf.item()) > 0
+        # (A plain 0 when no gradient was unscaled: GradScaler sums no flags.)
+        amp_inf = amp and float(found_inf) > 0
         if amp_inf and self._group is None:
             self.last_step_stats = {"skipped": True}
             return loss
@@ -2307,7 +2327,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Options set on a group after construction (fused, capturable, ...)
         # are refused as at construction, never silently ignored.
         _hp.check_options(self.optimizer, self._family)
-        self._group_hps = [_hp.group_hyperparams(self._family, g) for g in self.param_groups]
+        hps = []
+        for i, g in enumerate(self.param_groups):
+            try:
+                hps.append(_hp.group_hyperparams(self._family, g))
+            except KeyError as e:
+                raise ConfigError(
+                    f"param group {i} has no {e.args[0]!r}, which "
+                    f"{type(self.optimizer).__name__} needs (its keys: "
+                    f"{sorted(k for k in g if k != 'params')}): a state dict of another "
+                    f"optimizer?") from None
+        self._group_hps = hps
         need = self._uniform_arrays(self._group_hps)
         if need > self._num_arrays:
             raise ConfigError(
