@@ -2675,6 +2675,14 @@ absl::Status Engine::Impl::LoadRecords(
     bool cached = b >= 0;
     if (cached) {
       absl::Status s = e.WaitIo(b);
+      // The checkpoint's record is read into the cached one: where that
+      // holds the latest version's only copy, it goes to its tier first, so
+      // that a read that fails (a damaged checkpoint) loses nothing.
+      if (s.ok() && !e.OnDisk(i)) {
+        s = Annotate(e.WriteNow(i, b),
+                     absl::StrCat("writing back subgroup ", i,
+                                  " before loading its checkpoint record"));
+      }
       if (!s.ok()) {
         close(fd);
         finish_writing().IgnoreError();
@@ -2722,7 +2730,8 @@ absl::Status Engine::Impl::LoadRecords(
       if (!cached) {
         e.Free(b);
       } else {
-        // The cached copy was overwritten by a partial read: reload it.
+        // The cached copy was overwritten by a partial read: its tier holds
+        // the same version (written back above), read at the next use.
         e.Free(b);
         e.initialized[i] = e.current_slot[i] >= 0;
       }
