@@ -268,3 +268,12 @@ def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     opt.close()
+
+
+def test_parameters_of_two_dtypes_are_refused_naming_the_first_of_each(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8).to(torch.bfloat16),
+                                torch.nn.LayerNorm(8))  # kept in fp32
+    with pytest.raises(errors.ConfigError,
+                       match=r"one dtype, got bfloat16 \(parameter 0 first\), float32 "
+                             r"\(parameter 2 first\).*optimizer of their own"):
+        wrap(model, tier_dirs(tmp_path, 1))

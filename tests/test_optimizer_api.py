@@ -1613,3 +1613,31 @@ def test_an_optimizer_of_parameters_with_no_elements_only_is_refused(tmp_path):
     empties = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3, 0))]
     with pytest.raises(errors.ConfigError, match="2 parameters all have no elements"):
         wrap(torch.optim.Adam(empties), tmp_path)
+
+
+def test_step_called_from_a_compiled_function_runs_as_in_eager_mode(tmp_path):
+    # torch.compile does not trace step() (native code and its I/O): the
+    # function compiles around it. Before, Dynamo took the wrapper's process
+    # group attribute for set (its name is a substring of "_init_group", which
+    # Dynamo's optimizer support tests with `in` on a string) and the step
+    # ran the distributed path without a process group.
+    results = []
+    for compiled in (False, True):
+        model = make_model()
+        d = tmp_path / f"c{int(compiled)}"
+        d.mkdir()
+        opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), d)
+
+        def train_step(step):
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            opt.step()
+
+        run = torch.compile(train_step, backend="eager") if compiled else train_step
+        for step in range(3):
+            run(step)
+        assert opt.engine.steps == 3
+        results.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

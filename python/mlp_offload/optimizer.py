@@ -256,16 +256,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._load_started = False
         self._load_applied = False
         # Distribution: which rank owns each subgroup (layout.assign_owners).
-        self._group = None
+        self._process_group = None
         self._rank, self._world = 0, 1
         self._comm_types = {"cpu"}
         self._comm_device = torch.device("cpu")
         dist = torch.distributed
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
-            self._group = process_group if process_group is not None else dist.group.WORLD
-            self._rank = dist.get_rank(self._group)
-            self._world = dist.get_world_size(self._group)
-            self._comm_types = _group_device_types(self._group)
+            self._process_group = process_group if process_group is not None else dist.group.WORLD
+            self._rank = dist.get_rank(self._process_group)
+            self._world = dist.get_world_size(self._process_group)
+            self._comm_types = _group_device_types(self._process_group)
             self._comm_device = _collective_device(self._comm_types)
         failure = None
         try:
@@ -276,7 +276,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 compute_threads = max(1, min(8, os.cpu_count() or 1))
             tier_lock_slots = _config.check_int("tier_lock_slots", tier_lock_slots, minimum=1)
             if tier_lock_timeout is None:
-                tier_lock_timeout = _group_timeout(self._group)
+                tier_lock_timeout = _group_timeout(self._process_group)
             elif tier_lock_timeout != math.inf:
                 tier_lock_timeout = _config.check_number(
                     "tier_lock_timeout", tier_lock_timeout, inclusive=False,
@@ -357,7 +357,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{generic_state_keys!r}")
             self._generic_state_keys = generic_state_keys
         except Exception as exc:
-            if self._group is None:
+            if self._process_group is None:
                 raise
             failure = exc
         # Every rank raises if one cannot start, or if the ranks were given
@@ -422,7 +422,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         rank's constructor failed, or if the ranks' models (parameter shapes
         and dtypes per group, optimizer class) or the settings that must be
         the same everywhere differ, naming the first difference."""
-        if self._group is None:
+        if self._process_group is None:
             return
         groups = optimizer.param_groups
         settings = dict(settings, optimizer=type(optimizer).__name__,
@@ -476,8 +476,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         params = [p for g in groups for p in g["params"]]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
+            first = {}
+            for pid, p in enumerate(params):
+                first.setdefault(p.dtype, pid)
+            which = ", ".join(f"{str(d).replace('torch.', '')} (parameter {pid} first)"
+                              for d, pid in sorted(first.items(), key=lambda kv: kv[1]))
             raise ConfigError(
-                f"all parameters must have one dtype, got {sorted(str(d) for d in dtypes)}")
+                f"all parameters must have one dtype, got {which}: the engine keeps one "
+                f"dtype for the model's copy (cast the model, e.g. model.to(torch.bfloat16), "
+                f"or give the parameters of the other dtype an optimizer of their own)")
         self._dtype = params[0].dtype
         if self._dtype not in _layout.DTYPE_NAMES:
             raise ConfigError(f"parameter dtype {self._dtype} is not supported "
@@ -563,7 +570,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._finalizer()
         self._engine = None
         # The ranks of a resumed run must all resume the same commit.
-        agree = self._persistent and self._want_resume and self._group is not None
+        agree = self._persistent and self._want_resume and self._process_group is not None
         self._agreed_key = self._agreed_step = -1
         if not self._owned:
             _log.warning("rank %d owns no subgroup (%d subgroups, %d ranks)",
@@ -578,7 +585,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if self._agreed_key >= 0:
                     self._epoch, self._agreed_step = _recovery.split_commit_key(
                         self._agreed_key)
-            elif self._persistent and self._group is not None and not rebuild:
+            elif self._persistent and self._process_group is not None and not rebuild:
                 # resume='never': the owners raise together (_open_committed).
                 self._raise_together(None, "clear the run's state for a fresh start")
                 self._run_id = self._new_run_id()
@@ -640,7 +647,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         kept = sorted(held, reverse=True)  # newest first
         mine = kept[0] if kept else -1
         agreed = self._agree_on_commit(kept, other, info, at_start=True) \
-            if agree or self._group is None else mine
+            if agree or self._process_group is None else mine
         self._agreed_key = agreed
         self._check_require(agreed)
         if agreed != mine:
@@ -671,10 +678,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 failure = e
         # (resume='never' in a group: the ranks raise together here too.)
-        self._raise_opening(agree or self._group is not None, engine, failure,
+        self._raise_opening(agree or self._process_group is not None, engine, failure,
                             "open the commit every rank has" if agreed >= 0
                             else "clear the run's state for a fresh start")
-        if not agree and self._group is not None:
+        if not agree and self._process_group is not None:
             self._run_id = self._new_run_id()  # resume='never': a fresh start
         if agreed >= 0:
             self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
@@ -839,7 +846,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             except Exception as e:  # noqa: BLE001 - a damaged copy offers nothing
                 _log.warning("run %r: the commits in %s cannot be read (%s)",
                              self._run_prefix, other, e)
-        if self._group is None:
+        if self._process_group is None:
             agreed = max(held, default=-1) if held is not None else -1
         else:
             try:
@@ -907,7 +914,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise StateMismatchError(
                 f"resume='require': run {self._run_prefix!r} has no committed step on "
                 f"{[t['path'] for t in self._tiers]}"
-                f"{' on every rank' if self._group is not None else ''} and "
+                f"{' on every rank' if self._process_group is not None else ''} and "
                 f"{'no checkpoint_dir was given' if self._checkpoint_dir is None else 'there is no checkpoint in ' + self._checkpoint_dir}")
 
     def _raise_together(self, error, what, note=""):
@@ -915,7 +922,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         OffloadError naming the rank that could not `what`, so that no rank
         waits in a later collective for one that gave up. Returns if no rank
         failed."""
-        if self._group is None:
+        if self._process_group is None:
             if error is not None:
                 raise error
             return
@@ -1007,7 +1014,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"a new node), restore them; to start afresh anyway, construct with "
                     f"resume='never' (then load_checkpoint, if there is one); nothing was "
                     f"changed")
-            if at_start and self._group is not None:
+            if at_start and self._process_group is not None:
                 self._refuse_moved_ranks(ranks)
             return -1
         common = set.intersection(*held)
@@ -1051,9 +1058,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _new_run_id(self):
         """Collective: a new run id, rank 0's (a fresh start)."""
         ids = [uuid.uuid4().hex]
-        if self._group is not None:
+        if self._process_group is not None:
             torch.distributed.broadcast_object_list(ids, src=self._global_rank(0),
-                                                    group=self._group)
+                                                    group=self._process_group)
         return ids[0]
 
     def _refuse_moved_ranks(self, commitless):
@@ -1150,7 +1157,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         mix for good."""
         pending = self._failed_step is not None
         incomplete = pending and not self._failed_step["completed"]
-        if collective and self._group is not None:
+        if collective and self._process_group is not None:
             incomplete, pending = map(bool, self._max_over_ranks(incomplete, pending))
         if incomplete:
             where = "" if self._failed_step is not None and not \
@@ -1175,7 +1182,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         failed, engine = self._failed_step, self._engine
         completed = engine is not None and failed is not None and failed["completed"]
         pending = completed and self._incomplete_load is None
-        if self._group is not None:
+        if self._process_group is not None:
             # Collective, on every rank: only where some rank's commit of
             # that step landed. If none did, every rank's last commit is the
             # one before, which the load must not turn into slots that this
@@ -1208,7 +1215,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             _log.warning("%s: step %d completed but its commit record was not written; "
                          "the model's parameters now hold its update, and the next "
                          "step() retries the commit", what, self._engine.steps)
-        if broadcast and self._group is not None:
+        if broadcast and self._process_group is not None:
             self._broadcast_params()
 
     def close(self):
@@ -1232,7 +1239,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._engine = None
         # Nor does it hold the process group: destroy_process_group then
         # frees it while the optimizer object lives on.
-        self._group = None
+        self._process_group = None
 
     def clip_grad_norm_(self, max_norm):
         """Clips the gradients' global L2 norm to max_norm; returns the norm.
@@ -1272,7 +1279,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return super().add_param_group(param_group)
         self._check_open()
         self._check_state_whole()  # a committed run commits what it reads below
-        if self._group is not None:
+        if self._process_group is not None:
             params = param_group.get("params") if isinstance(param_group, dict) else None
             if params is not None and not isinstance(params, (torch.Tensor, list, tuple, set)):
                 param_group = dict(param_group, params=list(params))  # a generator, once
@@ -1288,7 +1295,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if isinstance(param_group, dict) else repr(type(param_group)))))
         self._retry_kept_commit("add_param_group")
         pending = self._failed_step is not None
-        if self._group is not None:
+        if self._process_group is not None:
             pending = self._any_rank(pending)  # every rank refuses, none waits
         if pending:
             raise OffloadError(
@@ -1317,7 +1324,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if self._engine is not None:
                 steps.append(self._engine.steps)
             steps = max(steps)
-            if self._group is not None:
+            if self._process_group is not None:
                 steps = self._max_over_ranks(steps)[0]
         else:
             steps = 0
@@ -1340,7 +1347,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # their state (a rank whose torch refused the group has nothing
             # to undo, but joins the others' agreement).
             del self.optimizer.param_groups[before:]
-            if self._group is not None and not isinstance(exc, Exception):
+            if self._process_group is not None and not isinstance(exc, Exception):
                 # An interrupt on this rank alone: it joins no collective the
                 # others are not in (they fail in theirs, waiting for it),
                 # and changes no directory, as what the others did is not
@@ -1351,7 +1358,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"the engine was rebuilt")
                 raise
             try:
-                any_rebuilt = self._any_rank(rebuilt) if self._group is not None else rebuilt
+                any_rebuilt = self._any_rank(rebuilt) if self._process_group is not None else rebuilt
             except BaseException:
                 if rebuilt:
                     self._must_reconstruct = (
@@ -1385,7 +1392,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                  "state in the new epoch (%s); the next step retries it "
                                  "first", self._rank, e)
                     kept["landed"] = False
-            landed = kept["landed"] if self._group is None \
+            landed = kept["landed"] if self._process_group is None \
                 else not self._any_rank(not kept["landed"])
             # A rebuilt rank drops the directory of the commit before only
             # once every rank's commit of the restored groups landed: until
@@ -1707,11 +1714,27 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._write_states(pending)
         self._note_param_versions()
 
+    # Not traced by torch.compile (a function that calls step() compiles
+    # around it): the update is native code and its I/O, nothing a graph
+    # could hold.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
+        try:
+            return self._step(closure)
+        except BaseException:
+            # GradScaler deletes the grad_scale and found_inf it set only
+            # after a step that returned, and multiplies a grad_scale left
+            # over into the next: its retry of a step that raised would
+            # unscale by the scale squared. Its next step() sets them afresh.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
+
+    def _step(self, closure):
         self._check_open()
         self._check_state_whole()
-        if self._group is not None:
+        if self._process_group is not None:
             self._enter_collective("step", repr([self._settings_text(g)
                                                  for g in self.optimizer.param_groups]))
         self._retry_kept_commit("step")
@@ -1724,7 +1747,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
         except Exception as exc:
-            if self._group is None:
+            if self._process_group is None:
                 raise
             early_failure = exc
 
@@ -1734,7 +1757,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         amp = found_inf is not None
         # (A plain 0 when no gradient was unscaled: GradScaler sums no flags.)
         amp_inf = amp and float(found_inf) > 0
-        if amp_inf and self._group is None:
+        if amp_inf and self._process_group is None:
             self.last_step_stats = {"skipped": True}
             return loss
         # In a process group an inf found by this rank's GradScaler goes
@@ -1749,10 +1772,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             try:
                 any_grad = self._grad_presence()
             except Exception as exc:
-                if self._group is None:
+                if self._process_group is None:
                     raise
                 early_failure = exc
-        if self._group is not None:
+        if self._process_group is not None:
             self._agree_before_step(early_failure)
         if not any_grad:
             # torch skips parameters without gradients; no stats of an
@@ -1767,7 +1790,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Sharded: each rank sees only its subgroups' gradients, so the ranks
         # agree on the check before any of them updates (a NaN in one rank's
         # subgroups skips the step on every rank).
-        check_first = self._group is not None and skip_nonfinite
+        check_first = self._process_group is not None and skip_nonfinite
         bad = False
         try:
             self._ensure_initialized()
@@ -1777,7 +1800,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             elif check_first and self._engine is not None:
                 bad = self._local_grads_nonfinite(grad_scale, amp, scale)
         except Exception as exc:
-            if self._group is None:
+            if self._process_group is None:
                 raise
             failure = exc
         if check_first:
@@ -1793,17 +1816,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                             grad_scale, skip_nonfinite and not check_first, amp, scale,
                             prepared=check_first)
                 except Exception as exc:
-                    if self._group is None:
+                    if self._process_group is None:
                         raise
                     failure = exc
             skipped = bool(stats and stats.get("skipped"))
-            if self._group is not None:
+            if self._process_group is not None:
                 skipped = self._agree_on_outcome(skipped, failure, stats, before)
         if skipped and not amp and self._nonfinite == "raise":
             raise NonFiniteGradientError(
                 "gradients contain NaN or Inf: the step was skipped and nothing was "
                 "updated (use a GradScaler, or nonfinite='skip'/'ignore')")
-        if not skipped and self._group is not None:
+        if not skipped and self._process_group is not None:
             self._broadcast_params()
         if not skipped and self._family is not None:
             self._has_state.update(self._keys_after_step())
@@ -1842,7 +1865,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     self._has_state[pid], keys) for pid in sg.param_ids):
                 bad = sg.group
                 break
-        if self._group is not None:
+        if self._process_group is not None:
             # The same answer on every rank (the others would wait for it).
             bad = self._max_over_ranks(-1 if bad is None else bad)[0]
             bad = None if bad < 0 else bad
@@ -2130,7 +2153,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _checkpoint_somewhere(self):
         """Whether any rank has a checkpoint in checkpoint_dir (collective)."""
         exists = self._checkpoint_exists()
-        if self._group is None or self._checkpoint_dir is None:
+        if self._process_group is None or self._checkpoint_dir is None:
             return exists
         return self._any_rank(exists)
 
@@ -2188,7 +2211,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     for g, master in masters.items():
                         for p, _, off, n in self._subgroups[g].slices():
                             p.copy_(master[off:off + n].view(p.shape))
-            if self._group is not None:
+            if self._process_group is not None:
                 self._broadcast_params()
         self._note_param_versions()
 
@@ -2217,7 +2240,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             else:
                 key = 0 if any(os.path.exists(self._manifest_path(
                     self._checkpoint_dir, prev, rank=0)) for prev in (False, True)) else -1
-        if self._group is not None:
+        if self._process_group is not None:
             seen_everywhere = not self._any_rank(key < 0)
             key = self._max_over_ranks(key if self._rank == 0 else -1)[0] \
                 if seen_everywhere else -1
@@ -2286,7 +2309,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if engine is not None:
                     self._discard_other_run_dir(strict=True)
             groups = state["param_groups"] if engine is not None else None
-            if self._group is not None:
+            if self._process_group is not None:
                 # A rank without subgroups takes an owner's (the ranks'
                 # hyperparameters must agree at each step).
                 groups = next(g for g in self._gather(groups) if g is not None)
@@ -2428,7 +2451,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Collective: the largest of each integer over the ranks."""
         t = torch.tensor([int(v) for v in values], dtype=torch.int64,
                          device=self._comm_device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
         return [int(v) for v in t.cpu().tolist()]
 
     def _any_rank(self, flag):
@@ -2478,12 +2501,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         wait for the timeout or an abort in the first collective that does
         not pair (a state dict taken on rank 0 only, a learning rate set on
         one rank). One small all-gather."""
-        if self._group is None:
+        if self._process_group is None:
             return
         mine = torch.tensor([_COLLECTIVE_OPS.index(what), zlib.crc32(detail.encode())],
                             dtype=torch.int64, device=self._comm_device)
         got = [torch.empty_like(mine) for _ in range(self._world)]
-        torch.distributed.all_gather(got, mine, group=self._group)
+        torch.distributed.all_gather(got, mine, group=self._process_group)
         got = [t.cpu().tolist() for t in got]
         ops = {r: _COLLECTIVE_OPS[o] + "()" if 0 <= o < len(_COLLECTIVE_OPS) else f"op {o}"
                for r, (o, _) in enumerate(got)}
@@ -2505,8 +2528,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _global_rank(self, rank):
         """The global rank of `rank` of the process group."""
         dist = torch.distributed
-        return rank if self._group is dist.group.WORLD else dist.get_global_rank(
-            self._group, rank)
+        return rank if self._process_group is dist.group.WORLD else dist.get_global_rank(
+            self._process_group, rank)
 
     def _broadcast_params(self):
         for sg in self._subgroups:
@@ -2523,7 +2546,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         wire = tensor if tensor.device.type in self._comm_types \
             else tensor.to(self._comm_device)
         torch.distributed.broadcast(wire, src=self._global_rank(self._owner(g)),
-                                    group=self._group)
+                                    group=self._process_group)
         if wire is not tensor:
             tensor.copy_(wire)
 
@@ -2544,7 +2567,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _subgroup_record(self, g):
         """Like _read_subgroup, for any subgroup: the owner broadcasts it."""
         sg = self._subgroups[g]
-        if self._group is None:
+        if self._process_group is None:
             return self._read_subgroup(g)
         k = self._num_arrays
         flat = torch.empty((1 + k) * sg.numel, dtype=torch.float32)
@@ -2701,7 +2724,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._ensure_initialized()
         has_state = self._has_state
         extras = None  # the native path's loaded keys no kernel uses, if gathered
-        if not sharded and self._family is not None and self._group is not None:
+        if not sharded and self._family is not None and self._process_group is not None:
             # Each parameter's record of its keys, and the loaded keys no
             # kernel uses, are kept by its owner rank.
             has_state, extras = {}, {}
@@ -2730,7 +2753,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                        extras=None if extras is None else extras.get(pid, {}))
                 if st is not None:
                     out[pid] = st
-        if not sharded and self._family is None and self._group is not None:
+        if not sharded and self._family is None and self._process_group is not None:
             # Python-side state lives on the owner rank only.
             objs = self._gather({pid: st for pid, st in out.items()
                                  if self._owner(self._subgroup_of(pid)) == self._rank})
@@ -2875,7 +2898,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 raise OffloadError("the wrapped optimizer has state of its own: it must "
                                    "only be stepped through the MLPOffloadOptimizer")
         sd = self.optimizer.state_dict()  # torch's param_groups, empty state
-        sharded = self._state_dict_type == "sharded" and self._group is not None
+        sharded = self._state_dict_type == "sharded" and self._process_group is not None
         sd["state"] = self._read_all_states(sharded)
         if sharded:
             sd[_SHARD_KEY] = {"rank": self._rank, "world_size": self._world,
@@ -2919,7 +2942,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._refresh_hyperparams()
             self._write_states(states, check_only=True)
         except BaseException as exc:
-            if self._group is None or not isinstance(exc, Exception):
+            if self._process_group is None or not isinstance(exc, Exception):
                 self._restore_groups(previous, replaced)
                 raise
             failure = exc
@@ -2939,7 +2962,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except BaseException as exc:
             self._incomplete_load = (f"load_state_dict failed part-way "
                                      f"({type(exc).__name__}: {exc})")
-            if self._group is None or not isinstance(exc, Exception):
+            if self._process_group is None or not isinstance(exc, Exception):
                 raise
             failure = exc
         try:
@@ -3077,13 +3100,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # one: the newest that every rank finished, which need not be this
         # rank's current one (a save killed after this rank's manifest).
         keep = None
-        if self._group is not None:
+        if self._process_group is not None:
             _, _, keep, _ = self._agree_on_save(directory)
         save_id = uuid.uuid4().hex
-        if self._group is not None:
+        if self._process_group is not None:
             ids = [save_id]
             torch.distributed.broadcast_object_list(ids, src=self._global_rank(0),
-                                                    group=self._group)
+                                                    group=self._process_group)
             save_id = ids[0]
         tag = f"r{self._rank}-{uuid.uuid4().hex[:12]}"
         engine_dir = f"engine-{tag}"
@@ -3114,11 +3137,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if isinstance(exc, OSError) and not isinstance(exc, OffloadError):
                 failure = _recovery.os_error_to_tier_error(exc, "save a checkpoint", directory)
                 failure.__cause__ = exc
-            if self._group is None:
+            if self._process_group is None:
                 if failure is exc:
                     raise
                 raise failure from exc
-        if self._group is not None:
+        if self._process_group is not None:
             try:
                 self._raise_together(
                     failure, f"write its part of the checkpoint in {directory}",
@@ -3286,10 +3309,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _gather(self, obj):
         """Collective: every rank's `obj`, by rank ([obj] without a group)."""
-        if self._group is None:
+        if self._process_group is None:
             return [obj]
         out = [None] * self._world
-        torch.distributed.all_gather_object(out, obj, group=self._group)
+        torch.distributed.all_gather_object(out, obj, group=self._process_group)
         return out
 
     def load_checkpoint(self, directory=None, restore_params=True):
@@ -3327,7 +3350,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"{[r for r, v in enumerate(views) if v is None]} do not see "
                 f"manifest.rank0.json there (a node-local directory?)")
         key = world = mine = None
-        if self._group is not None:
+        if self._process_group is not None:
             key, world, mine, gathered = self._agree_on_save(directory)
             if key is None and not shared:
                 raise StateMismatchError(
@@ -3372,7 +3395,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # Every rank has checked its part before any changes its state: a
         # damaged file of one rank's leaves every rank's state as it was.
         checked = error is None
-        if self._group is not None:
+        if self._process_group is not None:
             checked = not self._any_rank(not checked)
         if checked:
             try:
@@ -3384,7 +3407,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (A rank that failed before touching its state may see others that
         # loaded theirs: that too leaves the ranks' state a mix.)
         failed, touched = error is not None, self._load_started
-        if self._group is not None:
+        if self._process_group is not None:
             failed, touched = map(bool, self._max_over_ranks(failed, touched))
         if failed and touched:
             why = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
@@ -3394,7 +3417,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._incomplete_load = None
         self._load_applied = True  # (a failure from here is not "nothing changed")
         self._next_epoch()  # every rank: the load went through on all of them
-        if self._group is not None:
+        if self._process_group is not None:
             # Every rank counts the steps alike (older checkpoints, or a rank
             # whose subgroups all skipped a step): the largest count.
             steps, = self._max_over_ranks(
