@@ -1641,3 +1641,49 @@ def test_step_called_from_a_compiled_function_runs_as_in_eager_mode(tmp_path):
         opt.close()
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+def test_state_dicts_that_do_not_fit_are_refused_by_name_and_change_nothing(tmp_path):
+    # Each is a typed error naming what is wrong (StateMismatchError is a
+    # ValueError too, as torch raises), and the optimizer goes on as before.
+    import copy
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path)
+    loss_of(model, 0).backward()
+    opt.step()
+    sd = opt.state_dict()
+
+    def changed(fn):
+        c = copy.deepcopy(sd)
+        fn(c)
+        return c
+
+    cases = [
+        (changed(lambda c: c["param_groups"].append(copy.deepcopy(c["param_groups"][0]))),
+         errors.StateMismatchError, r"different number of parameter groups \(2, this "
+                                    r"optimizer has 1\)"),
+        (changed(lambda c: c["param_groups"][0].update(params=c["param_groups"][0]["params"][:-1])),
+         errors.StateMismatchError, r"group 0: 3 parameters, this optimizer's has 4"),
+        (changed(lambda c: c.pop("param_groups")),
+         errors.StateMismatchError, r"has no 'param_groups' \(its keys: \['state'\]\)"),
+        ([1, 2], errors.StateMismatchError, r"got a list"),
+        (changed(lambda c: c["state"][0].update(step=torch.tensor(float("nan")))),
+         errors.StateMismatchError, r"'step' of parameter 0 is nan"),
+        (changed(lambda c: c["state"][1].update(step=2.5)),
+         errors.StateMismatchError, r"'step' of parameter 1 is 2.5"),
+        (changed(lambda c: c["param_groups"][0].update(lr="fast")),
+         errors.ConfigError, r"param group 0: lr must be a number, got 'fast'"),
+    ]
+    for bad, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            opt.load_state_dict(bad)
+        assert issubclass(exc, ValueError)
+    after = opt.state_dict()
+    assert after["param_groups"] == sd["param_groups"]
+    for pid, st in sd["state"].items():
+        for key, value in st.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+    loss_of(model, 1).backward()
+    opt.step()
+    assert opt.engine.steps == 2
+    opt.close()

@@ -47,8 +47,10 @@ class CorruptStateError(OffloadError):
     """Offloaded state failed its checksum or has a bad header/manifest."""
 
 
-class StateMismatchError(OffloadError):
-    """State or a checkpoint belongs to another model/configuration."""
+class StateMismatchError(OffloadError, ValueError):
+    """State or a checkpoint belongs to another model/configuration (a
+    ValueError too, as torch's load_state_dict raises for a state dict that
+    does not match its optimizer)."""
 
 
 class SystemResourceError(OffloadError):

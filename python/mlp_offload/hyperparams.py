@@ -80,7 +80,10 @@ def _scalar(value, what):
             raise ConfigError(f"{what} must be a scalar, got a tensor of shape "
                               f"{tuple(value.shape)}")
         return float(value.item())
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a number, got {value!r}") from None
 
 
 def group_hyperparams(family, group):
@@ -92,8 +95,8 @@ def group_hyperparams(family, group):
             "lr": _scalar(group["lr"], "lr"),
             "beta1": _scalar(beta1, "betas[0]"),
             "beta2": _scalar(beta2, "betas[1]"),
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
+            "eps": _scalar(group["eps"], "eps"),
+            "weight_decay": _scalar(group["weight_decay"], "weight_decay"),
             "amsgrad": bool(group["amsgrad"]),
             "maximize": bool(group.get("maximize", False)),
         }
@@ -101,9 +104,9 @@ def group_hyperparams(family, group):
         return {
             "kind": "sgd",
             "lr": _scalar(group["lr"], "lr"),
-            "momentum": float(group["momentum"]),
-            "dampening": float(group["dampening"]),
-            "weight_decay": float(group["weight_decay"]),
+            "momentum": _scalar(group["momentum"], "momentum"),
+            "dampening": _scalar(group["dampening"], "dampening"),
+            "weight_decay": _scalar(group["weight_decay"], "weight_decay"),
             "nesterov": bool(group["nesterov"]),
             "maximize": bool(group.get("maximize", False)),
         }
@@ -111,10 +114,11 @@ def group_hyperparams(family, group):
         return {
             "kind": "adagrad",
             "lr": _scalar(group["lr"], "lr"),
-            "lr_decay": float(group["lr_decay"]),
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-            "initial_accumulator_value": float(group["initial_accumulator_value"]),
+            "lr_decay": _scalar(group["lr_decay"], "lr_decay"),
+            "eps": _scalar(group["eps"], "eps"),
+            "weight_decay": _scalar(group["weight_decay"], "weight_decay"),
+            "initial_accumulator_value": _scalar(group["initial_accumulator_value"],
+                                                 "initial_accumulator_value"),
             "maximize": bool(group.get("maximize", False)),
         }
     raise ConfigError(f"no native kernel family {family!r}")

@@ -20,6 +20,7 @@ balanced by size (ZeRO-style partition of the optimizer state; see
 layout.assign_owners), and the owner broadcasts the updated parameters.
 """
 
+import collections.abc
 import contextlib
 import copy
 import functools
@@ -158,6 +159,20 @@ def _torch_save_bytes(obj):
     buf = _io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def _loaded_step(value, pid):
+    """A loaded state's 'step' as an int: a whole, finite count >= 0."""
+    try:
+        step = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise StateMismatchError(
+            f"state 'step' of parameter {pid} is not a number: {value!r}") from None
+    if not math.isfinite(step) or step < 0 or step != int(step):
+        raise StateMismatchError(
+            f"state 'step' of parameter {pid} is {step}: a step count is a whole "
+            f"number >= 0")
+    return int(step)
 
 
 class MLPOffloadOptimizer(torch.optim.Optimizer):
@@ -2360,6 +2375,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{type(self.optimizer).__name__} needs (its keys: "
                     f"{sorted(k for k in g if k != 'params')}): a state dict of another "
                     f"optimizer?") from None
+            except ConfigError as e:
+                raise ConfigError(f"param group {i}: {e}") from None
         self._group_hps = hps
         need = self._uniform_arrays(self._group_hps)
         if need > self._num_arrays:
@@ -2826,7 +2843,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     if _hp.has_step_key(hp):
                         if "step" not in st:
                             raise StateMismatchError(f"state of parameter {pid} has no 'step'")
-                        steps.add(int(float(st["step"])))
+                        steps.add(_loaded_step(st["step"], pid))
                     else:
                         steps.add(1 if any(st.get(k) is not None for k in keys) else 0)
                     if not check_only:
@@ -2987,6 +3004,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _checked_states(self, state_dict):
         """load_state_dict's checks of a state dict against this optimizer:
         its per-parameter states by parameter id, and its param_groups."""
+        if not isinstance(state_dict, collections.abc.Mapping):
+            raise StateMismatchError(
+                f"load_state_dict takes an optimizer's state dict (a mapping with "
+                f"'state' and 'param_groups'), got a {type(state_dict).__name__}")
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -3004,13 +3025,22 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     "the state dict's shard holds other parameters than this rank owns "
                     "(subgroup_numel or the model differs, or an older version, which gave "
                     "subgroups to ranks round-robin, saved it)")
+        missing = [k for k in ("state", "param_groups") if k not in state_dict]
+        if missing:
+            raise StateMismatchError(
+                f"the state dict has no {' or '.join(repr(k) for k in missing)} (its keys: "
+                f"{sorted(map(str, state_dict))}): not an optimizer's state dict")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        for g, s in zip(self.param_groups, saved_groups):
+            raise StateMismatchError(
+                f"loaded state dict has a different number of parameter groups "
+                f"({len(saved_groups)}, this optimizer has {len(self.param_groups)})")
+        for gi, (g, s) in enumerate(zip(self.param_groups, saved_groups)):
             if len(g["params"]) != len(s["params"]):
-                raise ValueError("loaded state dict contains a parameter group that "
-                                 "doesn't match the size of optimizer's group")
+                raise StateMismatchError(
+                    f"loaded state dict contains a parameter group that doesn't match "
+                    f"the size of optimizer's group (group {gi}: {len(s['params'])} "
+                    f"parameters, this optimizer's has {len(g['params'])})")
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in saved_groups))
         shapes = self._param_shapes
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
