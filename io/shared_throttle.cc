@@ -129,7 +129,13 @@ class SharedClock final : public internal_io::PaceClock {
         lock_timeout_(options.lock_timeout),
         path_(options.state_path),
         fd_(fd) {}
-  ~SharedClock() override { close(fd_); }
+  ~SharedClock() override {
+    {
+      ::mlp_offload::MutexLock lock(&mu_);
+      if (owed_ > 0) (void)AddToStreamCount(0);  // a last try
+    }
+    close(fd_);
+  }
 
   bool Capped(IoOp op) const override {
     return rate_[static_cast<int>(op)] > 0;
@@ -151,14 +157,18 @@ class SharedClock final : public internal_io::PaceClock {
     const int64_t now = MonotonicNs();
     const int64_t start = std::max(record.next_free_ns[o], now);
     record.next_free_ns[o] = start + cost_ns;
+    record.streaming = std::max(0, record.streaming - owed_);
     MLP_RETURN_IF_ERROR(WriteRecord(fd_, path_, record));
+    owed_ = 0;
     return MonoNow() + std::chrono::duration_cast<MonoClock::duration>(
                            std::chrono::nanoseconds(start - now));
   }
 
   // The count of streaming engines in the file. A start that could not be
   // counted is not taken back at the stop; a count never goes below zero (a
-  // file claimed afresh while this engine streamed).
+  // file claimed afresh while this engine streamed). A stop that could not
+  // be counted (the file's lock not granted in time) is owed: the next
+  // section under the lock takes it off, as does the destructor.
   void StreamStarts() override {
     ::mlp_offload::MutexLock lock(&mu_);
     const absl::Status s = AddToStreamCount(+1);
@@ -169,8 +179,7 @@ class SharedClock final : public internal_io::PaceClock {
     ::mlp_offload::MutexLock lock(&mu_);
     if (!counted_) return;
     counted_ = false;
-    const absl::Status s = AddToStreamCount(-1);
-    if (!s.ok() && count_error_.ok()) count_error_ = s;
+    if (!AddToStreamCount(-1).ok()) ++owed_;
   }
 
  private:
@@ -179,8 +188,10 @@ class SharedClock final : public internal_io::PaceClock {
                          FileLock::Take(fd_, path_, lock_timeout_));
     Record record;
     MLP_RETURN_IF_ERROR(ReadRecord(fd_, path_, &record));
-    record.streaming = std::max(0, record.streaming + delta);
-    return WriteRecord(fd_, path_, record);
+    record.streaming = std::max(0, record.streaming + delta - owed_);
+    MLP_RETURN_IF_ERROR(WriteRecord(fd_, path_, record));
+    owed_ = 0;
+    return absl::OkStatus();
   }
 
   const double rate_[2];
@@ -191,6 +202,7 @@ class SharedClock final : public internal_io::PaceClock {
   ::mlp_offload::Mutex mu_;
   absl::Status count_error_ ABSL_GUARDED_BY(mu_);
   bool counted_ ABSL_GUARDED_BY(mu_) = false;
+  int owed_ ABSL_GUARDED_BY(mu_) = 0;  // stops not yet counted in the file
 };
 
 // Under the file's lock: an empty file becomes a state file (its record

@@ -95,33 +95,41 @@ int OfdLock(int fd, short type, off_t offset, bool wait);
 
 // A wait's limit (Acquire's timeout) and when it runs out.
 struct Deadline {
-  explicit Deadline(absl::Duration t)
-      : timeout(t), bounded(t != absl::InfiniteDuration()) {
+  Deadline(absl::Duration t, const std::atomic<bool>* c)
+      : timeout(t), bounded(t != absl::InfiniteDuration()), cancel(c) {
     if (bounded) at = MonoAfter(t);
   }
-  // The call a failed wait names: a bounded one polls without sleeping in
-  // the kernel.
+  // Whether the wait polls (F_OFD_SETLKW takes no deadline and no flag).
+  bool polls() const { return bounded || cancel != nullptr; }
+  // The call a failed wait names.
   const char* Call() const {
-    return bounded ? "fcntl(F_OFD_SETLK, polled)" : "fcntl(F_OFD_SETLKW)";
+    return polls() ? "fcntl(F_OFD_SETLK, polled)" : "fcntl(F_OFD_SETLKW)";
   }
   absl::Duration timeout;
   bool bounded;
   MonoTime at;
+  const std::atomic<bool>* cancel;  // null: none
 };
 
-// OfdLock that waits until `deadline` at most (unbounded: the kernel's
-// wait). A bounded one polls, sleeping from 50 us doubling to 2 ms between
-// tries, so a release is seen within 2 ms. ETIMEDOUT when the deadline
-// passed.
+// OfdLock that waits until `deadline` at most (unbounded and without a
+// cancel flag: the kernel's wait). Otherwise it polls, sleeping from 50 us
+// doubling to 2 ms between tries, so a release (or the flag) is seen within
+// 2 ms. ETIMEDOUT when the deadline passed, ECANCELED when the flag is set.
 int OfdLockUntil(int fd, short type, off_t offset, const Deadline& deadline) {
-  if (!deadline.bounded) return OfdLock(fd, type, offset, /*wait=*/true);
+  if (!deadline.polls()) return OfdLock(fd, type, offset, /*wait=*/true);
   MonoClock::duration pause = std::chrono::microseconds(50);
   for (;;) {
     const int err = OfdLock(fd, type, offset, /*wait=*/false);
     if (err != EAGAIN && err != EACCES) return err;
+    if (deadline.cancel != nullptr && deadline.cancel->load()) {
+      return ECANCELED;
+    }
     const MonoTime now = MonoNow();
-    if (now >= deadline.at) return ETIMEDOUT;
-    std::this_thread::sleep_for(std::min(pause, deadline.at - now));
+    if (deadline.bounded && now >= deadline.at) return ETIMEDOUT;
+    std::this_thread::sleep_for(
+        deadline.bounded
+            ? std::min<MonoClock::duration>(pause, deadline.at - now)
+            : pause);
     pause =
         std::min<MonoClock::duration>(pause * 2, std::chrono::milliseconds(2));
   }
@@ -204,9 +212,17 @@ struct TierLock::Impl {
         "resumes or dies"));
   }
 
+  // Cancelled naming the lock, for a wait on `what` whose cancel flag was
+  // set.
+  absl::Status Cancelled(absl::string_view what) const {
+    return absl::CancelledError(absl::StrCat(
+        "the wait for the tier lock ", path, " (", what, ") was interrupted"));
+  }
+
   absl::StatusOr<int64_t> TakeTicket(const Deadline& deadline) {
     if (int err = OfdLockUntil(fd, F_WRLCK, 0, deadline); err != 0) {
       if (err == ETIMEDOUT) return TimedOut(deadline, "its ticket counter");
+      if (err == ECANCELED) return Cancelled("its ticket counter");
       return ErrnoStatus(
           err, absl::StrCat(deadline.Call(), " on the ticket counter of"),
           absl::StrCat(path, " at offset 0"));
@@ -293,7 +309,8 @@ absl::StatusOr<std::unique_ptr<TierLock>> TierLock::Open(
   return std::unique_ptr<TierLock>(new TierLock(std::move(impl)));
 }
 
-absl::Status TierLock::Acquire(absl::Duration timeout) {
+absl::Status TierLock::Acquire(absl::Duration timeout,
+                               const std::atomic<bool>* cancel) {
   if (impl_->held) {
     return absl::FailedPreconditionError(
         absl::StrCat("TierLock::Acquire on ", impl_->path,
@@ -304,7 +321,7 @@ absl::Status TierLock::Acquire(absl::Duration timeout) {
         absl::StrCat("TierLock::Acquire on ", impl_->path,
                      ": negative timeout ", absl::FormatDuration(timeout)));
   }
-  const Deadline deadline(timeout);
+  const Deadline deadline(timeout, cancel);
   MLP_ASSIGN_OR_RETURN(const int64_t t, impl_->TakeTicket(deadline));
   // Waits for the lane's earlier tickets back to one that entered (a ticket
   // that died waiting never did; the one it waited for may hold the lock).
@@ -315,14 +332,16 @@ absl::Status TierLock::Acquire(absl::Duration timeout) {
     if (int err = OfdLockUntil(impl_->fd, F_RDLCK, byte, deadline); err != 0) {
       // (Our own byte is released below: the tickets after ours see that
       // we never entered and wait for the one we waited for.)
-      status =
-          err == ETIMEDOUT
-              ? impl_->TimedOut(deadline,
-                                absl::StrCat("ticket ", t, " waiting for ", p))
-              : ErrnoStatus(
-                    err,
-                    absl::StrCat(deadline.Call(), " waiting for a ticket in"),
-                    impl_->Where(p));
+      const std::string what = absl::StrCat("ticket ", t, " waiting for ", p);
+      if (err == ETIMEDOUT) {
+        status = impl_->TimedOut(deadline, what);
+      } else if (err == ECANCELED) {
+        status = impl_->Cancelled(what);
+      } else {
+        status = ErrnoStatus(
+            err, absl::StrCat(deadline.Call(), " waiting for a ticket in"),
+            impl_->Where(p));
+      }
       break;
     }
     OfdLock(impl_->fd, F_UNLCK, byte, false);

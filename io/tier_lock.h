@@ -5,6 +5,7 @@
 #ifndef MLP_OFFLOAD_IO_TIER_LOCK_H_
 #define MLP_OFFLOAD_IO_TIER_LOCK_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -26,8 +27,11 @@ class TierLock {
   // (DeadlineExceeded naming the lock; nothing held, and the tickets after
   // ours are not held up by it). Not reentrant per TierLock object (one
   // holder per object); several objects (threads) in one process count as
-  // separate holders.
-  absl::Status Acquire(absl::Duration timeout = absl::InfiniteDuration());
+  // separate holders. With `cancel`, the wait also ends, with Cancelled (and
+  // nothing held), soon after *cancel becomes true (checked every 2 ms at
+  // most: such a wait polls, bounded or not).
+  absl::Status Acquire(absl::Duration timeout = absl::InfiniteDuration(),
+                       const std::atomic<bool>* cancel = nullptr);
   void Release();
   bool held() const;
   // Whether another holder took a ticket after ours (someone is waiting or

@@ -307,6 +307,36 @@ TEST(TierLockTest, AForkedChildDoesNotRemoveItsParentsFile) {
   EXPECT_TRUE(lock->Acquire().ok());
 }
 
+// A wait given a cancel flag ends soon after the flag is set, bounded or
+// not, with Cancelled naming the lock, and holds nobody up after it.
+TEST(TierLockTest, AWaitEndsWhenItsCancelFlagIsSet) {
+  const std::string path = ScratchPath("tier_cancel");
+  auto a = *TierLock::Open(path);
+  auto b = *TierLock::Open(path);
+  ASSERT_TRUE(a->Acquire().ok());
+  for (const absl::Duration timeout :
+       {absl::InfiniteDuration(), absl::Seconds(60)}) {
+    std::atomic<bool> cancel{false};
+    std::thread canceller([&] {
+      absl::SleepFor(absl::Milliseconds(100));
+      cancel = true;
+    });
+    const MonoTime start = MonoNow();
+    const absl::Status s = b->Acquire(timeout, &cancel);
+    const double waited = SecondsSince(start);
+    canceller.join();
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_NE(s.message().find(path + ".tickets"), std::string::npos) << s;
+    EXPECT_GE(waited, 0.09);
+    EXPECT_LT(waited, 5.0);
+    EXPECT_FALSE(b->held());
+  }
+  a->Release();
+  std::atomic<bool> cancel{false};
+  EXPECT_TRUE(b->Acquire(absl::Seconds(5), &cancel).ok());
+  b->Release();
+}
+
 // A holder that is alive but makes no progress (a stopped process) never
 // frees its byte: a bounded Acquire gives up, naming the lock, and leaves
 // no trace that holds up the tickets after it.

@@ -96,6 +96,10 @@ class LockedDispatcher {
     queue_.push_back({request, std::move(done)});
   }
 
+  // While interrupted, a wait for the lock ends at once with Cancelled (the
+  // requests of that turn fail with it).
+  void SetInterrupted(bool interrupted) { interrupted_.store(interrupted); }
+
  private:
   static constexpr uint64_t kTurnBytes = 256ull << 20;
   struct Pending {
@@ -115,7 +119,7 @@ class LockedDispatcher {
       }
       // A wait past the timeout fails this turn's requests (the step
       // fails, naming the lock, and may be retried).
-      absl::Status locked = lock_->Acquire(timeout_);
+      absl::Status locked = lock_->Acquire(timeout_, &interrupted_);
       uint64_t turn = 0;
       for (;;) {
         std::deque<Pending> batch;
@@ -167,6 +171,7 @@ class LockedDispatcher {
   IoEngine* const engine_;
   std::unique_ptr<TierLock> lock_;
   const absl::Duration timeout_;
+  std::atomic<bool> interrupted_{false};
   absl::Status start_status_;  // fixed after construction
   std::thread dispatcher_;
   Mutex mu_;
@@ -221,6 +226,13 @@ class TierChannel {
   }
 
   IoEngine* engine() const { return engine_.get(); }
+
+  // Engine::SetInterrupted: the waits for the tier lock and the requests
+  // the engine holds back.
+  void SetInterrupted(bool interrupted) {
+    for (auto& d : dispatchers_) d->SetInterrupted(interrupted);
+    engine_->SetInterrupted(interrupted);
+  }
 
   // The engine submits with its mutex held and its completions take that
   // mutex, so a completion must never run inside Submit. Engines may
@@ -1113,6 +1125,9 @@ struct Engine::Impl {
   }
   // OK if tier t's MANIFEST still holds the bytes this run wrote or read.
   absl::Status CheckManifestUnchanged(size_t t) const;
+  // AbortStep's part under mu: waits for the step's I/O, keeps the record
+  // being updated, drops the reads ahead.
+  void DrainAfterAbort() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Checks every tier path (exists, a writable directory, no two the same)
   // without touching them; OpenTiers then creates the run directories.
   absl::Status CheckTiers();
@@ -2209,15 +2224,28 @@ absl::StatusOr<StepStats> Engine::EndStep() {
 void Engine::SetInterrupted(bool interrupted) {
   Impl& e = *impl_;
   e.interrupted.store(interrupted);
-  for (Impl::Tier& tier : e.tiers) {
-    tier.channel->engine()->SetInterrupted(interrupted);
-  }
+  for (Impl::Tier& tier : e.tiers) tier.channel->SetInterrupted(interrupted);
 }
 
 void Engine::AbortStep() {
   Impl& e = *impl_;
   if (!e.in_step) return;
-  MutexLock l(&e.mu);
+  // What a tier's cap or lock holds back is not waited for: the reads ahead
+  // are dropped anyway, and a write that does not land leaves its record
+  // cached (DrainWrites). (Not under mu: the dropped requests complete on
+  // this thread.)
+  for (Impl::Tier& tier : e.tiers) tier.channel->SetInterrupted(true);
+  {
+    MutexLock l(&e.mu);
+    e.DrainAfterAbort();
+  }
+  for (Impl::Tier& tier : e.tiers) {
+    tier.channel->SetInterrupted(e.interrupted.load());
+  }
+}
+
+void Engine::Impl::DrainAfterAbort() {
+  Impl& e = *this;
   (void)e.DrainWrites();
   // Reads in flight or done for records not yet updated: drop them.
   for (size_t b = 0; b < e.buffers.size(); ++b) {

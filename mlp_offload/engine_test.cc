@@ -1879,6 +1879,70 @@ INSTANTIATE_TEST_SUITE_P(TierLock, WriteFaultTest, ::testing::Bool());
 // at once (not when the cap has let the rest through): Cancelled, the step
 // left incomplete; after SetInterrupted(false) a retry finishes it with the
 // uninterrupted result.
+// A generic step abandoned after its first record (the caller's update
+// raised, or Ctrl-C in it) does not wait for the reads ahead that a tiny cap
+// holds back: AbortStep drops them.
+TEST(EngineTest, AbortStepDoesNotWaitForWhatTheCapHoldsBack) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques.cache_reuse = false;
+  cfg.tiers[0].throttle_read_bytes_per_sec = 20e3;  // about 1 s a record
+  Model model(cfg.subgroup_numel, 12);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = **engine;
+  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  ASSERT_TRUE(e.BeginStep().ok());
+  absl::StatusOr<SubgroupView> first = e.Next();
+  ASSERT_TRUE(first.ok()) << first.status();
+  const MonoTime start = MonoNow();
+  e.AbortStep();
+  // The reads ahead had seconds to go.
+  EXPECT_LT(SecondsSince(start), 0.5);
+  EXPECT_TRUE(e.step_incomplete());
+}
+
+// SetInterrupted ends a wait for the tier lock (held by another process that
+// makes no progress) at once, not at tier_lock_timeout.
+TEST(EngineTest, AnInterruptedStepDoesNotWaitForTheTierLock) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques.cache_reuse = false;
+  cfg.tier_lock_timeout = absl::Seconds(30);
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 13);
+  auto prefix = TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  auto other = TierLock::Open(*prefix);
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE((*other)->Acquire().ok());
+  std::thread interrupter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    e.SetInterrupted(true);
+  });
+  const MonoTime start = MonoNow();
+  absl::Status s = e.BeginStep();
+  if (s.ok()) {
+    absl::StatusOr<SubgroupView> v = e.Next();
+    s = v.status();
+  }
+  const double waited = SecondsSince(start);
+  interrupter.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_LT(waited, 5.0);
+  e.AbortStep();
+  e.SetInterrupted(false);
+  (*other)->Release();
+  ASSERT_TRUE(e.BeginStep().ok());
+  for (;;) {
+    absl::StatusOr<SubgroupView> v = e.Next();
+    ASSERT_TRUE(v.ok()) << v.status();
+    if (v->subgroup < 0) break;
+    ASSERT_TRUE(e.Done().ok());
+  }
+  EXPECT_TRUE(e.EndStep().ok());
+  EXPECT_EQ(e.step(), 1);
+}
+
 TEST(EngineTest, AnInterruptedStepStopsSoonAndARetryFinishesIt) {
   EngineConfig cfg = SmallConfig(2);
   cfg.techniques.cache_reuse = false;  // every record streams each step

@@ -223,6 +223,38 @@ def test_ctrl_c_during_a_slow_step_stops_it_soon_and_the_next_step_finishes_it(
     opt.close()
 
 
+def test_a_signal_handler_that_reads_the_optimizer_during_a_step_sees_it_after(tmp_path):
+    # Signal handlers now run while a step's native part does (the poll that
+    # makes Ctrl-C work): one that reads the optimizer (a progress logger, a
+    # preemption handler that saves) waits for the step instead of failing
+    # it, and sees the state after it, as when handlers ran after step().
+    tiers = [{"path": d, "throttle_read_bytes_per_sec": 2e4,
+              "throttle_write_bytes_per_sec": 2e4} for d in tier_dirs(tmp_path)]
+    model = make_model()
+    opt = wrap(model, tiers)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 1)
+    seen = []
+
+    def report(signum, frame):
+        seen.append((opt.engine.steps, len(opt.state_dict()["state"])))
+
+    previous = signal.signal(signal.SIGUSR1, report)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        opt.step()
+        timer.join()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert opt.engine.steps == 2 and not opt.engine.step_incomplete
+    assert seen == [(2, len(list(model.parameters())))], seen
+    opt.close()
+
+
 @pytest.mark.parametrize("op", ["read", "write"])
 @pytest.mark.parametrize("how", ["load_checkpoint", "load_state_dict"])
 def test_state_loaded_after_a_failed_step_replaces_it(tmp_path, op, how):

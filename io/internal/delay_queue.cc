@@ -1,7 +1,6 @@
 // A timer thread for delayed closures.
 #include "io/internal/delay_queue.h"
 
-#include <algorithm>
 #include <vector>
 
 #include "mlp_offload/base/threads.h"
@@ -41,20 +40,15 @@ void DelayQueue::RunAt(MonoTime when, std::function<void()> fn) {
 }
 
 void DelayQueue::Hurry() {
-  ::mlp_offload::MutexLock lock(&mu_);
-  if (queue_.empty()) return;
-  // Re-keyed to the earliest time; the (time, arrival) order is kept by
-  // numbering them afresh in it, before anything added later.
   std::vector<std::function<void()>> queued;
-  queued.reserve(queue_.size());
-  for (auto& [key, fn] : queue_) queued.push_back(std::move(fn));
-  queue_.clear();
-  uint64_t seq = 0;
-  for (auto& fn : queued) {
-    queue_.emplace(std::make_pair(MonoTime::min(), seq++), std::move(fn));
+  {
+    ::mlp_offload::MutexLock lock(&mu_);
+    queued.reserve(queue_.size());
+    for (auto& [key, fn] : queue_) queued.push_back(std::move(fn));
+    queue_.clear();
+    changed_ = true;
   }
-  next_seq_ = std::max(next_seq_, seq);
-  changed_ = true;
+  for (auto& fn : queued) fn();
 }
 
 void DelayQueue::Drain() {

@@ -34,8 +34,11 @@ class DelayQueue {
   // after waiting for it.
   void RunAt(MonoTime when, std::function<void()> fn);
   const absl::Status& start_status() const { return start_status_; }
-  // Runs every closure queued so far now, in the order they would have run
-  // (each then sees whatever made the caller hurry, e.g. an interruption).
+  // Runs every closure queued so far on the calling thread, in the order
+  // they would have run, and returns when they have (each sees whatever made
+  // the caller hurry, e.g. an interruption, and none is left to run later,
+  // after the caller changed its mind). One the queue's thread took already
+  // (due) runs there as usual.
   void Hurry();
   // Waits until every closure added so far has run (at its time), then stops
   // the thread. Idempotent.

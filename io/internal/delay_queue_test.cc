@@ -1,5 +1,6 @@
 #include "io/internal/delay_queue.h"
 
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -32,6 +33,36 @@ TEST(DelayQueueTest, RunsInTimeOrderAndDrainWaitsForAll) {
   queue.Drain();
   ::mlp_offload::MutexLock lock(&mu);
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
+// Hurry runs what is queued on the calling thread, in time order, before it
+// returns; nothing is left to run at the old times.
+TEST(DelayQueueTest, HurryRunsWhatIsQueuedNowOnTheCaller) {
+  DelayQueue queue;
+  ::mlp_offload::Mutex mu;
+  std::vector<int> order;
+  std::vector<std::thread::id> threads;
+  const MonoTime base = MonoAfter(absl::Seconds(30));
+  for (int i : {2, 0, 1}) {
+    queue.RunAt(base + std::chrono::milliseconds(10 * i), [&, i] {
+      ::mlp_offload::MutexLock lock(&mu);
+      order.push_back(i);
+      threads.push_back(std::this_thread::get_id());
+    });
+  }
+  const MonoTime start = MonoNow();
+  queue.Hurry();
+  {
+    ::mlp_offload::MutexLock lock(&mu);
+    EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+    for (const std::thread::id& t : threads) {
+      EXPECT_EQ(t, std::this_thread::get_id());
+    }
+  }
+  queue.Drain();  // nothing left: returns at once
+  EXPECT_LT(SecondsSince(start), 10.0);
+  ::mlp_offload::MutexLock lock(&mu);
+  EXPECT_EQ(order.size(), 3u);
 }
 
 TEST(DelayQueueTest, AfterDrainRunsInline) {

@@ -1,5 +1,6 @@
 #include "io/internal/paced_engine.h"
 
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -87,6 +88,9 @@ class PacedEngine final : public IoEngine {
         });
       });
     }
+    // An interruption that came after the check above found these pieces
+    // not yet queued: they are hurried too.
+    if (Interrupted()) delays_.Hurry();
   }
 
   void Shutdown() override {
@@ -106,10 +110,7 @@ class PacedEngine final : public IoEngine {
   // keeps the time they had reserved (they may have been another process's
   // turn).
   void SetInterrupted(bool interrupted) override {
-    {
-      ::mlp_offload::MutexLock lock(&mu_);
-      interrupted_ = interrupted;
-    }
+    interrupted_.store(interrupted);
     if (interrupted) {
       delays_.Hurry();
       clock_->Interrupted();
@@ -118,10 +119,7 @@ class PacedEngine final : public IoEngine {
   }
 
  private:
-  bool Interrupted() {
-    ::mlp_offload::MutexLock lock(&mu_);
-    return interrupted_;
-  }
+  bool Interrupted() const { return interrupted_.load(); }
   absl::Status Cancelled() const {
     return absl::CancelledError(
         absl::StrCat(name_,
@@ -144,7 +142,9 @@ class PacedEngine final : public IoEngine {
   ::mlp_offload::Mutex mu_;
   int64_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool interrupted_ ABSL_GUARDED_BY(mu_) = false;
+  // Not under mu_: End() holds that while the shared clock's StreamStops
+  // may wait for its file's lock.
+  std::atomic<bool> interrupted_{false};
   // Last: drained before the rest goes away.
   DelayQueue delays_;
 };

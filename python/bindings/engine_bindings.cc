@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <limits>
 #include <memory>
@@ -299,12 +300,24 @@ class PyEngine {
     if (engine_ == nullptr) {
       ThrowIfError(absl::FailedPreconditionError("the engine is closed"));
     }
-    if (busy_ > 0) ThrowBusy("");
+    if (busy_ > 0) {
+      if (!InPollingThread()) ThrowBusy(kBusy);
+      // A signal handler that Interruptible's poll runs on this thread (a
+      // progress logger, a preemption handler that saves): the call being
+      // polled finishes first, as when handlers ran after it.
+      py::gil_scoped_release release;
+      wait_polled_();
+    }
     return *engine_;
   }
 
   void Close() {
-    if (busy_ > 0) ThrowBusy("close() ");
+    if (busy_ > 0 && InPollingThread()) {
+      ThrowBusy(
+          "close() from a signal handler while a step runs: the step would "
+          "be left without its engine; close after step() returns");
+    }
+    if (busy_ > 0) ThrowBusy(std::string("close(): ") + kBusy);
     std::unique_ptr<Engine> engine = std::move(engine_);
     if (engine != nullptr) {
       py::gil_scoped_release release;
@@ -371,6 +384,8 @@ class PyEngine {
         return ValueOrThrow(std::move(result));
       }
     }
+    // Until the worker is joined, a handler run below may wait for it.
+    const PollScope polling(this, [&done] { done.wait(); });
     auto wait_for_it = [&] {
       py::gil_scoped_release release;
       done.wait();
@@ -402,6 +417,35 @@ class PyEngine {
   }
 
  private:
+  // Interruptible's thread and how to wait for its call, for that call's
+  // lifetime (restoring an outer one: a handler may step again).
+  class PollScope {
+   public:
+    PollScope(PyEngine* e, std::function<void()> wait)
+        : e_(e),
+          outer_wait_(std::move(e->wait_polled_)),
+          outer_thread_(e->polling_thread_) {
+      e_->wait_polled_ = std::move(wait);
+      e_->polling_thread_ = PyThread_get_thread_ident();
+    }
+    ~PollScope() {
+      e_->wait_polled_ = std::move(outer_wait_);
+      e_->polling_thread_ = outer_thread_;
+    }
+    PollScope(const PollScope&) = delete;
+    PollScope& operator=(const PollScope&) = delete;
+
+   private:
+    PyEngine* const e_;
+    std::function<void()> outer_wait_;
+    const unsigned long outer_thread_;  // NOLINT(runtime/int): CPython's
+  };
+
+  bool InPollingThread() const {
+    return wait_polled_ != nullptr &&
+           PyThread_get_thread_ident() == polling_thread_;
+  }
+
   // Marks the engine in use for its life; made and destroyed with the GIL
   // held, which guards busy_.
   class Busy {
@@ -415,15 +459,14 @@ class PyEngine {
     PyEngine* const e_;
   };
 
-  [[noreturn]] static void ThrowBusy(const std::string& what) {
+  static constexpr const char* kBusy =
+      "the engine is in use by another thread's call (a step runs without "
+      "the GIL): call the optimizer from one thread at a time";
+
+  [[noreturn]] static void ThrowBusy(const std::string& message) {
     py::object cls =
         py::module_::import("mlp_offload.errors").attr("ConcurrentUseError");
-    PyErr_SetString(
-        cls.ptr(),
-        (what + "the engine is in use by another thread's call (a step "
-                "runs without the GIL): call the optimizer from one thread "
-                "at a time")
-            .c_str());
+    PyErr_SetString(cls.ptr(), message.c_str());
     throw py::error_already_set();
   }
 
@@ -437,6 +480,9 @@ class PyEngine {
 
   std::unique_ptr<Engine> engine_;
   int busy_ = 0;  // calls running without the GIL (guarded by the GIL)
+  // Set by PollScope (guarded by the GIL).
+  std::function<void()> wait_polled_;
+  unsigned long polling_thread_ = 0;  // NOLINT(runtime/int): CPython's
 };
 
 // The buffers handed to initialize/read/write_subgroup and read_masters are
