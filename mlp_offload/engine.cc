@@ -2068,6 +2068,17 @@ absl::Status Engine::BeginStep(const std::vector<bool>& skip) {
   return absl::OkStatus();
 }
 
+bool Engine::NextIsReady() {
+  Impl& e = *impl_;
+  if (!e.in_step) return true;
+  MutexLock l(&e.mu);
+  size_t pos = e.pos;
+  while (pos < e.order.size() && e.done_in_step[e.order[pos]]) ++pos;
+  if (pos >= e.order.size()) return true;
+  const int b = e.buffer_of[e.order[pos]];
+  return b >= 0 && e.buffers[b].pending == 0;
+}
+
 absl::StatusOr<SubgroupView> Engine::Next() {
   Impl& e = *impl_;
   if (!e.in_step)

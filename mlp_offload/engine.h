@@ -259,6 +259,10 @@ class Engine {
   // Done(false)). Step passes its inputs' skip flags.
   absl::Status BeginStep(const std::vector<bool>& skip = {});
   absl::StatusOr<SubgroupView> Next();
+  // Whether Next would return without waiting for I/O (its record is
+  // resident, or there is none to return): a caller may then skip what it
+  // does to keep a wait interruptible.
+  bool NextIsReady();
   // The record handed out by Next is finished (updated == false: left as it
   // was, step count unchanged) and goes back to its tier or the cache (not
   // written when it is not updated and its tier holds it already).

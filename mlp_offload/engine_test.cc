@@ -1891,9 +1891,11 @@ TEST(EngineTest, AbortStepDoesNotWaitForWhatTheCapHoldsBack) {
   ASSERT_TRUE(engine.ok()) << engine.status();
   Engine& e = **engine;
   ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  EXPECT_TRUE(e.NextIsReady());  // no step: Next returns at once
   ASSERT_TRUE(e.BeginStep().ok());
   absl::StatusOr<SubgroupView> first = e.Next();
   ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(e.NextIsReady());  // the next record is a second away
   const MonoTime start = MonoNow();
   e.AbortStep();
   // The reads ahead had seconds to go.

@@ -4,13 +4,16 @@
 // a typo is a ConfigError naming the key), tensors as integer data pointers
 // plus element counts, dtypes as names. Every blocking engine call runs with
 // the GIL released; every absl::Status goes through ThrowIfError.
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <functional>
-#include <future>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -21,7 +24,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "kernels/optimizer_kernels.h"
+#include "mlp_offload/base/clock.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/threads.h"
 #include "mlp_offload/engine.h"
 #include "mlp_offload/planner.h"
@@ -284,6 +290,85 @@ py::dict StatsToDict(const StepStats& s) {
   return d;
 }
 
+// The thread on which a handle's interruptible calls run, one at a time:
+// started at the first and kept (a thread per call cost about 0.25 ms, which
+// a generic step pays per subgroup). A fork's child starts its own (the
+// parent's is not in it: its handle is left alone, never joined).
+class CallThread {
+ public:
+  CallThread() = default;
+  CallThread(const CallThread&) = delete;
+  CallThread& operator=(const CallThread&) = delete;
+  ~CallThread() {
+    if (thread_ == nullptr) return;
+    if (owner_ != getpid()) {
+      (void)thread_.release();  // the parent's: not this process's to join
+      return;
+    }
+    {
+      MutexLock l(&mu_);
+      stop_ = true;
+    }
+    thread_->join();
+  }
+
+  // Queues `fn` (nothing else queued or running) and returns its ticket;
+  // the error of a thread the system refused.
+  absl::StatusOr<uint64_t> Run(std::function<void()> fn) {
+    if (thread_ == nullptr || owner_ != getpid()) {
+      if (thread_ != nullptr) (void)thread_.release();  // a fork's child
+      absl::StatusOr<std::thread> t =
+          StartThread("an engine's interruptible calls", [this] { Loop(); });
+      if (!t.ok()) return t.status();
+      thread_ = std::make_unique<std::thread>(*std::move(t));
+      owner_ = getpid();
+    }
+    MutexLock l(&mu_);
+    task_ = std::move(fn);
+    return ++queued_;
+  }
+  // Whether the call of `ticket` is over, waiting until `deadline` at most.
+  bool Finished(uint64_t ticket, MonoTime deadline) {
+    MutexLock l(&mu_);
+    return mu_.AwaitWithDeadline([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                                     mu_) { return finished_ >= ticket; },
+                                 deadline);
+  }
+  void Wait(uint64_t ticket) {
+    MutexLock l(&mu_);
+    mu_.Await([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return finished_ >= ticket;
+    });
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        MutexLock l(&mu_);
+        mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || task_ != nullptr;
+        });
+        if (task_ == nullptr) return;
+        fn = std::move(task_);
+        task_ = nullptr;
+      }
+      fn();
+      MutexLock l(&mu_);
+      ++finished_;
+    }
+  }
+
+  std::unique_ptr<std::thread> thread_;
+  pid_t owner_ = 0;
+  Mutex mu_;
+  std::function<void()> task_ ABSL_GUARDED_BY(mu_);
+  uint64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 // The Python-side handle: owns the engine so that close() can destroy it
 // (flushing its I/O, releasing its tiers) without waiting for the GC.
 class PyEngine {
@@ -362,57 +447,45 @@ class PyEngine {
     Engine& engine = get();
     const Busy busy(this);
     using Result = decltype(call(engine));
-    std::promise<Result> promise;
-    std::future<Result> done = promise.get_future();
-    absl::StatusOr<std::thread> worker =
-        StartThread("an interruptible engine call", [&] {
-          try {
-            promise.set_value(call(engine));
-          } catch (...) {
-            promise.set_exception(std::current_exception());
-          }
-        });
-    if (!worker.ok()) {  // no thread to spare: as WithoutGil
-      Result result = [&] {
-        py::gil_scoped_release release;
-        return call(engine);
-      }();
-      if constexpr (std::is_same_v<Result, absl::Status>) {
-        ThrowIfError(result);
-        return;
-      } else {
-        return ValueOrThrow(std::move(result));
+    std::optional<Result> result;
+    std::exception_ptr error;
+    const absl::StatusOr<uint64_t> ticket = calls_.Run([&] {
+      try {
+        result.emplace(call(engine));
+      } catch (...) {
+        error = std::current_exception();
       }
-    }
-    // Until the worker is joined, a handler run below may wait for it.
-    const PollScope polling(this, [&done] { done.wait(); });
-    auto wait_for_it = [&] {
+    });
+    if (!ticket.ok()) {  // no thread to spare: as WithoutGil
       py::gil_scoped_release release;
-      done.wait();
-      worker->join();
-    };
-    for (;;) {
-      {
-        py::gil_scoped_release release;
-        if (done.wait_for(std::chrono::milliseconds(50)) ==
-            std::future_status::ready) {
-          break;
+      result.emplace(call(engine));
+    } else {
+      // Until the call is over, a handler run below may wait for it.
+      const PollScope polling(this, [this, t = *ticket] { calls_.Wait(t); });
+      for (;;) {
+        {
+          py::gil_scoped_release release;
+          if (calls_.Finished(*ticket, MonoAfter(absl::Milliseconds(50)))) {
+            break;
+          }
+        }
+        if (PyErr_CheckSignals() != 0) {
+          py::error_already_set raised;  // takes the handler's exception
+          engine.SetInterrupted(true);
+          {
+            py::gil_scoped_release release;
+            calls_.Wait(*ticket);
+          }
+          engine.SetInterrupted(false);
+          throw raised;
         }
       }
-      if (PyErr_CheckSignals() != 0) {
-        py::error_already_set raised;  // takes the handler's exception
-        engine.SetInterrupted(true);
-        wait_for_it();
-        engine.SetInterrupted(false);
-        throw raised;
-      }
     }
-    wait_for_it();
-    Result result = done.get();
+    if (error != nullptr) std::rethrow_exception(error);
     if constexpr (std::is_same_v<Result, absl::Status>) {
-      ThrowIfError(result);
+      ThrowIfError(*result);
     } else {
-      return ValueOrThrow(std::move(result));
+      return ValueOrThrow(std::move(*result));
     }
   }
 
@@ -479,7 +552,8 @@ class PyEngine {
   }
 
   std::unique_ptr<Engine> engine_;
-  int busy_ = 0;  // calls running without the GIL (guarded by the GIL)
+  CallThread calls_;  // Interruptible's
+  int busy_ = 0;      // calls running without the GIL (guarded by the GIL)
   // Set by PollScope (guarded by the GIL).
   std::function<void()> wait_polled_;
   unsigned long polling_thread_ = 0;  // NOLINT(runtime/int): CPython's
@@ -986,6 +1060,12 @@ void RegisterEngineBindings(py::module_& parent) {
       .def(
           "next",
           [](PyEngine& e) {
+            // Interruptible costs a hand-over to its thread (about 0.25 ms):
+            // only for a record still on its way.
+            if (e.get().NextIsReady()) {
+              return e.WithoutGil(
+                  [&](Engine& engine) { return engine.Next(); });
+            }
             return e.Interruptible(
                 [&](Engine& engine) { return engine.Next(); });
           },
