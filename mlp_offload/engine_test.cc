@@ -1895,6 +1895,7 @@ TEST(EngineTest, AbortStepDoesNotWaitForWhatTheCapHoldsBack) {
   ASSERT_TRUE(e.BeginStep().ok());
   absl::StatusOr<SubgroupView> first = e.Next();
   ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(e.Done(/*updated=*/false).ok());
   EXPECT_FALSE(e.NextIsReady());  // the next record is a second away
   const MonoTime start = MonoNow();
   e.AbortStep();
