@@ -252,6 +252,36 @@ def test_a_signal_handler_that_reads_the_optimizer_during_a_step_sees_it_after(t
         signal.signal(signal.SIGUSR1, previous)
     assert opt.engine.steps == 2 and not opt.engine.step_incomplete
     assert seen == [(2, len(list(model.parameters())))], seen
+    # A Ctrl-C while such a handler waits still stops the step soon: its
+    # exception leaves the handler.
+    opt.zero_grad()
+    backward(model, 2)
+    sent = []
+
+    def ctrl_c():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGUSR1, report)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers = [threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1)),
+              threading.Timer(0.5, ctrl_c)]
+    try:
+        for t in timers:
+            t.start()
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        raised = time.monotonic()
+    finally:
+        for t in timers:
+            t.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGINT, previous_int)
+    assert sent and raised - sent[0] < 0.8, f"{raised - sent[0]:.2f} s from Ctrl-C"
+    assert seen == [(2, len(list(model.parameters())))], seen  # no second report
+    assert opt.engine.steps == 2 and opt.engine.step_incomplete
+    opt.step()  # finishes the step
+    assert opt.engine.steps == 3
     opt.close()
 
 

@@ -292,8 +292,9 @@ py::dict StatsToDict(const StepStats& s) {
 
 // The thread on which a handle's interruptible calls run, one at a time:
 // started at the first and kept (a thread per call cost about 0.25 ms, which
-// a generic step pays per subgroup). A fork's child starts its own (the
-// parent's is not in it: its handle is left alone, never joined).
+// a generic step pays per subgroup). A fork's child starts its own, with
+// state of its own: the parent's thread is not in it, and its mutex and
+// condition variable, copied mid-use, are left alone (leaked), never used.
 class CallThread {
  public:
   CallThread() = default;
@@ -301,13 +302,14 @@ class CallThread {
   CallThread& operator=(const CallThread&) = delete;
   ~CallThread() {
     if (thread_ == nullptr) return;
-    if (owner_ != getpid()) {
-      (void)thread_.release();  // the parent's: not this process's to join
+    if (owner_ != getpid()) {  // a fork's child: the parent's
+      (void)thread_.release();
+      (void)state_.release();
       return;
     }
     {
-      MutexLock l(&mu_);
-      stop_ = true;
+      MutexLock l(&state_->mu);
+      state_->stop = true;
     }
     thread_->join();
   }
@@ -316,57 +318,65 @@ class CallThread {
   // the error of a thread the system refused.
   absl::StatusOr<uint64_t> Run(std::function<void()> fn) {
     if (thread_ == nullptr || owner_ != getpid()) {
-      if (thread_ != nullptr) (void)thread_.release();  // a fork's child
+      if (thread_ != nullptr) {  // a fork's child
+        (void)thread_.release();
+        (void)state_.release();
+      }
+      auto state = std::make_unique<State>();
+      State* const st = state.get();
       absl::StatusOr<std::thread> t =
-          StartThread("an engine's interruptible calls", [this] { Loop(); });
+          StartThread("an engine's interruptible calls", [st] { Loop(st); });
       if (!t.ok()) return t.status();
+      state_ = std::move(state);
       thread_ = std::make_unique<std::thread>(*std::move(t));
       owner_ = getpid();
     }
-    MutexLock l(&mu_);
-    task_ = std::move(fn);
-    return ++queued_;
+    MutexLock l(&state_->mu);
+    state_->task = std::move(fn);
+    return ++state_->queued;
   }
   // Whether the call of `ticket` is over, waiting until `deadline` at most.
   bool Finished(uint64_t ticket, MonoTime deadline) {
-    MutexLock l(&mu_);
-    return mu_.AwaitWithDeadline([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
-                                     mu_) { return finished_ >= ticket; },
-                                 deadline);
-  }
-  void Wait(uint64_t ticket) {
-    MutexLock l(&mu_);
-    mu_.Await([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return finished_ >= ticket;
-    });
+    State* const st = state_.get();
+    MutexLock l(&st->mu);
+    return st->mu.AwaitWithDeadline(
+        [st, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) {
+          return st->finished >= ticket;
+        },
+        deadline);
   }
 
  private:
-  void Loop() {
+  struct State {
+    Mutex mu;
+    std::function<void()> task ABSL_GUARDED_BY(mu);
+    uint64_t queued ABSL_GUARDED_BY(mu) = 0;
+    uint64_t finished ABSL_GUARDED_BY(mu) = 0;
+    bool stop ABSL_GUARDED_BY(mu) = false;
+  };
+
+  static void Loop(State* st) {
     for (;;) {
       std::function<void()> fn;
       {
-        MutexLock l(&mu_);
-        mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stop_ || task_ != nullptr;
+        MutexLock l(&st->mu);
+        st->mu.Await([st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) {
+          return st->stop || st->task != nullptr;
         });
-        if (task_ == nullptr) return;
-        fn = std::move(task_);
-        task_ = nullptr;
+        if (st->task == nullptr) return;
+        fn = std::move(st->task);
+        st->task = nullptr;
       }
       fn();
-      MutexLock l(&mu_);
-      ++finished_;
+      MutexLock l(&st->mu);
+      ++st->finished;
     }
   }
 
+  // Used from Python's main thread only, under the GIL.
+  std::unique_ptr<State> state_;
   std::unique_ptr<std::thread> thread_;
   pid_t owner_ = 0;
-  Mutex mu_;
-  std::function<void()> task_ ABSL_GUARDED_BY(mu_);
-  uint64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // The Python-side handle: owns the engine so that close() can destroy it
@@ -389,9 +399,26 @@ class PyEngine {
       if (!InPollingThread()) ThrowBusy(kBusy);
       // A signal handler that Interruptible's poll runs on this thread (a
       // progress logger, a preemption handler that saves): the call being
-      // polled finishes first, as when handlers ran after it.
-      py::gil_scoped_release release;
-      wait_polled_();
+      // polled finishes first, as when handlers ran after it. This wait
+      // polls for signals as Interruptible does: a Ctrl-C meanwhile
+      // interrupts the call, and its exception leaves the handler.
+      for (;;) {
+        {
+          py::gil_scoped_release release;
+          if (wait_polled_(MonoAfter(absl::Milliseconds(50)))) break;
+        }
+        if (PyErr_CheckSignals() != 0) {
+          py::error_already_set raised;
+          engine_->SetInterrupted(true);
+          {
+            py::gil_scoped_release release;
+            while (!wait_polled_(MonoAfter(absl::Seconds(1)))) {
+            }
+          }
+          engine_->SetInterrupted(false);
+          throw raised;
+        }
+      }
     }
     return *engine_;
   }
@@ -461,7 +488,9 @@ class PyEngine {
       result.emplace(call(engine));
     } else {
       // Until the call is over, a handler run below may wait for it.
-      const PollScope polling(this, [this, t = *ticket] { calls_.Wait(t); });
+      const PollScope polling(this, [this, t = *ticket](MonoTime deadline) {
+        return calls_.Finished(t, deadline);
+      });
       for (;;) {
         {
           py::gil_scoped_release release;
@@ -474,7 +503,8 @@ class PyEngine {
           engine.SetInterrupted(true);
           {
             py::gil_scoped_release release;
-            calls_.Wait(*ticket);
+            while (!calls_.Finished(*ticket, MonoAfter(absl::Seconds(1)))) {
+            }
           }
           engine.SetInterrupted(false);
           throw raised;
@@ -494,7 +524,7 @@ class PyEngine {
   // lifetime (restoring an outer one: a handler may step again).
   class PollScope {
    public:
-    PollScope(PyEngine* e, std::function<void()> wait)
+    PollScope(PyEngine* e, std::function<bool(MonoTime)> wait)
         : e_(e),
           outer_wait_(std::move(e->wait_polled_)),
           outer_thread_(e->polling_thread_) {
@@ -510,7 +540,7 @@ class PyEngine {
 
    private:
     PyEngine* const e_;
-    std::function<void()> outer_wait_;
+    std::function<bool(MonoTime)> outer_wait_;
     const unsigned long outer_thread_;  // NOLINT(runtime/int): CPython's
   };
 
@@ -543,19 +573,20 @@ class PyEngine {
     throw py::error_already_set();
   }
 
+  // Looked up each time: a fork's child has a main thread of its own.
   static bool InMainThread() {
-    static const uint64_t main_ident = py::module_::import("threading")
-                                           .attr("main_thread")()
-                                           .attr("ident")
-                                           .cast<uint64_t>();
-    return PyThread_get_thread_ident() == main_ident;
+    return PyThread_get_thread_ident() == py::module_::import("threading")
+                                              .attr("main_thread")()
+                                              .attr("ident")
+                                              .cast<uint64_t>();
   }
 
   std::unique_ptr<Engine> engine_;
   CallThread calls_;  // Interruptible's
   int busy_ = 0;      // calls running without the GIL (guarded by the GIL)
   // Set by PollScope (guarded by the GIL).
-  std::function<void()> wait_polled_;
+  // Waits for the polled call until a deadline; whether it is over.
+  std::function<bool(MonoTime)> wait_polled_;
   unsigned long polling_thread_ = 0;  // NOLINT(runtime/int): CPython's
 };
 
@@ -832,7 +863,8 @@ void RegisterEngineBindings(py::module_& parent) {
       .def_property_readonly("closed", &PyEngine::closed)
       .def_property_readonly(
           "busy", &PyEngine::busy,
-          "Whether a call of another thread is running (without the GIL).")
+          "Whether a call runs without the GIL: another thread's, or the "
+          "step whose wait for signals ran the handler asking.")
       .def_property_readonly("plan", [](PyEngine& e) { return e.get().plan(); })
       .def_property_readonly(
           "num_subgroups", [](PyEngine& e) { return e.get().num_subgroups(); })

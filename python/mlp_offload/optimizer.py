@@ -1239,9 +1239,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         while a step runs: ConcurrentUseError, and nothing is closed."""
         if self._engine is not None and self._engine.busy:
             raise ConcurrentUseError(
-                "close(): the optimizer's engine is in use by another thread's "
-                "call (a step): close it from the thread that trains, or after "
-                "the step")
+                "close(): the optimizer's engine is in use by a call that is "
+                "running (a step of another thread, or the step whose wait ran "
+                "this signal handler): close it after the step returns")
         self._closed = True
         for h in self._grad_hooks:
             h.remove()
