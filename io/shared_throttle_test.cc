@@ -43,6 +43,21 @@ class SharedThrottleTest : public testing::Test {
   }
 
   std::unique_ptr<IoEngine> Engine(double contention) {
+    absl::StatusOr<std::unique_ptr<IoEngine>> engine =
+        EngineWith(contention, absl::InfiniteDuration());
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? std::move(*engine) : nullptr;
+  }
+
+  // An engine capped at kCap each way whose waits for the state file's lock
+  // last `lock_timeout` at most.
+  absl::StatusOr<std::unique_ptr<IoEngine>> EngineWithLockTimeout(
+      absl::Duration lock_timeout) {
+    return EngineWith(0, lock_timeout);
+  }
+
+  absl::StatusOr<std::unique_ptr<IoEngine>> EngineWith(
+      double contention, absl::Duration lock_timeout) {
     IoEngineOptions inner;
     inner.kind = IoEngineOptions::Kind::kThreadPool;
     inner.block_size = kMiB;
@@ -51,10 +66,8 @@ class SharedThrottleTest : public testing::Test {
     options.read_bytes_per_sec = kCap;
     options.write_bytes_per_sec = kCap;
     options.contention = contention;
-    absl::StatusOr<std::unique_ptr<IoEngine>> engine =
-        MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    return engine.ok() ? std::move(*engine) : nullptr;
+    options.lock_timeout = lock_timeout;
+    return MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
   }
 
   std::unique_ptr<File> Open(const std::string& name) {
@@ -281,16 +294,8 @@ TEST_F(SharedThrottleTest, AStateFileChangedInUseFailsRequestsNamingIt) {
 // lock_timeout with DeadlineExceeded naming the file; once it lets go, the
 // engine's requests go through again. Creating an engine waits the same way.
 TEST_F(SharedThrottleTest, AWaitForTheStateFilesLockIsBounded) {
-  IoEngineOptions inner;
-  inner.kind = IoEngineOptions::Kind::kThreadPool;
-  inner.block_size = kMiB;
-  SharedThrottleOptions options;
-  options.state_path = state_;
-  options.read_bytes_per_sec = kCap;
-  options.write_bytes_per_sec = kCap;
-  options.lock_timeout = absl::Milliseconds(150);
   absl::StatusOr<std::unique_ptr<IoEngine>> engine =
-      MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+      EngineWithLockTimeout(absl::Milliseconds(150));
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::unique_ptr<File> file = Open("a");
   AlignedBuffer buf = *AlignedBuffer::Allocate(2 * kMiB);
@@ -310,7 +315,7 @@ TEST_F(SharedThrottleTest, AWaitForTheStateFilesLockIsBounded) {
       << write.status();
   EXPECT_GE(waited, 0.14);
   absl::StatusOr<std::unique_ptr<IoEngine>> second =
-      MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+      EngineWithLockTimeout(absl::Milliseconds(150));
   EXPECT_EQ(second.status().code(), absl::StatusCode::kDeadlineExceeded)
       << second.status();
 
@@ -328,10 +333,7 @@ TEST_F(SharedThrottleTest, AWaitForTheStateFilesLockIsBounded) {
   EXPECT_TRUE(again.ok()) << again;
   (*engine)->Shutdown();
 
-  options.lock_timeout = absl::ZeroDuration();
-  EXPECT_EQ(MakeSharedThrottledEngine(*CreateIoEngine(inner), options)
-                .status()
-                .code(),
+  EXPECT_EQ(EngineWithLockTimeout(absl::ZeroDuration()).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -353,16 +355,8 @@ int StreamingCount(const std::string& state) {
 // request after it is not failed for it. (Lost, every engine sharing the
 // device would count one stream too many for good.)
 TEST_F(SharedThrottleTest, AStopCountedLateIsNotLost) {
-  IoEngineOptions inner;
-  inner.kind = IoEngineOptions::Kind::kThreadPool;
-  inner.block_size = kMiB;
-  SharedThrottleOptions options;
-  options.state_path = state_;
-  options.read_bytes_per_sec = kCap;
-  options.write_bytes_per_sec = kCap;
-  options.lock_timeout = absl::Milliseconds(100);
   absl::StatusOr<std::unique_ptr<IoEngine>> engine =
-      MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
+      EngineWithLockTimeout(absl::Milliseconds(100));
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::unique_ptr<File> file = Open("a");
   AlignedBuffer buf = *AlignedBuffer::Allocate(kSize);

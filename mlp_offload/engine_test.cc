@@ -98,6 +98,18 @@ OptimizerHyperparams AdamW() {
 }
 
 // One AdamW input per subgroup of `model`, over its current gradients.
+// An engine made from `cfg` and initialised with `model`'s parameters; null
+// (the failure reported) if either fails.
+std::unique_ptr<Engine> CreateFrom(const EngineConfig& cfg,
+                                   const Model& model) {
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(cfg);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  if (!engine.ok()) return nullptr;
+  InitializeFrom(**engine, model);
+  if (::testing::Test::HasFatalFailure()) return nullptr;
+  return *std::move(engine);
+}
+
 std::vector<SubgroupStepInput> AdamWInputs(Model& model) {
   std::vector<SubgroupStepInput> in(model.sizes.size());
   for (size_t i = 0; i < in.size(); ++i) {
@@ -141,6 +153,34 @@ struct Reference {
   }
 };
 
+// The reference state after a first step with new gradients (seed 1),
+// which `model` then holds.
+Reference ReferenceOfStep1(Model& model) {
+  Reference ref(model);
+  model.NewGrads(1);
+  ref.Step(model, 1, 1.0f);
+  return ref;
+}
+
+// Every subgroup of `e` holds `ref`'s master (with `moments`, its m and v
+// too), updated `step` times.
+void ExpectMatchesReference(Engine& e, const Reference& ref, int64_t step,
+                            bool moments = false) {
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    std::vector<float> master(ref.master[i].size()), m(master.size()),
+        v(master.size());
+    int64_t got_step = 0;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &got_step).ok());
+    EXPECT_EQ(got_step, step) << i;
+    EXPECT_EQ(master, ref.master[i]) << i;
+    if (moments) {
+      EXPECT_EQ(m, ref.m[i]) << i;
+      EXPECT_EQ(v, ref.v[i]) << i;
+    }
+  }
+}
+
 struct Case {
   int tiers;
   double budget_records;  // host budget in units of one buffer
@@ -173,10 +213,9 @@ TEST_P(EngineParityTest, MatchesInMemoryKernelBitForBit) {
       (c.techniques.delayed_grad_conversion ? 0 : AlignedRecordBytes(7000, 1));
   cfg.host_budget_bytes = static_cast<uint64_t>(c.budget_records * buffer);
   cfg.compute_threads = 2;
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   Reference ref(model);
   const int steps = 5;
   for (int step = 1; step <= steps; ++step) {
@@ -526,10 +565,9 @@ TEST(EngineTest, DoneWithoutNextIsRefused) {
   cfg.techniques.cache_reuse = false;  // records are read during the step
   cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
   Model model(cfg.subgroup_numel, 9);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   ASSERT_TRUE(e.BeginStep().ok());
   absl::Status early = e.Done();
   EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition) << early;
@@ -573,45 +611,76 @@ TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
   EXPECT_FALSE(p.read);
 }
 
+// One generic step by hand, every record handed out marked updated: the
+// first error of BeginStep, Next, Done or EndStep.
+absl::Status StepByHand(Engine& e) {
+  absl::Status s = e.BeginStep();
+  while (s.ok()) {
+    absl::StatusOr<SubgroupView> v = e.Next();
+    if (!v.ok()) return v.status();
+    if (v->subgroup < 0) return e.EndStep().status();
+    s = e.Done();
+  }
+  return s;
+}
+
+// An engine of one tier (SmallConfig(1), no cache reuse, `timeout` for the
+// tier lock), initialised, and another holder of that tier's lock (a
+// process sharing the tier) that holds it; the lock's file prefix in
+// `prefix`.
+struct HeldTierLock {
+  EngineConfig cfg;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<TierLock> other;
+  std::string prefix;
+};
+void HoldTheTierLock(absl::Duration timeout, HeldTierLock* h) {
+  h->cfg = SmallConfig(1);
+  h->cfg.num_state_arrays = 1;
+  h->cfg.techniques.cache_reuse = false;
+  h->cfg.tier_lock_timeout = timeout;
+  auto engine = Engine::Create(h->cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  h->engine = *std::move(engine);
+  Initialized(h->engine, h->cfg, 5);
+  auto prefix = TierLockPrefix(h->cfg.tier_lock_dir, h->cfg.tiers[0].path);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  h->prefix = *prefix;
+  auto other = TierLock::Open(h->prefix);
+  ASSERT_TRUE(other.ok()) << other.status();
+  h->other = *std::move(other);
+  ASSERT_TRUE(h->other->Acquire().ok());
+}
+
+// After a step that failed waiting for h's lock: once the lock is free (and
+// any interruption over), the step retried goes through.
+void RetryOnceTheLockIsFree(HeldTierLock& h) {
+  Engine& e = *h.engine;
+  e.AbortStep();
+  e.SetInterrupted(false);
+  h.other->Release();
+  absl::Status ok = StepByHand(e);
+  EXPECT_TRUE(ok.ok()) << ok;
+  EXPECT_EQ(e.step(), 1);
+}
+
 // A process sharing the tier that holds its lock and makes no progress
 // (stopped, hung) fails this one's step after tier_lock_timeout, naming the
 // lock, instead of holding it up for ever; once the lock is free the step
 // goes through.
 TEST(EngineTest, AWaitForTheTierLockPastItsTimeoutFailsTheStep) {
-  EngineConfig cfg = SmallConfig(1);
-  cfg.num_state_arrays = 1;
-  cfg.techniques.cache_reuse = false;
-  cfg.tier_lock_timeout = absl::ZeroDuration();
-  EXPECT_EQ(Engine::Create(cfg).status().code(),
+  EngineConfig zero = SmallConfig(1);
+  zero.tier_lock_timeout = absl::ZeroDuration();
+  EXPECT_EQ(Engine::Create(zero).status().code(),
             absl::StatusCode::kInvalidArgument);
-  cfg.tier_lock_timeout = absl::Milliseconds(300);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = Initialized(*engine, cfg, 5);
-  auto prefix = TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path);
-  ASSERT_TRUE(prefix.ok()) << prefix.status();
-  auto other = TierLock::Open(*prefix);
-  ASSERT_TRUE(other.ok()) << other.status();
-  ASSERT_TRUE((*other)->Acquire().ok());
-  auto run_step = [&e]() -> absl::Status {
-    absl::Status s = e.BeginStep();
-    while (s.ok()) {
-      absl::StatusOr<SubgroupView> v = e.Next();
-      if (!v.ok()) return v.status();
-      if (v->subgroup < 0) return e.EndStep().status();
-      s = e.Done();
-    }
-    return s;
-  };
-  absl::Status failed = run_step();
+  HeldTierLock h;
+  ASSERT_NO_FATAL_FAILURE(HoldTheTierLock(absl::Milliseconds(300), &h));
+  Engine& e = *h.engine;
+  absl::Status failed = StepByHand(e);
   EXPECT_EQ(failed.code(), absl::StatusCode::kDeadlineExceeded) << failed;
-  EXPECT_NE(failed.message().find(*prefix + ".tickets"), std::string::npos)
+  EXPECT_NE(failed.message().find(h.prefix + ".tickets"), std::string::npos)
       << failed;
-  e.AbortStep();
-  (*other)->Release();
-  absl::Status ok = run_step();
-  EXPECT_TRUE(ok.ok()) << ok;
-  EXPECT_EQ(e.step(), 1);
+  RetryOnceTheLockIsFree(h);
 }
 
 TEST(EngineTest, TierLocksAreNodeLocalAndNamedAfterTheTier) {
@@ -1380,10 +1449,9 @@ TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
 TEST(EngineTest, AStepWhoseCommitFailedLeavesNoCountsToTheNext) {
   Model model({1000, 2000, 3000, 1500}, 27);
   EngineConfig cfg = CommitEveryStep("failed_commit_stats");
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   std::vector<StepStats> stats;
   const std::string blocker = CommitBlocker(cfg, 1);
   for (int step = 1; step <= 4; ++step) {
@@ -1844,9 +1912,7 @@ TEST_P(WriteFaultTest, FailsTheStepAndARetryFinishesIt) {
   ASSERT_TRUE(engine.ok());
   Engine& e = **engine;
   ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
-  Reference ref(model);
-  model.NewGrads(1);
-  ref.Step(model, 1, 1.0f);
+  const Reference ref = ReferenceOfStep1(model);
   std::vector<SubgroupStepInput> in = AdamWInputs(model);
   FaultSpec fault;
   fault.kind = FaultSpec::Kind::kError;
@@ -1862,15 +1928,7 @@ TEST_P(WriteFaultTest, FailsTheStepAndARetryFinishesIt) {
   stats = e.Step(in, StepOptions());  // the fault is gone: finish the step
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(e.step(), 1);
-  for (int i = 0; i < 4; ++i) {
-    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
-        v(master.size());
-    int64_t step = 0;
-    ASSERT_TRUE(
-        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
-    EXPECT_EQ(step, 1);
-    EXPECT_EQ(master, ref.master[i]) << i;
-  }
+  ExpectMatchesReference(e, ref, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(TierLock, WriteFaultTest, ::testing::Bool());
@@ -1887,10 +1945,9 @@ TEST(EngineTest, AbortStepDoesNotWaitForWhatTheCapHoldsBack) {
   cfg.techniques.cache_reuse = false;
   cfg.tiers[0].throttle_read_bytes_per_sec = 20e3;  // about 1 s a record
   Model model(cfg.subgroup_numel, 12);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   EXPECT_TRUE(e.NextIsReady());  // no step: Next returns at once
   ASSERT_TRUE(e.BeginStep().ok());
   absl::StatusOr<SubgroupView> first = e.Next();
@@ -1907,43 +1964,20 @@ TEST(EngineTest, AbortStepDoesNotWaitForWhatTheCapHoldsBack) {
 // SetInterrupted ends a wait for the tier lock (held by another process that
 // makes no progress) at once, not at tier_lock_timeout.
 TEST(EngineTest, AnInterruptedStepDoesNotWaitForTheTierLock) {
-  EngineConfig cfg = SmallConfig(1);
-  cfg.techniques.cache_reuse = false;
-  cfg.tier_lock_timeout = absl::Seconds(30);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = Initialized(*engine, cfg, 13);
-  auto prefix = TierLockPrefix(cfg.tier_lock_dir, cfg.tiers[0].path);
-  ASSERT_TRUE(prefix.ok()) << prefix.status();
-  auto other = TierLock::Open(*prefix);
-  ASSERT_TRUE(other.ok()) << other.status();
-  ASSERT_TRUE((*other)->Acquire().ok());
+  HeldTierLock h;
+  ASSERT_NO_FATAL_FAILURE(HoldTheTierLock(absl::Seconds(30), &h));
+  Engine& e = *h.engine;
   std::thread interrupter([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     e.SetInterrupted(true);
   });
   const MonoTime start = MonoNow();
-  absl::Status s = e.BeginStep();
-  if (s.ok()) {
-    absl::StatusOr<SubgroupView> v = e.Next();
-    s = v.status();
-  }
+  absl::Status s = StepByHand(e);
   const double waited = SecondsSince(start);
   interrupter.join();
   EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
   EXPECT_LT(waited, 5.0);
-  e.AbortStep();
-  e.SetInterrupted(false);
-  (*other)->Release();
-  ASSERT_TRUE(e.BeginStep().ok());
-  for (;;) {
-    absl::StatusOr<SubgroupView> v = e.Next();
-    ASSERT_TRUE(v.ok()) << v.status();
-    if (v->subgroup < 0) break;
-    ASSERT_TRUE(e.Done().ok());
-  }
-  EXPECT_TRUE(e.EndStep().ok());
-  EXPECT_EQ(e.step(), 1);
+  RetryOnceTheLockIsFree(h);
 }
 
 TEST(EngineTest, AnInterruptedStepStopsSoonAndARetryFinishesIt) {
@@ -1953,13 +1987,10 @@ TEST(EngineTest, AnInterruptedStepStopsSoonAndARetryFinishesIt) {
     spec.throttle_read_bytes_per_sec = spec.throttle_write_bytes_per_sec = 40e3;
   }
   Model model(cfg.subgroup_numel, 6);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
-  Reference ref(model);
-  model.NewGrads(1);
-  ref.Step(model, 1, 1.0f);
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
+  const Reference ref = ReferenceOfStep1(model);
   std::vector<SubgroupStepInput> in = AdamWInputs(model);
 
   std::promise<MonoTime> interrupted_at;
@@ -1992,17 +2023,7 @@ TEST(EngineTest, AnInterruptedStepStopsSoonAndARetryFinishesIt) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_FALSE(e.step_incomplete());
   EXPECT_EQ(e.step(), 1);
-  for (int i = 0; i < 4; ++i) {
-    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
-        v(master.size());
-    int64_t step = 0;
-    ASSERT_TRUE(
-        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
-    EXPECT_EQ(step, 1);
-    EXPECT_EQ(master, ref.master[i]) << i;
-    EXPECT_EQ(m, ref.m[i]) << i;
-    EXPECT_EQ(v, ref.v[i]) << i;
-  }
+  ExpectMatchesReference(e, ref, 1, /*moments=*/true);
 }
 
 TEST(EngineTest, NonFiniteGradientSkipsTheWholeStep) {
@@ -2073,10 +2094,9 @@ TEST(EngineTest, SkippedSubgroupsAreStreamedButNotUpdated) {
   EngineConfig cfg = SmallConfig(2);
   cfg.num_state_arrays = 3;  // room for amsgrad; plain AdamW uses two
   Model model(cfg.subgroup_numel, 8);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
   for (int step = 1; step <= 2; ++step) {
     model.NewGrads(step);
     std::vector<SubgroupStepInput> in = AdamWInputs(model);
@@ -2313,13 +2333,10 @@ TEST(EngineTest, RecordsHeldByAFailedStepMakeRoomForReadsInsteadOfHanging) {
   cfg.fault_injection = true;
   cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
   Model model(cfg.subgroup_numel, 41);
-  auto engine = Engine::Create(cfg);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  Engine& e = **engine;
-  ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
-  Reference ref(model);
-  model.NewGrads(1);
-  ref.Step(model, 1, 1.0f);
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
+  const Reference ref = ReferenceOfStep1(model);
   std::vector<SubgroupStepInput> in = AdamWInputs(model);
   FaultSpec fault;
   fault.op = IoOp::kWrite;

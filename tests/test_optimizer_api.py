@@ -1200,6 +1200,16 @@ def test_settings_text_compares_values_not_their_python_types():
 def test_partial_gradients_in_a_subgroup_are_refused_with_the_fix_that_applies(tmp_path):
     # A subgroup is stepped whole: some of its parameters without a gradient
     # is refused before anything changes, with advice for the case at hand.
+    x, y = batch(0)
+
+    def refused(model, opt, match):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(errors.OffloadError, match=match):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        opt.close()
+
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8),
                                 torch.nn.Linear(8, 8))
     model[0].requires_grad_(False)
@@ -1207,26 +1217,15 @@ def test_partial_gradients_in_a_subgroup_are_refused_with_the_fix_that_applies(t
     opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path,
                subgroup_numel=10**6)
     model[1].requires_grad_(True)  # gradual unfreezing
-    x, y = batch(0)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(errors.OffloadError,
-                       match=r"parameters \[0, 1\] have no gradient.*parameters \[0, 1\] are "
-                             r"frozen \(requires_grad=False\).*param group of its own"):
-        opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    opt.close()
+    refused(model, opt, r"parameters \[0, 1\] have no gradient.*parameters \[0, 1\] are "
+                        r"frozen \(requires_grad=False\).*param group of its own")
     # An unused head: no gradient, though trainable.
     head = torch.nn.Linear(8, 8)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8))
     opt = wrap(torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-2),
                tmp_path, subgroup_numel=10**6)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    with pytest.raises(errors.OffloadError,
-                       match=r"parameters \[2, 3\] have no gradient.*an auxiliary head.*"
-                             r"zero_grad\(set_to_none=False\)"):
-        opt.step()
-    opt.close()
+    refused(model, opt, r"parameters \[2, 3\] have no gradient.*an auxiliary head.*"
+                        r"zero_grad\(set_to_none=False\)")
     # A layer frozen mid-training, packed (trainable) with one still training.
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
     opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path,
@@ -1235,12 +1234,8 @@ def test_partial_gradients_in_a_subgroup_are_refused_with_the_fix_that_applies(t
     opt.step()
     opt.zero_grad()
     model[1].requires_grad_(False)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    with pytest.raises(errors.OffloadError,
-                       match=r"parameters \[2, 3\] have no gradient.*parameters \[2, 3\] were "
-                             r"frozen \(requires_grad=False\) after the optimizer packed them"):
-        opt.step()
-    opt.close()
+    refused(model, opt, r"parameters \[2, 3\] have no gradient.*parameters \[2, 3\] were "
+                        r"frozen \(requires_grad=False\) after the optimizer packed them")
 
 
 def test_a_grad_scaler_step_without_gradients_is_a_step_without_gradients(tmp_path):
