@@ -11,13 +11,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "io/internal/paced_engine.h"
+#include "io/internal/poll.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
@@ -51,8 +51,8 @@ int64_t MonotonicNs() {
 // Holds flock(LOCK_EX) on a descriptor for its lifetime. flock locks belong
 // to the open file description, so they exclude other engines (each opens the
 // file itself) and other processes; threads of one engine are kept apart by
-// the engine's mutex. A bounded wait polls (flock takes no deadline), sleeping
-// from 50 us doubling to 2 ms between tries.
+// the engine's mutex. A bounded wait polls (flock takes no deadline:
+// PollWithBackoff).
 class FileLock {
  public:
   static absl::StatusOr<FileLock> Take(int fd, const std::string& path,
@@ -63,23 +63,22 @@ class FileLock {
       }
       return FileLock(fd);
     }
-    const MonoTime deadline = MonoAfter(timeout);
-    MonoClock::duration pause = std::chrono::microseconds(50);
-    while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      if (errno == EINTR) continue;
-      if (errno != EWOULDBLOCK) return ErrnoStatus(errno, "flock", path);
-      const MonoTime now = MonoNow();
-      if (now >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "waited ", absl::FormatDuration(timeout),
-            " for the lock of the shared throttle state file ", path,
-            ": a process that shares the device holds it without making "
-            "progress (stopped, or hung in I/O)"));
-      }
-      std::this_thread::sleep_for(std::min(pause, deadline - now));
-      pause = std::min<MonoClock::duration>(pause * 2,
-                                            std::chrono::milliseconds(2));
+    const int err = internal_io::PollWithBackoff(
+        [fd] {
+          while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            if (errno != EINTR) return errno;  // EWOULDBLOCK: EAGAIN
+          }
+          return 0;
+        },
+        MonoAfter(timeout), nullptr);
+    if (err == ETIMEDOUT) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "waited ", absl::FormatDuration(timeout),
+          " for the lock of the shared throttle state file ", path,
+          ": a process that shares the device holds it without making "
+          "progress (stopped, or hung in I/O)"));
     }
+    if (err != 0) return ErrnoStatus(err, "flock", path);
     return FileLock(fd);
   }
   FileLock(FileLock&& other) : fd_(std::exchange(other.fd_, -1)) {}

@@ -65,6 +65,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -74,6 +75,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "io/file.h"
+#include "io/internal/poll.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/status_macros.h"
 
@@ -93,46 +95,35 @@ constexpr int64_t kMarkLanes = 16;
 // `wait` sleeps until it is granted. Returns errno (0 on success).
 int OfdLock(int fd, short type, off_t offset, bool wait);
 
-// A wait's limit (Acquire's timeout) and when it runs out.
+// A wait's limit (Acquire's timeout), when it runs out, and its cancel flag.
 struct Deadline {
   Deadline(absl::Duration t, const std::atomic<bool>* c)
-      : timeout(t), bounded(t != absl::InfiniteDuration()), cancel(c) {
-    if (bounded) at = MonoAfter(t);
+      : timeout(t), cancel(c) {
+    if (t != absl::InfiniteDuration()) at = MonoAfter(t);
   }
   // Whether the wait polls (F_OFD_SETLKW takes no deadline and no flag).
-  bool polls() const { return bounded || cancel != nullptr; }
+  bool polls() const { return at.has_value() || cancel != nullptr; }
   // The call a failed wait names.
   const char* Call() const {
     return polls() ? "fcntl(F_OFD_SETLK, polled)" : "fcntl(F_OFD_SETLKW)";
   }
   absl::Duration timeout;
-  bool bounded;
-  MonoTime at;
+  std::optional<MonoTime> at;       // none: no limit
   const std::atomic<bool>* cancel;  // null: none
 };
 
 // OfdLock that waits until `deadline` at most (unbounded and without a
-// cancel flag: the kernel's wait). Otherwise it polls, sleeping from 50 us
-// doubling to 2 ms between tries, so a release (or the flag) is seen within
-// 2 ms. ETIMEDOUT when the deadline passed, ECANCELED when the flag is set.
+// cancel flag: the kernel's wait). Otherwise it polls (PollWithBackoff), so
+// a release (or the flag) is seen within 2 ms. ETIMEDOUT when the deadline
+// passed, ECANCELED when the flag is set.
 int OfdLockUntil(int fd, short type, off_t offset, const Deadline& deadline) {
   if (!deadline.polls()) return OfdLock(fd, type, offset, /*wait=*/true);
-  MonoClock::duration pause = std::chrono::microseconds(50);
-  for (;;) {
-    const int err = OfdLock(fd, type, offset, /*wait=*/false);
-    if (err != EAGAIN && err != EACCES) return err;
-    if (deadline.cancel != nullptr && deadline.cancel->load()) {
-      return ECANCELED;
-    }
-    const MonoTime now = MonoNow();
-    if (deadline.bounded && now >= deadline.at) return ETIMEDOUT;
-    std::this_thread::sleep_for(
-        deadline.bounded
-            ? std::min<MonoClock::duration>(pause, deadline.at - now)
-            : pause);
-    pause =
-        std::min<MonoClock::duration>(pause * 2, std::chrono::milliseconds(2));
-  }
+  return internal_io::PollWithBackoff(
+      [&] {
+        const int err = OfdLock(fd, type, offset, /*wait=*/false);
+        return err == EACCES ? EAGAIN : err;  // held by another: try again
+      },
+      deadline.at, deadline.cancel);
 }
 
 int OfdLock(int fd, short type, off_t offset, bool wait) {
