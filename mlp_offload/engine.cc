@@ -1125,9 +1125,18 @@ struct Engine::Impl {
   }
   // OK if tier t's MANIFEST still holds the bytes this run wrote or read.
   absl::Status CheckManifestUnchanged(size_t t) const;
-  // AbortStep's part under mu: waits for the step's I/O, keeps the record
-  // being updated, drops the reads ahead.
-  void DrainAfterAbort() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The position in `order` of the step's next subgroup: pos, past what an
+  // earlier, failed attempt of this step already updated.
+  size_t NextPos() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    size_t p = pos;
+    while (p < order.size() && done_in_step[order[p]]) ++p;
+    return p;
+  }
+  // Every tier's waits for its lock and the requests its cap holds back
+  // (TierChannel::SetInterrupted).
+  void SetIoInterrupted(bool on) {
+    for (Tier& tier : tiers) tier.channel->SetInterrupted(on);
+  }
   // Checks every tier path (exists, a writable directory, no two the same)
   // without touching them; OpenTiers then creates the run directories.
   absl::Status CheckTiers();
@@ -2072,8 +2081,7 @@ bool Engine::NextIsReady() {
   Impl& e = *impl_;
   if (!e.in_step) return true;
   MutexLock l(&e.mu);
-  size_t pos = e.pos;
-  while (pos < e.order.size() && e.done_in_step[e.order[pos]]) ++pos;
+  const size_t pos = e.NextPos();
   if (pos >= e.order.size()) return true;
   const int b = e.buffer_of[e.order[pos]];
   return b >= 0 && e.buffers[b].pending == 0;
@@ -2090,8 +2098,7 @@ absl::StatusOr<SubgroupView> Engine::Next() {
         "next step resumes the others"));
   }
   MutexLock l(&e.mu);
-  // Skip what an earlier, failed attempt of this step already updated.
-  while (e.pos < e.order.size() && e.done_in_step[e.order[e.pos]]) ++e.pos;
+  e.pos = e.NextPos();
   if (e.pos >= e.order.size()) return SubgroupView{};
   const int i = e.order[e.pos];
   e.IssueReads();
@@ -2235,7 +2242,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
 void Engine::SetInterrupted(bool interrupted) {
   Impl& e = *impl_;
   e.interrupted.store(interrupted);
-  for (Impl::Tier& tier : e.tiers) tier.channel->SetInterrupted(interrupted);
+  e.SetIoInterrupted(interrupted);
 }
 
 void Engine::AbortStep() {
@@ -2245,31 +2252,24 @@ void Engine::AbortStep() {
   // are dropped anyway, and a write that does not land leaves its record
   // cached (DrainWrites). (Not under mu: the dropped requests complete on
   // this thread.)
-  for (Impl::Tier& tier : e.tiers) tier.channel->SetInterrupted(true);
+  e.SetIoInterrupted(true);
   {
     MutexLock l(&e.mu);
-    e.DrainAfterAbort();
-  }
-  for (Impl::Tier& tier : e.tiers) {
-    tier.channel->SetInterrupted(e.interrupted.load());
-  }
-}
-
-void Engine::Impl::DrainAfterAbort() {
-  Impl& e = *this;
-  (void)e.DrainWrites();
-  // Reads in flight or done for records not yet updated: drop them.
-  for (size_t b = 0; b < e.buffers.size(); ++b) {
-    Buffer& buf = e.buffers[b];
-    if (buf.state == BufState::kReading || buf.state == BufState::kReady) {
-      (void)e.WaitIo(static_cast<int>(b));
-      e.Free(static_cast<int>(b));
-    } else if (buf.state == BufState::kInUse) {
-      // Being updated when the step failed: keep it as the latest version.
-      buf.state = BufState::kCached;
+    (void)e.DrainWrites();
+    // Reads in flight or done for records not yet updated: drop them.
+    for (size_t b = 0; b < e.buffers.size(); ++b) {
+      Buffer& buf = e.buffers[b];
+      if (buf.state == BufState::kReading || buf.state == BufState::kReady) {
+        (void)e.WaitIo(static_cast<int>(b));
+        e.Free(static_cast<int>(b));
+      } else if (buf.state == BufState::kInUse) {
+        // Being updated when the step failed: keep it as the latest version.
+        buf.state = BufState::kCached;
+      }
     }
+    e.StepFailed();
   }
-  e.StepFailed();
+  e.SetIoInterrupted(e.interrupted.load());
 }
 
 absl::Status Engine::Impl::ValidateStepInputs(
