@@ -400,25 +400,9 @@ class PyEngine {
       // A signal handler that Interruptible's poll runs on this thread (a
       // progress logger, a preemption handler that saves): the call being
       // polled finishes first, as when handlers ran after it. This wait
-      // polls for signals as Interruptible does: a Ctrl-C meanwhile
-      // interrupts the call, and its exception leaves the handler.
-      for (;;) {
-        {
-          py::gil_scoped_release release;
-          if (wait_polled_(MonoAfter(absl::Milliseconds(50)))) break;
-        }
-        if (PyErr_CheckSignals() != 0) {
-          py::error_already_set raised;
-          engine_->SetInterrupted(true);
-          {
-            py::gil_scoped_release release;
-            while (!wait_polled_(MonoAfter(absl::Seconds(1)))) {
-            }
-          }
-          engine_->SetInterrupted(false);
-          throw raised;
-        }
-      }
+      // polls for signals too: a Ctrl-C meanwhile interrupts the call, and
+      // its exception leaves the handler.
+      WaitPollingSignals(*engine_, wait_polled_);
     }
     return *engine_;
   }
@@ -450,11 +434,7 @@ class PyEngine {
       py::gil_scoped_release release;
       return call(engine);
     }();
-    if constexpr (std::is_same_v<decltype(result), absl::Status>) {
-      ThrowIfError(result);
-    } else {
-      return ValueOrThrow(std::move(result));
-    }
+    return Unwrap(std::move(result));
   }
 
   // WithoutGil for a call that may run long (a step under a tiny bandwidth
@@ -487,39 +467,56 @@ class PyEngine {
       py::gil_scoped_release release;
       result.emplace(call(engine));
     } else {
+      std::function<bool(MonoTime)> finished =
+          [this, t = *ticket](MonoTime deadline) {
+            return calls_.Finished(t, deadline);
+          };
       // Until the call is over, a handler run below may wait for it.
-      const PollScope polling(this, [this, t = *ticket](MonoTime deadline) {
-        return calls_.Finished(t, deadline);
-      });
-      for (;;) {
-        {
-          py::gil_scoped_release release;
-          if (calls_.Finished(*ticket, MonoAfter(absl::Milliseconds(50)))) {
-            break;
-          }
-        }
-        if (PyErr_CheckSignals() != 0) {
-          py::error_already_set raised;  // takes the handler's exception
-          engine.SetInterrupted(true);
-          {
-            py::gil_scoped_release release;
-            while (!calls_.Finished(*ticket, MonoAfter(absl::Seconds(1)))) {
-            }
-          }
-          engine.SetInterrupted(false);
-          throw raised;
-        }
-      }
+      const PollScope polling(this, finished);
+      WaitPollingSignals(engine, finished);
     }
     if (error != nullptr) std::rethrow_exception(error);
-    if constexpr (std::is_same_v<Result, absl::Status>) {
-      ThrowIfError(*result);
-    } else {
-      return ValueOrThrow(std::move(*result));
-    }
+    return Unwrap(std::move(*result));
   }
 
  private:
+  // A call's result as Python sees it: a Status raises unless OK, a
+  // StatusOr gives its value or raises.
+  template <typename Result>
+  static auto Unwrap(Result result) {
+    if constexpr (std::is_same_v<Result, absl::Status>) {
+      ThrowIfError(result);
+    } else {
+      return ValueOrThrow(std::move(result));
+    }
+  }
+
+  // Waits (without the GIL) until `finished` says the call running on
+  // another thread is over, checking for signals every 50 ms as the
+  // interpreter would. A handler's exception (Ctrl-C: KeyboardInterrupt)
+  // interrupts `engine` (Engine::SetInterrupted), waits for the call, and is
+  // raised.
+  static void WaitPollingSignals(
+      Engine& engine, const std::function<bool(MonoTime)>& finished) {
+    for (;;) {
+      {
+        py::gil_scoped_release release;
+        if (finished(MonoAfter(absl::Milliseconds(50)))) return;
+      }
+      if (PyErr_CheckSignals() != 0) {
+        py::error_already_set raised;  // takes the handler's exception
+        engine.SetInterrupted(true);
+        {
+          py::gil_scoped_release release;
+          while (!finished(MonoAfter(absl::Seconds(1)))) {
+          }
+        }
+        engine.SetInterrupted(false);
+        throw raised;
+      }
+    }
+  }
+
   // Interruptible's thread and how to wait for its call, for that call's
   // lifetime (restoring an outer one: a handler may step again).
   class PollScope {
