@@ -158,6 +158,9 @@ class LockedDispatcher {
             Finished();
           });
         }
+        // A failed wait fails the requests queued while it lasted, not the
+        // ones queued after it (a retried step's): they wait afresh.
+        if (!locked.ok()) break;
       }
       if (locked.ok()) lock_->Release();
     }
