@@ -106,6 +106,45 @@ def test_parameters_edited_between_steps_are_what_every_rank_updates(tmp_path, n
     spawn(edited_params_worker, tier_dirs(tmp_path), name)
 
 
+def memory_format_worker(rank, tiers):
+    # channels_last parameters: each owner updates its subgroups' records
+    # (values in memory order), and every rank gets the parameters and the
+    # state where torch has them.
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3),
+            torch.nn.Flatten(), torch.nn.Linear(16, 8)).to(memory_format=torch.channels_last)
+    ref = net()
+    model = copy.deepcopy(ref)
+    make = OPTIMIZERS["adamw"]
+    ref_opt = make(ref.parameters())
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=300,
+                              compute_threads=1)
+    assert opt.engine.num_subgroups >= 1  # each rank owns and updates some
+    for step in range(3):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(2, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)
+        for o, m in ((ref_opt, ref), (opt, model)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            for q in m.parameters():
+                dist.all_reduce(q.grad)
+                q.grad /= WORLD
+            o.step()
+    assert_params_match(model, ref, rank)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert_states_match(sd["state"], ref_sd["state"], rank)
+    for pid, st in ref_sd["state"].items():
+        for k, v in st.items():
+            assert sd["state"][pid][k].stride() == v.stride(), (rank, pid, k)
+    opt.close()
+
+
+def test_two_ranks_update_parameters_in_other_memory_formats(tmp_path):
+    spawn(memory_format_worker, tier_dirs(tmp_path))
+
+
 def mismatch_entry_worker(rank, tiers):
     # What a rank does differently raises on every rank at once, naming it,
     # and changes nothing: the ranks then go on together.
@@ -1339,6 +1378,15 @@ def mismatch_worker(rank, tiers):
         MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
                             compute_threads=1)
     model[2].bias.requires_grad_(True)
+    # Rank 1's model in another memory format (its records would hold the
+    # values in another order).
+    convs = [torch.nn.Conv2d(3, 4, 3) for _ in range(2)]
+    convs[1].to(memory_format=torch.channels_last)
+    with pytest.raises(ConfigError, match=r"disagree on param_strides: rank 0 has 2 entries, "
+                                          r"\[0\] = None, rank 1 has 2 entries, "
+                                          r"\[0\] = \[27, 1, 9, 3\]"):
+        MLPOffloadOptimizer(make(convs[rank].parameters()), tiers=tiers, subgroup_numel=200,
+                            compute_threads=1)
     # A setting rank 1 refuses: rank 0 raises too, naming it.
     with pytest.raises(ConfigError if rank == 1 else OffloadError) as err:
         MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,

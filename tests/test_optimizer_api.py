@@ -13,6 +13,7 @@ import struct
 import time
 
 import pytest
+import safetensors.torch
 import torch
 import torch.optim.optimizer as _optim_module
 
@@ -524,8 +525,8 @@ def test_argument_errors(tmp_path):
                             tiers=[str(tmp_path / "missing")])
     with pytest.raises(errors.ConfigError, match="torch.optim.Optimizer"):
         MLPOffloadOptimizer(model.parameters(), tiers=[str(tmp_path)])
-    weird = torch.nn.Parameter(torch.randn(6, 4).t())
-    with pytest.raises(errors.ConfigError, match="not contiguous"):
+    weird = torch.nn.Parameter(torch.randn(6, 4)[::2])
+    with pytest.raises(errors.ConfigError, match="not dense"):
         wrap(torch.optim.Adam([weird]), tmp_path)
     mixed = [torch.nn.Parameter(torch.randn(3)),
              torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))]
@@ -803,7 +804,7 @@ def test_parameters_changed_after_wrapping_are_refused(tmp_path, mode):
     opt = wrap(torch.optim.SGD(conv.parameters(), lr=0.1), tmp_path, mode=mode)
     conv.to(memory_format=torch.channels_last)
     conv(torch.randn(2, 3, 5, 5)).sum().backward()
-    with pytest.raises(errors.ConfigError, match="now a non-contiguous"):
+    with pytest.raises(errors.ConfigError, match="now has strides .*another memory format"):
         opt.step()
     opt.close()
     # Resized in place before the state exists: the engine would copy the
@@ -1601,6 +1602,153 @@ def test_parameters_with_no_elements_are_kept_out_of_the_offloaded_state(tmp_pat
     train(range(5, 8))
     assert_same_state(opt.state_dict()["state"], {
         k: v for k, v in ref_opt.state_dict()["state"].items() if k not in empty_ids})
+    opt.close()
+
+
+class InOtherMemoryFormats(torch.nn.Module):
+    """Parameters whose elements lie in memory in another order than
+    row-major: channels_last convolutions (a 1x1 one, whose strides differ
+    from row-major ones in size-1 dimensions only) and a column-major
+    (transposed) weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.pointwise = torch.nn.Conv2d(8, 4, 1)
+        self.head = torch.nn.Parameter(torch.randn(5, 4 * 6 * 6).t() * 0.05)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        y = self.pointwise(torch.relu(self.conv(x)))
+        return y.flatten(1) @ self.head
+
+
+def memory_format_batch(step):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(2, 3, 8, 8, generator=gen).to(memory_format=torch.channels_last)
+
+
+def assert_same_layout(state, ref_state):
+    for pid, st in ref_state.items():
+        for k, v in st.items():
+            assert state[pid][k].stride() == v.stride(), (pid, k)
+
+
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("family", ["adamw", "sgd_momentum", "adagrad", "rmsprop"])
+def test_parameters_in_other_memory_formats_match_torch(tmp_path, family, mode):
+    # The records hold each parameter's values in the order they lie in
+    # memory; everything that shows them (the model, state_dict, opt.state,
+    # checkpoints' master weights) shows them where torch does, and the
+    # update, loads and resumes put them back there.
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),  # generic
+    }[family]
+    ref = InOtherMemoryFormats()
+    assert not ref.conv.weight.is_contiguous() and not ref.head.is_contiguous()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref.parameters())
+
+    def wrapper(m, tier, **kwargs):
+        (tmp_path / tier).mkdir(exist_ok=True)
+        kwargs.setdefault("subgroup_numel", 150)
+        return wrap(make(m.parameters()), tmp_path / tier, mode=mode, **kwargs)
+
+    opt = wrapper(model, "live", run_name="formats", commit_every=1, resume="never")
+
+    def train(steps, *twins):
+        for step in steps:
+            for o, m in ((ref_opt, ref), (opt, model)) + twins:
+                o.zero_grad()
+                m(memory_format_batch(step)).square().mean().backward()
+                o.step()
+            for _, m in ((opt, model),) + twins:
+                assert_close(m, ref)
+
+    train(range(3))
+    for p in model.parameters():
+        assert not p.is_contiguous() or p.dim() < 4 or p is model.pointwise.weight
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert_same_state(sd["state"], ref_sd["state"])
+    assert_same_layout(sd["state"], ref_sd["state"])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k, v in ref_opt.state[q].items():
+            assert max_rel_diff(opt.state[p][k], v) <= 1e-6, k
+    # An in-place edit of the parameters (under no_grad) reaches the master.
+    with torch.no_grad():
+        for m in (model, ref):
+            m.conv.weight[:, 1].mul_(0.5)
+            m.head[3].add_(0.25)
+    train(range(3, 4))
+
+    # Both ways between torch and the wrapper, then on alike.
+    plain_model = copy.deepcopy(model)
+    plain = make(plain_model.parameters())
+    plain.load_state_dict(opt.state_dict())
+    twin = copy.deepcopy(model)
+    other = wrapper(twin, "other", subgroup_numel=400)
+    other.load_state_dict(ref_opt.state_dict())
+    train(range(4, 6), (plain, plain_model), (other, twin))
+    other.close()
+
+    opt.save_checkpoint(tmp_path / "ckpt")
+    weights = mlp_offload.master_weights(tmp_path / "ckpt")
+    for w, p in zip(weights, model.parameters()):
+        assert torch.equal(w, p.detach())
+    row_major = [torch.empty(p.shape) for p in model.parameters()]
+    mlp_offload.load_master_weights(tmp_path / "ckpt", row_major)
+    for w, p in zip(row_major, model.parameters()):
+        assert torch.equal(w, p.detach())
+    exported = safetensors.torch.load_file(
+        mlp_offload.export_master_weights(tmp_path / "ckpt", tmp_path / "w.safetensors"))
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(exported[f"param.{i}"], p.detach()), i
+    before = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    train(range(6, 8))
+    ref.load_state_dict(before[0])
+    ref_opt.load_state_dict(before[1])
+    opt.load_checkpoint(tmp_path / "ckpt")
+    assert_close(model, ref)
+    train(range(8, 9))
+    # The committed state resumes into the same memory format only: the
+    # records hold the values in its order.
+    opt.close()
+    contiguous = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
+    with pytest.raises(errors.StateMismatchError, match="param_strides"):
+        wrapper(contiguous, "live", run_name="formats", commit_every=1, resume="require")
+    elsewhere = wrapper(copy.deepcopy(contiguous), "elsewhere")
+    # (Parameter 0 is the head, which .to(memory_format) leaves as it is.)
+    with pytest.raises(errors.StateMismatchError,
+                       match=r"parameter 1 in strides \(27, 1, 9, 3\).* row-major order"):
+        elsewhere.load_checkpoint(tmp_path / "ckpt")
+    elsewhere.close()
+    resumed = wrapper(model, "live", run_name="formats", commit_every=1, resume="require")
+    opt = resumed
+    train(range(9, 10))
+    assert_same_state(opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    opt.close()
+
+
+def test_parameters_and_gradients_of_another_layout_are_refused_by_name(tmp_path):
+    gappy = torch.nn.Parameter(torch.randn(6, 8)[:, ::2])
+    with pytest.raises(errors.ConfigError, match=r"parameter 0 .* is not dense"):
+        wrap(torch.optim.Adam([gappy]), tmp_path)
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    opt = wrap(torch.optim.Adam(conv.parameters()), tmp_path)
+    conv(memory_format_batch(0)).sum().backward()
+    conv.weight.grad = conv.weight.grad.contiguous()  # set by hand, row-major
+    before = conv.weight.detach().clone()
+    with pytest.raises(errors.ConfigError,
+                       match=r"gradient of parameter 0 has strides .*torch.empty_like"):
+        opt.step()
+    assert torch.equal(conv.weight, before)
+    conv.weight.grad = torch.empty_like(conv.weight).copy_(conv.weight.grad)
+    opt.step()
+    assert not torch.equal(conv.weight, before)
     opt.close()
 
 

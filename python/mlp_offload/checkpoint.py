@@ -140,6 +140,14 @@ def _schema_problem(m):
     if "group_sizes" in layout and not (isinstance(layout["group_sizes"], list)
                                         and all(map(_is_count, layout["group_sizes"]))):
         return "'layout.group_sizes' must be a list of integers >= 0"
+    strides = layout.get("param_strides")
+    if strides is not None and not (
+            isinstance(strides, list) and len(strides) == len(shapes)
+            and all(st is None or (isinstance(st, list) and len(st) == len(sh)
+                                   and all(map(_is_count, st)))
+                    for st, sh in zip(strides, shapes))):
+        return ("'layout.param_strides' must list, per parameter, null or strides of "
+                "its shape's length")
     owners = layout.get("owners")
     if owners is None and m.get("version", 1) >= 3:
         return "no 'layout.owners'"
@@ -156,6 +164,14 @@ def _schema_problem(m):
         return (f"'engine_dir' is null (no engine state), but rank {rank} owns subgroups "
                 f"({len(subgroups)} subgroups over {world} ranks)")
     return None
+
+
+def param_strides_of(layout):
+    """Per parameter of a checked manifest's layout: the strides its values
+    are stored with (layout.strides_of), None where row-major (saves of
+    row-major models list none)."""
+    strides = layout.get("param_strides")
+    return [None] * len(layout["param_shapes"]) if strides is None else strides
 
 
 def owners_of(layout):
@@ -270,25 +286,30 @@ def _open_save(directory):
 
 
 def _subgroups(directory, manifests, layout):
-    """Per subgroup: (param ids, shapes, engine dir, record index)."""
-    shapes = layout["param_shapes"]
+    """Per subgroup: (param ids, (shape, strides) of each, engine dir, record
+    index)."""
+    shapes, strides = layout["param_shapes"], param_strides_of(layout)
     for pids, (src, j) in zip(layout["subgroups"], record_sources(directory, manifests)):
-        yield pids, [tuple(shapes[pid]) for pid in pids], src, j
+        yield pids, [(tuple(shapes[pid]), strides[pid]) for pid in pids], src, j
 
 
 def _read_masters(src, j, shapes, verify):
-    """The fp32 master values of one subgroup, as one flat tensor."""
-    numel = sum(math.prod(s) for s in shapes)
+    """The fp32 master values of one subgroup, as one flat tensor (each
+    parameter's in memory order)."""
+    numel = sum(math.prod(shape) for shape, _ in shapes)
     flat = torch.empty(numel, dtype=torch.float32)
     _C.engine.read_checkpoint_record(src, j, numel, flat.data_ptr(), [], verify)
     return flat
 
 
 def _pieces(flat, shapes):
+    """Views of each parameter's values, with its shape, in the order a
+    record keeps them (memory order: a channels_last parameter's views have
+    its strides)."""
     off = 0
-    for shape in shapes:
+    for shape, strides in shapes:
         n = math.prod(shape)
-        yield flat[off:off + n].view(shape)
+        yield _layout.shaped(flat[off:off + n], shape, strides)
         off += n
 
 
@@ -360,7 +381,7 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
     size = dtype.itemsize
     header, offset = {}, 0
     for pids, sg_shapes, _, _ in _subgroups(directory, manifests, layout):
-        for pid, shape in zip(pids, sg_shapes):
+        for pid, (shape, _) in zip(pids, sg_shapes):
             n = math.prod(shape) * size
             header[names[pid]] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                                   "data_offsets": [offset, offset + n]}
@@ -381,6 +402,9 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
             except OSError as e:
                 read_failure.append((e, src))
                 raise
+            if any(strides is not None for _, strides in sg_shapes):
+                # safetensors holds row-major tensors.
+                flat = torch.cat([piece.reshape(-1) for piece in _pieces(flat, sg_shapes)])
             f.write(memoryview(flat.view(torch.uint8).numpy()))
 
     try:

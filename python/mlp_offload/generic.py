@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from mlp_offload import layout as _layout
 from mlp_offload.errors import ConfigError, OffloadError
 
 _log = logging.getLogger(__name__)
@@ -169,9 +170,9 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
     for p, pid, off, n in subgroup.slices():
         if p.grad is None:
             raise OffloadError(f"parameter {pid} has no gradient")
-        t = master[off:off + n].view(p.shape)
+        t = _layout.shaped_like(master[off:off + n], p)
         if grad32 is not None:
-            grad = grad32[off:off + n] * grad_scale
+            grad = _layout.shaped_like(grad32[off:off + n], p) * grad_scale
         else:
             grad = p.grad.detach().to(torch.float32)
             if grad_scale != 1.0:
@@ -179,13 +180,13 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
             elif grad.data_ptr() == p.grad.data_ptr():
                 # Never hand the model's own gradient to code that may modify it.
                 grad = grad.clone()
-        t.grad = grad.view(p.shape)
+        t.grad = grad
         had = offloaded_keys_of(has_state[pid], keys) if has_state[pid] else None
         if had is not None:
             st = dict(py_state.get(pid, {}))
             for k, arr in zip(keys, arrays):
                 if k in had:
-                    st[k] = arr[off:off + n].view(p.shape)
+                    st[k] = _layout.shaped_like(arr[off:off + n], p)
             optimizer.state[t] = st
         temps.append(t)
         had_keys.append(had)
@@ -194,7 +195,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
             step_without_hooks(optimizer)
         for t, had, (p, pid, off, n) in zip(temps, had_keys, subgroup.slices()):
             st = optimizer.state.get(t, {})
-            target = master[off:off + n].view(p.shape)
+            target = _layout.shaped_like(master[off:off + n], p)
             if t.data_ptr() != target.data_ptr():  # the step rebound .data
                 target.copy_(t)
             present = []
@@ -213,7 +214,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                         f"{tuple(p.shape)}; pass generic_state_keys naming only the state "
                         f"tensors shaped like every parameter")
                 present.append(k)
-                view = arr[off:off + n].view(p.shape)
+                view = _layout.shaped_like(arr[off:off + n], p)
                 if value.data_ptr() != view.data_ptr():  # replaced, not updated
                     view.copy_(value)
             if had is not None and present != had:

@@ -129,6 +129,57 @@ def record_indices(owners):
     return out
 
 
+def is_dense(t):
+    """Whether t's elements fill one block of memory, without gaps or
+    overlaps: contiguous in some order of its dimensions (row-major,
+    channels_last...), not a strided slice or an expanded tensor. The engine
+    keeps such a parameter's values in the order they lie in memory."""
+    if t.numel() == 0:
+        return True  # nothing to place
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def strides_of(t):
+    """The strides that place a dense tensor's elements in memory (those of
+    dimensions of size 1, which place nothing, as 0), or None where they are
+    the row-major ones: the layout to read its values back with
+    (`shaped`)."""
+    if t.numel() == 0:
+        return None
+    mine = [s if n != 1 else 0 for s, n in zip(t.stride(), t.shape)]
+    row_major, step = [], 1
+    for n in reversed(t.shape):
+        row_major.append(step if n != 1 else 0)
+        step *= n
+    return None if mine == row_major[::-1] else mine
+
+
+def in_memory_order(t):
+    """A dense tensor's elements as a 1-D view, in the order they lie in
+    memory (a row-major tensor's flattening; a channels_last one's channels
+    fastest)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def shaped(flat, shape, strides=None):
+    """A view with `shape` of the 1-D contiguous `flat`, whose elements are
+    a tensor's in memory order: `strides` (strides_of that tensor; None:
+    row-major) put each where the tensor has it."""
+    return flat.view(shape) if strides is None else flat.as_strided(shape, strides)
+
+
+def shaped_like(flat, p):
+    """`shaped` with p's shape and strides (also those of its dimensions of
+    size 1, as torch's state tensors for it have them)."""
+    view = flat.view(p.shape)
+    return view if view.stride() == p.stride() else flat.as_strided(p.shape, p.stride())
+
+
 def float_view(ptr, numel):
     """A float32 tensor over `numel` floats at address `ptr` (no copy).
 
@@ -202,9 +253,10 @@ class HostArena:
 
 
 def flat_fp32(params):
-    """The parameters' values as one new fp32 vector in host memory."""
+    """The parameters' values as one new fp32 vector in host memory, each
+    parameter's in memory order."""
     with torch.no_grad():
-        return torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        return torch.cat([in_memory_order(p.detach()).to(device="cpu", dtype=torch.float32)
                           for p in params])
 
 

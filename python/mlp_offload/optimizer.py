@@ -444,6 +444,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         group_sizes=[len(g["params"]) for g in groups],
                         param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
                         param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
+                        param_strides=[_layout.strides_of(p) if _layout.is_dense(p) else None
+                                       for g in groups for p in g["params"]],
                         # Frozen and trainable parameters are packed apart.
                         param_requires_grad=[p.requires_grad for g in groups
                                              for p in g["params"]],
@@ -512,9 +514,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if p.device.type not in ("cpu", "cuda"):
                 raise ConfigError(f"parameter {i} is on {p.device}: only CPU and CUDA "
                                   f"parameters are supported")
-            if not p.is_contiguous():
-                raise ConfigError(f"parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
-                                  f"the engine writes updates in place")
+            if not _layout.is_dense(p):
+                raise ConfigError(
+                    f"parameter {i} (shape {tuple(p.shape)}, strides {tuple(p.stride())}) "
+                    f"is not dense: its elements have gaps or overlaps in memory (a "
+                    f"strided slice or an expanded tensor), and the engine updates a "
+                    f"parameter's memory in place as one block; give it storage of its "
+                    f"own (.contiguous() or .clone() before making it a parameter)")
+            if _cuda_path.wanted(p.device) and not p.is_contiguous():
+                raise ConfigError(
+                    f"parameter {i} (shape {tuple(p.shape)}) is on {p.device} in a memory "
+                    f"format other than row-major (channels_last?): the GPU path takes "
+                    f"contiguous parameters (other memory formats work for CPU parameters)")
         first = {}
         for i, p in enumerate(params):
             if id(p) in first:
@@ -557,6 +568,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._packed_trainable = {id(p): before.get(id(p), p.requires_grad)
                                   for sg in self._subgroups for p in sg.params}
         self._param_shapes = [list(p.shape) for p in params]
+        # Of the parameters not in row-major order (channels_last): the
+        # strides that place their values, which the records hold in memory
+        # order ({index: strides}).
+        self._param_strides = {pid: st for pid, st in
+                               ((pid, _layout.strides_of(p)) for pid, p in enumerate(params))
+                               if st is not None}
         self._group_param_ids = [[id(p) for p in g["params"]] for g in groups]
         # Each rank owns a share of the subgroups, balanced by size.
         self._owners = _layout.assign_owners(self._subgroups, self._world)
@@ -1579,7 +1596,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for p, _, off, n in sg.slices():
                     m = master[off:off + n]
-                    now = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+                    now = _layout.in_memory_order(p.detach()).to(device="cpu",
+                                                                 dtype=torch.float32)
                     same = now == m.to(p.dtype).to(torch.float32)
                     if not bool(same.all()):
                         m.copy_(torch.where(same, m, now))
@@ -1596,14 +1614,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if g is None:
                 raise OffloadError(f"parameter {pid} has no gradient")
             if g.dtype != p.dtype or g.shape != p.shape or g.is_sparse \
-                    or not g.is_contiguous() or g.device != p.device:
+                    or g.device != p.device:
                 raise ConfigError(
-                    f"the gradient of parameter {pid} must be a dense contiguous "
+                    f"the gradient of parameter {pid} must be a dense "
                     f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}; got "
-                    f"{g.dtype} {tuple(g.shape)}{' sparse' if g.is_sparse else ''}"
-                    f"{'' if g.is_sparse or g.is_contiguous() else ' non-contiguous'}")
-            if p.dtype != self._dtype or not p.is_contiguous() or p.device != self._device:
+                    f"{g.dtype} {tuple(g.shape)}{' sparse' if g.is_sparse else ''} on "
+                    f"{g.device}")
+            row_major = p.is_contiguous()  # the common case, checked at C++ speed
+            if p.dtype != self._dtype or p.device != self._device \
+                    or row_major != (pid not in self._param_strides) \
+                    or not row_major and (not _layout.is_dense(p) or _layout.strides_of(p)
+                                          != self._param_strides[pid]):
                 self._check_params_unchanged()  # raises, naming the change
+            if not (row_major and g.is_contiguous()) and (
+                    not _layout.is_dense(g) or _layout.strides_of(g) != _layout.strides_of(p)):
+                # Autograd and DDP give a dense parameter's gradient its layout.
+                raise ConfigError(
+                    f"the gradient of parameter {pid} has strides {tuple(g.stride())}, the "
+                    f"parameter {tuple(p.stride())}: the engine reads both in memory "
+                    f"order, so a gradient set by hand must have its parameter's layout "
+                    f"(torch.empty_like(p).copy_(grad))")
             segs.append((off, n, g.data_ptr(), p.data_ptr()))
         return segs
 
@@ -1686,13 +1716,22 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         for sg in self._subgroups:
             for p, pid in zip(sg.params, sg.param_ids):
                 if p.dtype != self._dtype or p.device != self._device \
-                        or list(p.shape) != self._param_shapes[pid] or not p.is_contiguous():
+                        or list(p.shape) != self._param_shapes[pid]:
                     raise ConfigError(
-                        f"parameter {pid} is now a {'' if p.is_contiguous() else 'non-contiguous '}"
-                        f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}; the "
-                        f"optimizer was built for {self._dtype} {tuple(self._param_shapes[pid])} "
-                        f"on {self._device}: convert the model (model.to(...)) before "
-                        f"creating the optimizer, or create it again")
+                        f"parameter {pid} is now a {p.dtype} tensor of shape "
+                        f"{tuple(p.shape)} on {p.device}; the optimizer was built for "
+                        f"{self._dtype} {tuple(self._param_shapes[pid])} on {self._device}: "
+                        f"convert the model (model.to(...)) before creating the optimizer, "
+                        f"or create it again")
+                now = _layout.strides_of(p) if _layout.is_dense(p) else "not dense"
+                if now != self._param_strides.get(pid):
+                    raise ConfigError(
+                        f"parameter {pid} now has strides {tuple(p.stride())} "
+                        f"({'not dense' if now == 'not dense' else 'another memory format'}"
+                        f"); the optimizer was built for "
+                        f"{self._layout_name(pid)}, and its records hold the values in "
+                        f"that order: convert the model (model.to(memory_format=...)) "
+                        f"before creating the optimizer, or create it again")
 
     def _init_hyperparams(self, group):
         """The hyperparameters a native subgroup's fresh state starts from
@@ -2186,6 +2225,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     "param_shapes", "subgroups"):
             if want[key] != got.get(key):
                 return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
+        theirs = _ckpt.param_strides_of(got)
+        if theirs != self._strides_list():
+            return (f"param_strides (the parameters' memory formats) are {theirs!r} there, "
+                    f"{self._strides_list()!r} here")
         if want["owners"] != _ckpt.owners_of(got):
             return self._round_robin_difference(got) or (
                 f"the subgroups' owner ranks are {_ckpt.owners_of(got)} there, "
@@ -2225,7 +2268,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     self._engine.read_masters([b[0] for b in buffers], [b[2] for b in buffers])
                     for g, master in masters.items():
                         for p, _, off, n in self._subgroups[g].slices():
-                            p.copy_(master[off:off + n].view(p.shape))
+                            p.copy_(_layout.shaped_like(master[off:off + n], p))
             if self._process_group is not None:
                 self._broadcast_params()
         self._note_param_versions()
@@ -2445,7 +2488,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                          arrays[:len(keys)], self._py_state,
                                          self._has_state, grad_scale, grad32)
                 for p, _, off, n in sg.slices():
-                    p.copy_(master[off:off + n].view(p.shape))
+                    p.copy_(_layout.shaped_like(master[off:off + n], p))
                 del master, arrays, grad32
                 engine.done()
             if self._commits_next():
@@ -2550,11 +2593,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _broadcast_params(self):
         for sg in self._subgroups:
-            flat = torch.cat([p.detach().reshape(-1) for p in sg.params])
+            flat = torch.cat([_layout.in_memory_order(p.detach()) for p in sg.params])
             self._broadcast_tensor(flat, sg.index)
             if self._owner(sg.index) != self._rank:
                 for p, _, off, n in sg.slices():
-                    p.copy_(flat[off:off + n].view(p.shape))
+                    p.copy_(_layout.shaped_like(flat[off:off + n], p))
 
     def _broadcast_tensor(self, tensor, g):
         """Broadcasts `tensor` from subgroup g's owner, through the group's
@@ -2619,7 +2662,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the parameter's loaded keys that no kernel uses (from its owner rank;
         None: this rank's record), returned as they were loaded."""
         def copy(arr):
-            piece = arr[off:off + n].view(p.shape)
+            piece = _layout.shaped_like(arr[off:off + n], p)
             return piece if views else piece.clone()
 
         if self._family is not None:
@@ -2878,7 +2921,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                             f"{getattr(value, 'numel', lambda: '?')()} elements, the "
                             f"parameter {n}")
                     if not check_only:
-                        arrays[ki][off:off + n].copy_(value.detach().reshape(-1))
+                        _layout.shaped_like(arrays[ki][off:off + n], p).copy_(
+                            value.detach().reshape(p.shape))
             if self._family is not None:
                 if len(steps) != 1:
                     raise StateMismatchError(
@@ -3074,7 +3118,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return [sg.param_ids for sg in self._subgroups]
 
     def _layout_summary(self):
-        return {
+        summary = {
             "optimizer": type(self.optimizer).__name__,
             "world_size": self._world,
             "param_shapes": self._param_shapes,
@@ -3084,6 +3128,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "num_state_arrays": self._num_arrays,
             "owners": self._owners,
         }
+        if self._param_strides:  # absent where all are row-major, as before
+            summary["param_strides"] = self._strides_list()
+        return summary
+
+    def _strides_list(self):
+        """Per parameter: its strides_of (None: row-major), as layouts list
+        them."""
+        return [self._param_strides.get(pid) for pid in range(len(self._param_shapes))]
+
+    def _layout_name(self, pid):
+        strides = self._param_strides.get(pid)
+        return "row-major order" if strides is None else f"strides {tuple(strides)}"
 
     def _checkpoint_directory(self, directory, what):
         if directory is None:
@@ -3497,6 +3553,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise StateMismatchError(
                 f"checkpoint in {directory} packs parameters into other subgroups "
                 f"(subgroup_numel differs)")
+        for pid, (a, b) in enumerate(zip(self._strides_list(), _ckpt.param_strides_of(got))):
+            if a != b:
+                there = "row-major order" if b is None else f"strides {tuple(b)}"
+                raise StateMismatchError(
+                    f"checkpoint in {directory} holds parameter {pid} in {there}, this "
+                    f"model has it in {self._layout_name(pid)} (another memory format, "
+                    f"e.g. channels_last): convert the model to the format it was saved "
+                    f"with (model.to(memory_format=...)) before creating the optimizer, "
+                    f"or move the state through state_dict(), which holds no layout")
         return [self._read_python_state(directory, m) for m in manifests]
 
     def _apply_checkpoint_files(self, directory, manifests, python_states):
