@@ -471,6 +471,9 @@ absl::StatusOr<std::string> SharedThrottlePath(const std::string& lock_dir,
 struct Engine::Impl {
   EngineConfig config;
   Plan plan;
+  // What the plan was made from (a resume plans again for the placement
+  // its records have).
+  PlannerInput planner_input;
   uint64_t run_id = 0;
   ThreadPool pool;
 
@@ -1423,7 +1426,14 @@ absl::Status Engine::Impl::LoadCommitted() {
   for (const auto& tier : tiers) dirs.push_back(tier.dir);
   MLP_ASSIGN_OR_RETURN(Manifest m, ReadRunManifest(dirs, expected, &texts));
   run_id = m.run_id;
-  plan.tier_of_subgroup = m.tier_of_subgroup;
+  if (m.tier_of_subgroup != plan.tier_of_subgroup) {
+    // The records stay where the run wrote them (placed under other
+    // techniques or bandwidths): buffers, traffic and prediction follow.
+    PlannerInput kept = planner_input;
+    kept.placement = m.tier_of_subgroup;
+    MLP_ASSIGN_OR_RETURN(plan, MakePlan(kept));
+    plan.placement_kept = true;
+  }
   std::vector<TierCommitFiles> commits;
   for (size_t t = 0; t < tiers.size(); ++t) {
     tiers[t].manifest = texts[t];
@@ -1631,6 +1641,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     in.tiers[t].capacity_bytes = std::max<uint64_t>(1, share + own);
   }
   MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
+  e.planner_input = std::move(in);
   MLP_RETURN_IF_ERROR(e.OpenTiers());
   e.numel = config.subgroup_numel;
   e.payload_bytes.resize(n);
@@ -2033,7 +2044,9 @@ absl::Status Engine::BeginStep(const std::vector<bool>& skip) {
     return e.grad_writes == 0;
   };
   e.mu.Await(grads_landed);
-  e.stats.grad_offload_seconds += SecondsSince(grad_wait);
+  const double waited = SecondsSince(grad_wait);
+  e.stats.grad_offload_seconds += waited;
+  e.stats.grad_wait_seconds += waited;
   if (!e.grad_error.ok()) {
     absl::Status s = e.grad_error;
     e.grad_error = absl::OkStatus();

@@ -156,6 +156,9 @@ struct StepStats {
   double compute_seconds = 0;     // kernels (or the caller's generic step)
   double write_wait_seconds = 0;  // waiting on writes at the end / for buffers
   double grad_offload_seconds = 0;  // baseline: eager grad conversion + writes
+  // Baseline: of grad_offload_seconds, the wait at the step's start for the
+  // gradient writes to land (the rest is OffloadGradients' own time).
+  double grad_wait_seconds = 0;
   int cache_hits = 0;
   // Subgroups with no gradient this step (BeginStep's skip) that were not
   // resident: left on their tier, neither read nor written.

@@ -518,7 +518,24 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
 
   // Which tiers are used, and their effective bandwidths.
   const int num_tiers = static_cast<int>(in.tiers.size());
-  const int active = in.techniques.multipath ? num_tiers : 1;
+  int active = in.techniques.multipath ? num_tiers : 1;
+  const bool fixed = !in.placement.empty();
+  if (fixed) {
+    if (static_cast<int>(in.placement.size()) != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan: a placement of ", in.placement.size(),
+                       " subgroups for ", n, " subgroups"));
+    }
+    for (int i = 0; i < n; ++i) {
+      const int t = in.placement[i];
+      if (t < 0 || t >= num_tiers) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("plan: the placement puts subgroup ", i, " on tier ",
+                         t, " of ", num_tiers));
+      }
+      active = std::max(active, t + 1);
+    }
+  }
   std::map<std::string, int> pool_size;
   for (int t = 0; t < active; ++t) {
     if (!in.tiers[t].bandwidth_pool.empty())
@@ -620,7 +637,7 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
                       : INFINITY;
     total_capacity += capacity[t];
   }
-  if (total_capacity < total_disk) {
+  if (!fixed && total_capacity < total_disk) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "plan: the tiers hold %s but the state needs %s on disk (two slots per "
         "subgroup)",
@@ -686,8 +703,10 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   std::vector<int> index_order(n, 0);
   int index_order_failed = -1;
   const bool index_order_ok =
-      IndexOrderPlacement(problem, &index_order, &index_order_failed);
-  if (index_order_ok) {
+      !fixed && IndexOrderPlacement(problem, &index_order, &index_order_failed);
+  if (fixed) {
+    plan.tier_of_subgroup = in.placement;
+  } else if (index_order_ok) {
     plan.tier_of_subgroup = std::move(index_order);
   } else {
     std::vector<TrafficKey> keys(n);

@@ -44,6 +44,13 @@ struct PlannerInput {
   // Ranks (processes) per node that run this plan at once on the same tiers,
   // each with its own shard of subgroups (for the what-if model).
   int ranks = 1;
+  // Empty: the planner places the subgroups. Else each subgroup's tier,
+  // kept as it is (a resumed run's records stay where they were written,
+  // whatever the techniques or bandwidths say now): the plan's buffers,
+  // traffic and prediction are those of this placement, and the tiers it
+  // uses count as active even without multipath. Capacities are not
+  // checked (the records exist).
+  std::vector<int> placement;
 };
 
 // Per-tier bytes moved in one steady-state step (a step after the first).
@@ -73,6 +80,10 @@ struct Plan {
   double predicted_compute_seconds = 0;
   double predicted_seconds = 0;
   Techniques techniques;
+  // Set by a resume whose records were placed otherwise than the planner
+  // places them now (other techniques, tiers' bandwidths or capacities):
+  // they stay where they are, and this plan is made for that placement.
+  bool placement_kept = false;
 
   // Subgroup ids in the order step `step` (0-based) updates them:
   // alternating 0..N-1 / N-1..0 with cache_reuse, else always 0..N-1.

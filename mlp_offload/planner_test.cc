@@ -174,6 +174,59 @@ TEST(PlannerTest, BaselineMovesFp32GradientsToo) {
   EXPECT_EQ(plan->buffer_bytes, Buf(numel, true));
 }
 
+TEST(PlannerTest, AGivenPlacementIsKeptAndItsTrafficPredicted) {
+  // A resumed run's records stay where they are: a baseline (one path)
+  // resuming records spread over two tiers predicts two paths' traffic, and
+  // a multipath plan keeping them on one tier predicts that tier's alone.
+  uint64_t numel = 1 << 16;
+  const uint64_t rec = numel * 12;
+  std::vector<TierSpec> tiers = {Tier("/a", kGB, kGB, 1),
+                                 Tier("/b", kGB, kGB, 1)};
+  PlannerInput in = Input(10, numel, tiers, 8 * Buf(numel, true));
+  in.techniques = Techniques::Baseline();
+  in.techniques.delayed_grad_conversion = true;
+  for (int i = 0; i < 10; ++i) in.placement.push_back(i % 2);
+  auto plan = MakePlan(in);  // capacities of 1 byte: not checked
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->tier_of_subgroup, in.placement);
+  EXPECT_EQ(plan->traffic[0].bytes_read, 5 * rec);
+  EXPECT_EQ(plan->traffic[1].bytes_read, 5 * rec);
+  EXPECT_NEAR(plan->predicted_io_seconds, 10.0 * rec / kGB, 1e-9);
+  EXPECT_EQ(plan->num_buffers, 5);  // a read in flight per tier used
+
+  in.techniques = Techniques{};
+  in.techniques.cache_reuse = false;  // every record streams
+  in.placement.assign(10, 0);
+  in.tiers = {Tier("/a", kGB, kGB), Tier("/b", kGB, kGB)};
+  auto planned = MakePlan([&] {
+    PlannerInput free = in;
+    free.placement.clear();
+    return free;
+  }());
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_GT(planned->traffic[1].bytes_read, 0u);
+  plan = MakePlan(in);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->traffic[1].bytes_read, 0u);
+  EXPECT_EQ(plan->traffic[0].bytes_read,
+            planned->traffic[0].bytes_read + planned->traffic[1].bytes_read);
+  EXPECT_GT(plan->predicted_io_seconds, planned->predicted_io_seconds);
+
+  in.placement = {0, 1, 2};
+  plan = MakePlan(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("a placement of 3 subgroups for 10"),
+            std::string::npos)
+      << plan.status();
+  in.placement.assign(10, 0);
+  in.placement[4] = 2;
+  plan = MakePlan(in);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("puts subgroup 4 on tier 2 of 2"),
+            std::string::npos)
+      << plan.status();
+}
+
 TEST(PlannerTest, SharedDeviceAndRanksSplitBandwidth) {
   TierSpec a = Tier("/a", 2 * kGB, 2 * kGB), b = Tier("/b", 2 * kGB, 2 * kGB);
   a.bandwidth_pool = b.bandwidth_pool = "dev0";

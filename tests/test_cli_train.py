@@ -44,6 +44,29 @@ def test_train_json_fp32_matches_torch(tmp_path, capsys):
     assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
 
+def test_baseline_split_takes_only_its_hooks_time_out_of_forward_backward(tmp_path):
+    # The baseline's gradient offload happens in backward's hooks, then in
+    # step() as the wait for its writes to land (slow here: a 3 MB/s tier).
+    # Only the hooks' part comes out of forward+backward, and the wait is
+    # counted once, as gradient offload, not as "other" too. Before, the
+    # whole of it came out of forward+backward, which read as 0.
+    from mlp_offload import train
+    text = corpus.generate(5000, seed=0)
+    tok = corpus.CharTokenizer(text)
+    data = corpus.Batches(tok.encode(text), batch_size=4, seq_len=16)
+    (tmp_path / "t").mkdir()
+    tiers = [{"path": str(tmp_path / "t"), "throttle_write_bytes_per_sec": 3e6,
+              "throttle_read_bytes_per_sec": 1e9}]
+    run = train.train_run("baseline", data=data, vocab_size=tok.vocab_size, steps=3,
+                          seq_len=16, dim=32, layers=2, heads=2, tiers=tiers,
+                          host_cache_bytes=16 << 10, subgroup_numel=3000, warmup=0)
+    for step, (parts, total) in enumerate(zip(run["split"], run["step_seconds"])):
+        assert parts["forward_backward"] > 0, (step, parts)
+        assert parts["grad_offload"] > 0, (step, parts)
+        # The parts add up to the step (each second counted once).
+        assert sum(parts.values()) == pytest.approx(total, rel=1e-6, abs=1e-6), (step, parts)
+
+
 def test_train_table_bf16(tmp_path, capsys):
     # An --out without an extension is a PNG, and the path printed is the
     # file's (matplotlib adds the ".png").

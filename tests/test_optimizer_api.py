@@ -1752,6 +1752,54 @@ def test_parameters_and_gradients_of_another_layout_are_refused_by_name(tmp_path
     opt.close()
 
 
+@pytest.mark.parametrize("first,then", [("mlp", "baseline"), ("baseline", "mlp")])
+def test_a_run_resumed_with_the_multipath_switch_changed_keeps_its_placement_and_says_so(
+        tmp_path, caplog, first, then):
+    # The records stay on the tiers they were written to; the plan (its
+    # traffic per tier) is the kept placement's, and a warning says that
+    # the switch did not move them.
+    tiers = [tmp_path / "a", tmp_path / "b"]
+    for t in tiers:
+        t.mkdir()
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def wrapper(mode, resume):
+        return MLPOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[str(t) for t in tiers],
+            subgroup_numel=100, compute_threads=1, mode=mode, cache_reuse=False,
+            run_name="switch", commit_every=1, resume=resume)  # every record streams
+
+    opt = wrapper(first, "never")
+    written = list(opt.plan.tier_of_subgroup)
+    assert (set(written) == {0, 1}) == (first == "mlp")
+    for step in range(2):
+        step_both(ref, ref_opt, model, opt, step)
+    opt.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlp_offload"):
+        opt = wrapper(then, "require")
+    assert opt.plan.placement_kept
+    assert list(opt.plan.tier_of_subgroup) == written
+    kept = [r for r in caplog.records if "stay where they were written" in r.getMessage()]
+    assert len(kept) == 1, [r.getMessage() for r in caplog.records]
+    assert f"multipath {'on' if then == 'mlp' else 'off'}" in kept[0].getMessage()
+    uses = [bool(t["bytes_read"]) for t in opt.plan.traffic]
+    assert uses == [True, first == "mlp"]
+    for step in range(2, 5):
+        step_both(ref, ref_opt, model, opt, step)
+        assert [bool(b) for b in opt.last_step_stats["bytes_read"]] == uses
+    assert_close(model, ref)
+    opt.close()
+    with caplog.at_level("WARNING", logger="mlp_offload"):
+        caplog.clear()
+        opt = wrapper(first, "require")  # as written: nothing to say
+    assert not opt.plan.placement_kept
+    assert not [r for r in caplog.records if "stay where" in r.getMessage()]
+    opt.close()
+
+
 def test_an_optimizer_of_parameters_with_no_elements_only_is_refused(tmp_path):
     empties = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3, 0))]
     with pytest.raises(errors.ConfigError, match="2 parameters all have no elements"):

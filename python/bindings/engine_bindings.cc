@@ -282,6 +282,7 @@ py::dict StatsToDict(const StepStats& s) {
   d["compute_seconds"] = s.compute_seconds;
   d["write_wait_seconds"] = s.write_wait_seconds;
   d["grad_offload_seconds"] = s.grad_offload_seconds;
+  d["grad_wait_seconds"] = s.grad_wait_seconds;
   d["cache_hits"] = s.cache_hits;
   d["subgroups_left_on_tier"] = s.subgroups_left_on_tier;
   d["bytes_read"] = s.bytes_read;
@@ -632,6 +633,7 @@ void RegisterEngineBindings(py::module_& parent) {
       .def_readonly("predicted_compute_seconds",
                     &Plan::predicted_compute_seconds)
       .def_readonly("predicted_seconds", &Plan::predicted_seconds)
+      .def_readonly("placement_kept", &Plan::placement_kept)
       .def_property_readonly(
           "traffic",
           [](const Plan& p) {

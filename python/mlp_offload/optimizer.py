@@ -32,6 +32,7 @@ import math
 import os
 import re
 import shutil
+import time
 import uuid
 import weakref
 import zlib
@@ -590,6 +591,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._has_state = {pid: False for pid in range(len(params))}
         self._initialized = False
         self._grad_fingerprint = {}
+        # Baseline: wall seconds of the eager gradient offload since the last
+        # step, during backward (the hooks) and inside step() (gradients
+        # changed since backward).
+        self._grad_offload_time = {"backward": 0.0, "step": 0.0}
         self._create_engine(rebuild)
         if self._staging is not None:
             self._staging.close()
@@ -717,7 +722,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._run_id = self._new_run_id()  # resume='never': a fresh start
         if agreed >= 0:
             self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
+            self._warn_if_placement_kept(engine)
         return engine
+
+    def _warn_if_placement_kept(self, engine):
+        """A resumed run's records stay on the tiers they were written to:
+        says so where this configuration would place them otherwise (the
+        multipath switch or the tiers' bandwidths changed), since its step
+        times and traffic are then the kept placement's."""
+        if engine is None or not engine.plan.placement_kept:
+            return
+        placement = list(engine.plan.tier_of_subgroup)
+        per_tier = [placement.count(t) for t in range(len(self._tiers))]
+        _log.warning(
+            "rank %d: resuming run %s, whose records stay where they were written "
+            "(subgroups per tier: %s), not where this configuration places them "
+            "(multipath %s%s): its I/O and step times are those of the kept placement; "
+            "start afresh (resume='never' or another run_name) to place them anew",
+            self._rank, self._run_name, per_tier,
+            "on" if self._techniques["multipath"] else "off: tier 0 alone",
+            ", tiers' bandwidths or capacities as given now")
 
     def _held_commits(self, names, numel):
         """({commit_key: run directory name}, [commit_key], {commit_key:
@@ -1154,7 +1178,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         def ready(g):
             opt = ref()
             if opt is not None and opt._initialized:
+                start = time.perf_counter()
                 opt._offload_grads(g)
+                opt._grad_offload_time["backward"] += time.perf_counter() - start
         self._grad_readiness = _layout.GradReadiness(self._subgroups, self._owned, ready)
         self._grad_hooks = self._grad_readiness.handles
 
@@ -1885,6 +1911,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if not skipped and self._family is not None:
             self._has_state.update(self._keys_after_step())
         self._note_param_versions()
+        if stats and "grad_offload_seconds" in stats \
+                and not self._techniques["delayed_grad_conversion"]:
+            # Where the baseline's gradient offload took its time: during
+            # backward, and inside this step (gradients changed since, and
+            # the wait for the writes to land).
+            stats["grad_offload_backward_seconds"] = self._grad_offload_time["backward"]
+            stats["grad_offload_in_step_seconds"] = \
+                self._grad_offload_time["step"] + stats.get("grad_wait_seconds", 0.0)
+        self._grad_offload_time = {"backward": 0.0, "step": 0.0}
         self.last_step_stats = stats
         return loss
 
@@ -1971,7 +2006,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # bumping their version: copy them all again.
             self._staging.refresh(force=amp and scale is None)
         elif not self._techniques["delayed_grad_conversion"]:
+            start = time.perf_counter()
             self._offload_stale_grads()
+            self._grad_offload_time["step"] += time.perf_counter() - start
 
     def _local_grads_nonfinite(self, grad_scale, amp, scale):
         """Whether a gradient of this rank's subgroups is NaN/Inf (updates
