@@ -27,10 +27,12 @@
 //    waits only for a finite chain of earlier tickets (K round-robin lanes; a
 //    lane does not lend its turn to another, which costs some utilisation when
 //    hold times differ widely but never starves anyone);
-//  - no busy waiting: the kernel's lock wait queue does the sleeping (a
-//    bounded wait, Acquire's timeout, polls instead: F_OFD_SETLKW cannot be
-//    given a deadline, and a holder that is alive but stopped would keep
-//    its byte for ever);
+//  - no busy waiting: the kernel's lock wait queue does the sleeping. A wait
+//    with a deadline (Acquire's timeout: a holder that is alive but stopped
+//    would keep its byte for ever) or a cancel flag still sleeps there, on a
+//    helper thread of its own (F_OFD_SETLKW takes neither: see
+//    WaitInKernel), so a turn is handed over as soon as it ends; only the
+//    ticket counter's short critical section is polled;
 //  - death: the kernel drops every lock of a process's OFDs when it dies, so a
 //    SIGKILLed holder (or waiter, or a process that died while taking a
 //    ticket) releases its byte and the chain moves on.
@@ -65,6 +67,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -77,7 +80,9 @@
 #include "io/file.h"
 #include "io/internal/poll.h"
 #include "mlp_offload/base/clock.h"
+#include "mlp_offload/base/mutex.h"
 #include "mlp_offload/base/status_macros.h"
+#include "mlp_offload/base/threads.h"
 
 namespace mlp_offload {
 namespace {
@@ -124,6 +129,66 @@ int OfdLockUntil(int fd, short type, off_t offset, const Deadline& deadline) {
         return err == EACCES ? EAGAIN : err;  // held by another: try again
       },
       deadline.at, deadline.cancel);
+}
+
+// What a wait shares with the helper thread that sleeps in the kernel for it
+// (and may outlive it: see WaitInKernel).
+struct KernelWait {
+  Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  int err ABSL_GUARDED_BY(mu) = 0;
+};
+
+// How often a wait in the kernel looks at its cancel flag.
+constexpr absl::Duration kCancelCheck = absl::Milliseconds(10);
+
+// Waits until a read lock on byte `offset` of the file open as `fd` is
+// granted, then drops it (the grant is the signal that its holder left), in
+// the kernel's lock wait queue, yet ending at `deadline` or when its cancel
+// flag is set (seen within 10 ms). F_OFD_SETLKW takes neither, so a helper
+// thread makes the call, on an open file description of its own (the file
+// opened again through /proc/self/fd: the same file, whatever its path names
+// now), and tells the caller. A wait that ends early leaves its helper asleep
+// until the lock is granted (a read lock on a byte that only its ticket's
+// owner ever write-locks holds up no one), which then drops it and ends.
+// Returns as OfdLockUntil, or -1 where no helper could be made (no /proc, no
+// thread): the caller then polls.
+int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
+  const std::string self = absl::StrCat("/proc/self/fd/", fd);
+  const int own = open(self.c_str(), O_RDWR | O_CLOEXEC);
+  if (own < 0) return -1;
+  struct stat a, b;
+  if (fstat(fd, &a) != 0 || fstat(own, &b) != 0 || a.st_dev != b.st_dev ||
+      a.st_ino != b.st_ino) {
+    close(own);
+    return -1;
+  }
+  auto wait = std::make_shared<KernelWait>();
+  absl::StatusOr<std::thread> helper =
+      StartThread("a tier lock wait", [wait, own, offset] {
+        const int err = OfdLock(own, F_RDLCK, offset, /*wait=*/true);
+        close(own);  // drops the read lock, if granted
+        MutexLock l(&wait->mu);
+        wait->done = true;
+        wait->err = err;
+      });
+  if (!helper.ok()) {
+    close(own);
+    return -1;
+  }
+  helper->detach();
+  MutexLock l(&wait->mu);
+  for (;;) {
+    MonoTime until = MonoAfter(kCancelCheck);
+    if (deadline.at.has_value()) until = std::min(until, *deadline.at);
+    if (wait->mu.AwaitWithDeadline([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
+                                       wait->mu) { return wait->done; },
+                                   until)) {
+      return wait->err;
+    }
+    if (deadline.cancel != nullptr && deadline.cancel->load()) return ECANCELED;
+    if (deadline.at.has_value() && MonoNow() >= *deadline.at) return ETIMEDOUT;
+  }
 }
 
 int OfdLock(int fd, short type, off_t offset, bool wait) {
@@ -320,7 +385,10 @@ absl::Status TierLock::Acquire(absl::Duration timeout,
   for (int64_t p = t - impl_->max_holders; p >= 0 && status.ok();
        p -= impl_->max_holders) {
     const off_t byte = kTicketBase + p;
-    if (int err = OfdLockUntil(impl_->fd, F_RDLCK, byte, deadline); err != 0) {
+    int err = deadline.polls() ? WaitInKernel(impl_->fd, byte, deadline) : -1;
+    const char* call = err >= 0 ? "fcntl(F_OFD_SETLKW)" : deadline.Call();
+    if (err < 0) err = OfdLockUntil(impl_->fd, F_RDLCK, byte, deadline);
+    if (err != 0) {
       // (Our own byte is released below: the tickets after ours see that
       // we never entered and wait for the one we waited for.)
       const std::string what = absl::StrCat("ticket ", t, " waiting for ", p);
@@ -329,13 +397,13 @@ absl::Status TierLock::Acquire(absl::Duration timeout,
       } else if (err == ECANCELED) {
         status = impl_->Cancelled(what);
       } else {
-        status = ErrnoStatus(
-            err, absl::StrCat(deadline.Call(), " waiting for a ticket in"),
-            impl_->Where(p));
+        status =
+            ErrnoStatus(err, absl::StrCat(call, " waiting for a ticket in"),
+                        impl_->Where(p));
       }
       break;
     }
-    OfdLock(impl_->fd, F_UNLCK, byte, false);
+    OfdLock(impl_->fd, F_UNLCK, byte, false);  // (none, after a helper)
     absl::StatusOr<bool> entered = impl_->Entered(p);
     if (!entered.ok()) status = entered.status();
     if (!entered.ok() || *entered) break;

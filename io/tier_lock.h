@@ -1,10 +1,9 @@
 // Cross-process tier lock (technique 4 of the paper): at most K processes of a
 // node do I/O on a tier at a time. FIFO-fair enough that no process starves,
 // and released by the kernel when a holder dies (file locks), so a SIGKILLed
-// holder never wedges the others. A wait without a deadline or cancel flag
-// sleeps in the kernel (F_OFD_SETLKW); one with either (the engine's waits
-// always have a cancel flag, for Ctrl-C) polls, sleeping 50 us doubling to
-// 2 ms between tries: a freed slot is taken within 2 ms.
+// holder never wedges the others. Waits sleep in the kernel's lock queue
+// (F_OFD_SETLKW), also those with a deadline or a cancel flag (on a helper
+// thread; see tier_lock.cc).
 #ifndef MLP_OFFLOAD_IO_TIER_LOCK_H_
 #define MLP_OFFLOAD_IO_TIER_LOCK_H_
 
@@ -31,8 +30,9 @@ class TierLock {
   // ours are not held up by it). Not reentrant per TierLock object (one
   // holder per object); several objects (threads) in one process count as
   // separate holders. With `cancel`, the wait also ends, with Cancelled (and
-  // nothing held), soon after *cancel becomes true (checked every 2 ms at
-  // most: such a wait polls, bounded or not).
+  // nothing held), soon after *cancel becomes true (checked every 10 ms; the
+  // wait for the ticket counter's short critical section polls, every 2 ms
+  // at most).
   absl::Status Acquire(absl::Duration timeout = absl::InfiniteDuration(),
                        const std::atomic<bool>* cancel = nullptr);
   void Release();

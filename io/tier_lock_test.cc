@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -334,6 +335,55 @@ TEST(TierLockTest, AWaitEndsWhenItsCancelFlagIsSet) {
   a->Release();
   std::atomic<bool> cancel{false};
   EXPECT_TRUE(b->Acquire(absl::Seconds(5), &cancel).ok());
+  b->Release();
+}
+
+// Whether /proc/locks lists a blocked (waiting) OFD lock request on byte
+// `offset` of the file `path`.
+bool KernelHasAWaiter(const std::string& path, off_t offset) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return false;
+  const std::string tail =
+      absl::StrCat(":", st.st_ino, " ", offset, " ", offset);
+  FILE* f = fopen("/proc/locks", "r");
+  if (f == nullptr) return false;
+  char line[512];
+  bool found = false;
+  while (fgets(line, sizeof(line), f) != nullptr) {
+    const std::string text(line);
+    if (text.find("-> OFDLCK") != std::string::npos &&
+        text.find(tail) != std::string::npos) {
+      found = true;
+    }
+  }
+  fclose(f);
+  return found;
+}
+
+// A wait with a cancel flag or a deadline sleeps in the kernel's lock queue
+// like an unbounded one (no polling with pauses, which would hand a freed
+// turn over up to 2 ms late), and still ends on its flag or deadline.
+TEST(TierLockTest, ABoundedOrCancellableWaitSleepsInTheKernel) {
+  const std::string path = ScratchPath("tier_kernel_wait");
+  auto a = *TierLock::Open(path);
+  auto b = *TierLock::Open(path);
+  ASSERT_TRUE(a->Acquire().ok());
+  std::atomic<bool> cancel{false};
+  std::atomic<bool> entered{false};
+  std::thread waiter([&] {
+    if (b->Acquire(absl::Seconds(60), &cancel).ok()) entered = true;
+  });
+  // Ticket 1 waits for ticket 0's byte (offset 4096 of the tickets file).
+  bool waiting = false;
+  for (int i = 0; i < 200 && !waiting; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+    waiting = KernelHasAWaiter(path + ".tickets", 4096);
+  }
+  EXPECT_TRUE(waiting) << "no blocked lock request in /proc/locks";
+  EXPECT_FALSE(entered.load());
+  a->Release();
+  waiter.join();
+  EXPECT_TRUE(entered.load());
   b->Release();
 }
 

@@ -10,6 +10,8 @@ def pytest_addoption(parser):
     parser.addoption("--wheel", default=None, help="path of the built wheel")
     parser.addoption("--io_benchmark", default=None,
                      help="path of the built //io:io_benchmark")
+    parser.addoption("--tier_lock_benchmark", default=None,
+                     help="path of the built //io:tier_lock_benchmark")
     parser.addoption("--io_vs_fio", default=None,
                      help="path of tools/io_vs_fio.py")
     parser.addoption("--ownership_bench", default=None,

@@ -1,4 +1,5 @@
-"""//io:io_benchmark's JSON rows and tools/io_vs_fio.py, on tiny files.
+"""//io:io_benchmark's JSON rows and tools/io_vs_fio.py, on tiny files, and
+//io:tier_lock_benchmark's table.
 
 These check what the benchmark reports (fields, file states, the fio
 comparison's table), not how fast anything is.
@@ -90,3 +91,23 @@ def test_io_vs_fio_table(io_benchmark, request, tmp_path):
         assert len(op["per_path"]) == 2
         assert op["gb_per_s"] == pytest.approx(sum(op["per_path"]))
     assert not any(p.name.endswith(".dat") for p in tmp_path.iterdir())
+
+
+def test_tier_lock_benchmark_reports_each_kind_of_wait(request, tmp_path):
+    bench = built_path(request, "tier_lock_benchmark")
+    out = subprocess.run([bench, "--handovers=3", "--hold_ms=5", f"--dir={tmp_path}"],
+                         check=True, capture_output=True, text=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] in ("kernel", "kernel+helper", "polled"):
+            rows[parts[0]] = [float(x) for x in parts[1:]]
+    assert sorted(rows) == ["kernel", "kernel+helper", "polled"], out
+    for kind, (median, p90, most) in rows.items():
+        assert 0 < median <= p90 <= most, (kind, out)
+    assert "polled / kernel+helper (medians):" in out
+    assert list(tmp_path.iterdir()) == []  # its lock files are gone
+    missing = tmp_path / "missing"
+    bad = subprocess.run([bench, "--handovers=1", f"--dir={missing}"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and str(missing) in bad.stderr, bad.stderr
