@@ -106,7 +106,9 @@ struct Deadline {
       : timeout(t), cancel(c) {
     if (t != absl::InfiniteDuration()) at = MonoAfter(t);
   }
-  // Whether the wait polls (F_OFD_SETLKW takes no deadline and no flag).
+  // Whether the wait has a limit or a flag, which F_OFD_SETLKW on the
+  // waiting thread cannot honour: it waits through a helper (WaitInKernel)
+  // or polls (OfdLockUntil).
   bool polls() const { return at.has_value() || cancel != nullptr; }
   // The call a failed wait names.
   const char* Call() const {
@@ -152,8 +154,16 @@ constexpr absl::Duration kCancelCheck = absl::Milliseconds(10);
 // until the lock is granted (a read lock on a byte that only its ticket's
 // owner ever write-locks holds up no one), which then drops it and ends.
 // Returns as OfdLockUntil, or -1 where no helper could be made (no /proc, no
-// thread): the caller then polls.
+// thread): the caller then polls. A lock that is free is taken on `fd` at
+// once, without a helper.
 int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
+  // Free already (its holder left before we came): no wait, no helper.
+  if (const int err = OfdLock(fd, F_RDLCK, offset, /*wait=*/false);
+      err != EACCES && err != EAGAIN) {
+    return err;  // 0: granted on `fd` (the caller drops it)
+  }
+  // A wait that may not wait (a try-lock): no helper to leave behind.
+  if (deadline.at.has_value() && MonoNow() >= *deadline.at) return ETIMEDOUT;
   const std::string self = absl::StrCat("/proc/self/fd/", fd);
   const int own = open(self.c_str(), O_RDWR | O_CLOEXEC);
   if (own < 0) return -1;
@@ -167,7 +177,10 @@ int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
   absl::StatusOr<std::thread> helper =
       StartThread("a tier lock wait", [wait, own, offset] {
         const int err = OfdLock(own, F_RDLCK, offset, /*wait=*/true);
-        close(own);  // drops the read lock, if granted
+        // Dropped explicitly: a child forked meanwhile shares `own`'s open
+        // file description, whose locks a close would leave to it.
+        if (err == 0) OfdLock(own, F_UNLCK, offset, /*wait=*/false);
+        close(own);
         MutexLock l(&wait->mu);
         wait->done = true;
         wait->err = err;
@@ -403,7 +416,7 @@ absl::Status TierLock::Acquire(absl::Duration timeout,
       }
       break;
     }
-    OfdLock(impl_->fd, F_UNLCK, byte, false);  // (none, after a helper)
+    OfdLock(impl_->fd, F_UNLCK, byte, false);  // (none held after a helper)
     absl::StatusOr<bool> entered = impl_->Entered(p);
     if (!entered.ok()) status = entered.status();
     if (!entered.ok() || *entered) break;

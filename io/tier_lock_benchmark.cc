@@ -114,7 +114,8 @@ int Run() {
     return 1;
   }
   const std::string scratch = base + ".polled";
-  const int holder_fd = open(scratch.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  const int holder_fd =
+      open(scratch.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   const int waiter_fd = open(scratch.c_str(), O_RDWR | O_CLOEXEC);
   if (holder_fd < 0 || waiter_fd < 0) {
     fprintf(stderr, "open %s: %s\n", scratch.c_str(), strerror(errno));
@@ -135,28 +136,27 @@ int Run() {
       if (k < 2) {
         us = HandOver([&] { return (*a)->Acquire().ok(); },
                       [&] {
-                        const bool ok = k == 0 ? (*b)->Acquire().ok()
-                                               : (*b)->Acquire(absl::Hours(1),
-                                                               &cancel)
-                                                     .ok();
+                        const bool ok =
+                            k == 0
+                                ? (*b)->Acquire().ok()
+                                : (*b)->Acquire(absl::Hours(1), &cancel).ok();
                         if (ok) (*b)->Release();
                         return ok;
                       },
                       [&] { (*a)->Release(); }, hold_for);
       } else {
-        us = HandOver(
-            [&] { return OfdLock(holder_fd, F_WRLCK, false) == 0; },
-            [&] {
-              const int err = internal_io::PollWithBackoff(
-                  [&] {
-                    const int e = OfdLock(waiter_fd, F_RDLCK, false);
-                    return e == EACCES ? EAGAIN : e;
-                  },
-                  std::nullopt, &cancel);
-              OfdLock(waiter_fd, F_UNLCK, false);
-              return err == 0;
-            },
-            [&] { OfdLock(holder_fd, F_UNLCK, false); }, hold_for);
+        us = HandOver([&] { return OfdLock(holder_fd, F_WRLCK, false) == 0; },
+                      [&] {
+                        const int err = internal_io::PollWithBackoff(
+                            [&] {
+                              const int e = OfdLock(waiter_fd, F_RDLCK, false);
+                              return e == EACCES ? EAGAIN : e;
+                            },
+                            std::nullopt, &cancel);
+                        OfdLock(waiter_fd, F_UNLCK, false);
+                        return err == 0;
+                      },
+                      [&] { OfdLock(holder_fd, F_UNLCK, false); }, hold_for);
       }
       if (us < 0) {
         fprintf(stderr, "hand-over %d of kind %s failed\n", i, names[k]);
@@ -167,9 +167,10 @@ int Run() {
   }
   close(holder_fd);
   close(waiter_fd);
-  printf("tier lock hand-over latency, %d hand-overs per kind, held %d-%d ms "
-         "each (us):\n",
-         n, hold_ms, hold_ms + 2);
+  printf(
+      "tier lock hand-over latency, %d hand-overs per kind, held %d-%d ms "
+      "each (us):\n",
+      n, hold_ms, hold_ms + 2);
   printf("%-14s %9s %9s %9s\n", "kind", "median", "p90", "max");
   Summary s[3];
   for (int k = 0; k < 3; ++k) {

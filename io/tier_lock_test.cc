@@ -387,6 +387,23 @@ TEST(TierLockTest, ABoundedOrCancellableWaitSleepsInTheKernel) {
   b->Release();
 }
 
+// A wait that may not wait (a zero timeout: a try-lock) leaves nothing
+// waiting behind it.
+TEST(TierLockTest, ATryLockLeavesNoWaiterBehind) {
+  const std::string path = ScratchPath("tier_try");
+  auto a = *TierLock::Open(path);
+  auto b = *TierLock::Open(path);
+  ASSERT_TRUE(a->Acquire().ok());
+  std::atomic<bool> cancel{false};
+  EXPECT_EQ(b->Acquire(absl::ZeroDuration(), &cancel).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(KernelHasAWaiter(path + ".tickets", 4096));
+  a->Release();
+  EXPECT_TRUE(b->Acquire(absl::ZeroDuration(), &cancel).ok());
+  b->Release();
+}
+
 // A holder that is alive but makes no progress (a stopped process) never
 // frees its byte: a bounded Acquire gives up, naming the lock, and leaves
 // no trace that holds up the tickets after it.

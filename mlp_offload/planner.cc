@@ -521,6 +521,7 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   int active = in.techniques.multipath ? num_tiers : 1;
   const bool fixed = !in.placement.empty();
   if (fixed) {
+    active = 1;  // the tiers the placement uses, whatever multipath says
     if (static_cast<int>(in.placement.size()) != n) {
       return absl::InvalidArgumentError(
           absl::StrCat("plan: a placement of ", in.placement.size(),

@@ -48,8 +48,8 @@ struct PlannerInput {
   // kept as it is (a resumed run's records stay where they were written,
   // whatever the techniques or bandwidths say now): the plan's buffers,
   // traffic and prediction are those of this placement, and the tiers it
-  // uses count as active even without multipath. Capacities are not
-  // checked (the records exist).
+  // uses (up to the last one it uses) are the active ones, whatever
+  // multipath says. Capacities are not checked (the records exist).
   std::vector<int> placement;
 };
 

@@ -67,6 +67,47 @@ def test_baseline_split_takes_only_its_hooks_time_out_of_forward_backward(tmp_pa
         assert sum(parts.values()) == pytest.approx(total, rel=1e-6, abs=1e-6), (step, parts)
 
 
+def test_baseline_offload_times_are_each_steps_own_whatever_the_step_did(tmp_path):
+    # A step that skipped (non-finite gradients) or raised still ends the
+    # count of its backward's offload time: the next step reports its own
+    # hooks' time, which lies inside its own backward.
+    import time
+    import torch
+    from mlp_offload import MLPOffloadOptimizer, errors
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    for nonfinite in ("skip", "raise"):
+        d = tmp_path / nonfinite
+        d.mkdir()
+        opt = MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[str(d)],
+                                  subgroup_numel=300, mode="baseline", compute_threads=1,
+                                  nonfinite=nonfinite)
+        offload = opt._offload_grads
+
+        def slow(g):  # hooks that take a visible time
+            time.sleep(0.03)
+            offload(g)
+        opt._offload_grads = slow
+        for step, bad in enumerate([False, False, True, False]):
+            opt.zero_grad()
+            start = time.perf_counter()
+            loss = model(torch.randn(4, 16)).sum() * (float("nan") if bad else 1.0)
+            loss.backward()
+            backward = time.perf_counter() - start
+            if bad and nonfinite == "raise":
+                with pytest.raises(errors.NonFiniteGradientError):
+                    opt.step()
+                continue
+            opt.step()
+            if bad:
+                assert opt.last_step_stats.get("skipped"), opt.last_step_stats
+                continue
+            if step > 0:
+                hooks = opt.last_step_stats["grad_offload_backward_seconds"]
+                assert 0.03 <= hooks <= backward, (nonfinite, step, hooks, backward)
+        opt.close()
+
+
 def test_train_table_bf16(tmp_path, capsys):
     # An --out without an extension is a PNG, and the path printed is the
     # file's (matplotlib adds the ".png").

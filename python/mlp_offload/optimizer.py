@@ -445,8 +445,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         group_sizes=[len(g["params"]) for g in groups],
                         param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
                         param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
-                        param_strides=[_layout.strides_of(p) if _layout.is_dense(p) else None
-                                       for g in groups for p in g["params"]],
+                        param_strides=[_layout.strides_of(p) if _layout.is_dense(p)
+                                       else "not dense" for g in groups for p in g["params"]],
                         # Frozen and trainable parameters are packed apart.
                         param_requires_grad=[p.requires_grad for g in groups
                                              for p in g["params"]],
@@ -1810,6 +1810,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             for name in ("grad_scale", "found_inf"):
                 self.__dict__.pop(name, None)
             raise
+        finally:
+            # The baseline's offload times are this step's, however it ended
+            # (skipped, refused, raised): the next one's start from zero.
+            self._grad_offload_time = {"backward": 0.0, "step": 0.0}
 
     def _step(self, closure):
         self._check_open()
@@ -1919,7 +1923,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             stats["grad_offload_backward_seconds"] = self._grad_offload_time["backward"]
             stats["grad_offload_in_step_seconds"] = \
                 self._grad_offload_time["step"] + stats.get("grad_wait_seconds", 0.0)
-        self._grad_offload_time = {"backward": 0.0, "step": 0.0}
         self.last_step_stats = stats
         return loss
 
