@@ -136,6 +136,7 @@ int OfdLockUntil(int fd, short type, off_t offset, const Deadline& deadline) {
 // What a wait shares with the helper thread that sleeps in the kernel for it
 // (and may outlive it: see WaitInKernel).
 struct KernelWait {
+  off_t offset = 0;  // the byte it waits for
   Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
   int err ABSL_GUARDED_BY(mu) = 0;
@@ -143,6 +144,9 @@ struct KernelWait {
 
 // How often a wait in the kernel looks at its cancel flag.
 constexpr absl::Duration kCancelCheck = absl::Milliseconds(10);
+
+int StartHelper(int fd, const std::shared_ptr<KernelWait>& wait);
+int AwaitHelper(KernelWait& wait, const Deadline& deadline);
 
 // Waits until a read lock on byte `offset` of the file open as `fd` is
 // granted, then drops it (the grant is the signal that its holder left), in
@@ -155,8 +159,14 @@ constexpr absl::Duration kCancelCheck = absl::Milliseconds(10);
 // owner ever write-locks holds up no one), which then drops it and ends.
 // Returns as OfdLockUntil, or -1 where no helper could be made (no /proc, no
 // thread): the caller then polls. A lock that is free is taken on `fd` at
-// once, without a helper.
-int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
+// once, without a helper. `left` is the helper an earlier wait that ended
+// early left behind (or null), and receives this one's: a wait for the same
+// byte (a retry: its new ticket waits, past the abandoned one, for the same
+// predecessor) takes that helper over instead of starting another, so
+// retries against a holder that makes no progress leave one helper, not one
+// each.
+int WaitInKernel(int fd, off_t offset, const Deadline& deadline,
+                 std::shared_ptr<KernelWait>* left) {
   // Free already (its holder left before we came): no wait, no helper.
   if (const int err = OfdLock(fd, F_RDLCK, offset, /*wait=*/false);
       err != EACCES && err != EAGAIN) {
@@ -164,6 +174,25 @@ int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
   }
   // A wait that may not wait (a try-lock): no helper to leave behind.
   if (deadline.at.has_value() && MonoNow() >= *deadline.at) return ETIMEDOUT;
+  std::shared_ptr<KernelWait> wait;
+  if (*left != nullptr && (*left)->offset == offset) {
+    wait = std::move(*left);  // still asleep for this byte, or granted since
+  } else {
+    wait = std::make_shared<KernelWait>();
+    wait->offset = offset;
+    const int err = StartHelper(fd, wait);
+    if (err != 0) return err;
+  }
+  left->reset();
+  const int err = AwaitHelper(*wait, deadline);
+  if (err == ECANCELED || err == ETIMEDOUT) *left = std::move(wait);
+  return err;
+}
+
+// Starts the helper thread of WaitInKernel on `wait`: 0, or -1 where it
+// could not be made.
+int StartHelper(int fd, const std::shared_ptr<KernelWait>& wait) {
+  const off_t offset = wait->offset;
   const std::string self = absl::StrCat("/proc/self/fd/", fd);
   const int own = open(self.c_str(), O_RDWR | O_CLOEXEC);
   if (own < 0) return -1;
@@ -173,7 +202,6 @@ int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
     close(own);
     return -1;
   }
-  auto wait = std::make_shared<KernelWait>();
   absl::StatusOr<std::thread> helper =
       StartThread("a tier lock wait", [wait, own, offset] {
         const int err = OfdLock(own, F_RDLCK, offset, /*wait=*/true);
@@ -190,14 +218,20 @@ int WaitInKernel(int fd, off_t offset, const Deadline& deadline) {
     return -1;
   }
   helper->detach();
-  MutexLock l(&wait->mu);
+  return 0;
+}
+
+// Waits for the helper's word: its errno (0: granted, and dropped), or
+// ECANCELED / ETIMEDOUT first.
+int AwaitHelper(KernelWait& wait, const Deadline& deadline) {
+  MutexLock l(&wait.mu);
   for (;;) {
     MonoTime until = MonoAfter(kCancelCheck);
     if (deadline.at.has_value()) until = std::min(until, *deadline.at);
-    if (wait->mu.AwaitWithDeadline([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
-                                       wait->mu) { return wait->done; },
-                                   until)) {
-      return wait->err;
+    if (wait.mu.AwaitWithDeadline(
+            [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wait.mu) { return wait.done; },
+            until)) {
+      return wait.err;
     }
     if (deadline.cancel != nullptr && deadline.cancel->load()) return ECANCELED;
     if (deadline.at.has_value() && MonoNow() >= *deadline.at) return ETIMEDOUT;
@@ -227,6 +261,8 @@ struct TierLock::Impl {
   bool held = false;
   int64_t ticket = -1;
   pid_t opener = 0;
+  // The helper a wait that ended early left asleep (see WaitInKernel).
+  std::shared_ptr<KernelWait> left_waiting;
 
   ~Impl() {
     if (fd < 0) return;
@@ -398,7 +434,9 @@ absl::Status TierLock::Acquire(absl::Duration timeout,
   for (int64_t p = t - impl_->max_holders; p >= 0 && status.ok();
        p -= impl_->max_holders) {
     const off_t byte = kTicketBase + p;
-    int err = deadline.polls() ? WaitInKernel(impl_->fd, byte, deadline) : -1;
+    int err = deadline.polls() ? WaitInKernel(impl_->fd, byte, deadline,
+                                              &impl_->left_waiting)
+                               : -1;
     const char* call = err >= 0 ? "fcntl(F_OFD_SETLKW)" : deadline.Call();
     if (err < 0) err = OfdLockUntil(impl_->fd, F_RDLCK, byte, deadline);
     if (err != 0) {

@@ -338,26 +338,30 @@ TEST(TierLockTest, AWaitEndsWhenItsCancelFlagIsSet) {
   b->Release();
 }
 
-// Whether /proc/locks lists a blocked (waiting) OFD lock request on byte
+// How many blocked (waiting) OFD lock requests /proc/locks lists on byte
 // `offset` of the file `path`.
-bool KernelHasAWaiter(const std::string& path, off_t offset) {
+int KernelWaiters(const std::string& path, off_t offset) {
   struct stat st;
-  if (stat(path.c_str(), &st) != 0) return false;
+  if (stat(path.c_str(), &st) != 0) return 0;
   const std::string tail =
       absl::StrCat(":", st.st_ino, " ", offset, " ", offset);
   FILE* f = fopen("/proc/locks", "r");
-  if (f == nullptr) return false;
+  if (f == nullptr) return 0;
   char line[512];
-  bool found = false;
+  int found = 0;
   while (fgets(line, sizeof(line), f) != nullptr) {
     const std::string text(line);
     if (text.find("-> OFDLCK") != std::string::npos &&
         text.find(tail) != std::string::npos) {
-      found = true;
+      ++found;
     }
   }
   fclose(f);
   return found;
+}
+
+bool KernelHasAWaiter(const std::string& path, off_t offset) {
+  return KernelWaiters(path, offset) > 0;
 }
 
 // A wait with a cancel flag or a deadline sleeps in the kernel's lock queue
@@ -385,6 +389,28 @@ TEST(TierLockTest, ABoundedOrCancellableWaitSleepsInTheKernel) {
   waiter.join();
   EXPECT_TRUE(entered.load());
   b->Release();
+}
+
+// Waits that time out against a holder that makes no progress, retried,
+// leave one helper asleep for it, not one each; the next wait after the
+// holder left takes the turn.
+TEST(TierLockTest, RetriedWaitsLeaveOneHelperBehind) {
+  const std::string path = ScratchPath("tier_retries");
+  auto a = *TierLock::Open(path);
+  auto b = *TierLock::Open(path);
+  ASSERT_TRUE(a->Acquire().ok());
+  std::atomic<bool> cancel{false};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(b->Acquire(absl::Milliseconds(30), &cancel).code(),
+              absl::StatusCode::kDeadlineExceeded);
+  }
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(KernelWaiters(path + ".tickets", 4096), 1);
+  a->Release();
+  EXPECT_TRUE(b->Acquire(absl::Seconds(10), &cancel).ok());
+  b->Release();
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(KernelWaiters(path + ".tickets", 4096), 0);
 }
 
 // A wait that may not wait (a zero timeout: a try-lock) leaves nothing
