@@ -310,34 +310,6 @@ TEST(TierLockTest, AForkedChildDoesNotRemoveItsParentsFile) {
 
 // A wait given a cancel flag ends soon after the flag is set, bounded or
 // not, with Cancelled naming the lock, and holds nobody up after it.
-TEST(TierLockTest, AWaitEndsWhenItsCancelFlagIsSet) {
-  const std::string path = ScratchPath("tier_cancel");
-  auto a = *TierLock::Open(path);
-  auto b = *TierLock::Open(path);
-  ASSERT_TRUE(a->Acquire().ok());
-  for (const absl::Duration timeout :
-       {absl::InfiniteDuration(), absl::Seconds(60)}) {
-    std::atomic<bool> cancel{false};
-    std::thread canceller([&] {
-      absl::SleepFor(absl::Milliseconds(100));
-      cancel = true;
-    });
-    const MonoTime start = MonoNow();
-    const absl::Status s = b->Acquire(timeout, &cancel);
-    const double waited = SecondsSince(start);
-    canceller.join();
-    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
-    EXPECT_NE(s.message().find(path + ".tickets"), std::string::npos) << s;
-    EXPECT_GE(waited, 0.09);
-    EXPECT_LT(waited, 5.0);
-    EXPECT_FALSE(b->held());
-  }
-  a->Release();
-  std::atomic<bool> cancel{false};
-  EXPECT_TRUE(b->Acquire(absl::Seconds(5), &cancel).ok());
-  b->Release();
-}
-
 // How many blocked (waiting) OFD lock requests /proc/locks lists on byte
 // `offset` of the file `path`.
 int KernelWaiters(const std::string& path, off_t offset) {
@@ -360,74 +332,106 @@ int KernelWaiters(const std::string& path, off_t offset) {
   return found;
 }
 
-bool KernelHasAWaiter(const std::string& path, off_t offset) {
-  return KernelWaiters(path, offset) > 0;
+// The blocked requests for ticket 0's byte (offset 4096 of the tickets
+// file) of the lock at `path`: the waits of ticket 1 (with K = 1).
+int WaitersForTicket0(const std::string& path) {
+  return KernelWaiters(path + ".tickets", 4096);
+}
+
+// Two holders of the lock `name` (two objects of this process), the first
+// holding it.
+struct OneHolds {
+  std::string path;
+  std::unique_ptr<TierLock> holder, other;
+};
+
+OneHolds OneHoldsTheLock(const std::string& name) {
+  OneHolds out{ScratchPath(name), nullptr, nullptr};
+  out.holder = *TierLock::Open(out.path);
+  out.other = *TierLock::Open(out.path);
+  EXPECT_TRUE(out.holder->Acquire().ok());
+  return out;
+}
+
+TEST(TierLockTest, AWaitEndsWhenItsCancelFlagIsSet) {
+  OneHolds lock = OneHoldsTheLock("tier_cancel");
+  for (const absl::Duration timeout :
+       {absl::InfiniteDuration(), absl::Seconds(60)}) {
+    std::atomic<bool> cancel{false};
+    std::thread canceller([&] {
+      absl::SleepFor(absl::Milliseconds(100));
+      cancel = true;
+    });
+    const MonoTime start = MonoNow();
+    const absl::Status s = lock.other->Acquire(timeout, &cancel);
+    const double waited = SecondsSince(start);
+    canceller.join();
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_NE(s.message().find(lock.path + ".tickets"), std::string::npos) << s;
+    EXPECT_GE(waited, 0.09);
+    EXPECT_LT(waited, 5.0);
+    EXPECT_FALSE(lock.other->held());
+  }
+  lock.holder->Release();
+  std::atomic<bool> cancel{false};
+  EXPECT_TRUE(lock.other->Acquire(absl::Seconds(5), &cancel).ok());
+  lock.other->Release();
 }
 
 // A wait with a cancel flag or a deadline sleeps in the kernel's lock queue
 // like an unbounded one (no polling with pauses, which would hand a freed
 // turn over up to 2 ms late), and still ends on its flag or deadline.
 TEST(TierLockTest, ABoundedOrCancellableWaitSleepsInTheKernel) {
-  const std::string path = ScratchPath("tier_kernel_wait");
-  auto a = *TierLock::Open(path);
-  auto b = *TierLock::Open(path);
-  ASSERT_TRUE(a->Acquire().ok());
+  OneHolds lock = OneHoldsTheLock("tier_kernel_wait");
   std::atomic<bool> cancel{false};
   std::atomic<bool> entered{false};
   std::thread waiter([&] {
-    if (b->Acquire(absl::Seconds(60), &cancel).ok()) entered = true;
+    if (lock.other->Acquire(absl::Seconds(60), &cancel).ok()) entered = true;
   });
-  // Ticket 1 waits for ticket 0's byte (offset 4096 of the tickets file).
   bool waiting = false;
   for (int i = 0; i < 200 && !waiting; ++i) {
     absl::SleepFor(absl::Milliseconds(10));
-    waiting = KernelHasAWaiter(path + ".tickets", 4096);
+    waiting = WaitersForTicket0(lock.path) > 0;
   }
   EXPECT_TRUE(waiting) << "no blocked lock request in /proc/locks";
   EXPECT_FALSE(entered.load());
-  a->Release();
+  lock.holder->Release();
   waiter.join();
   EXPECT_TRUE(entered.load());
-  b->Release();
+  lock.other->Release();
 }
 
 // Waits that time out against a holder that makes no progress, retried,
 // leave one helper asleep for it, not one each; the next wait after the
 // holder left takes the turn.
 TEST(TierLockTest, RetriedWaitsLeaveOneHelperBehind) {
-  const std::string path = ScratchPath("tier_retries");
-  auto a = *TierLock::Open(path);
-  auto b = *TierLock::Open(path);
-  ASSERT_TRUE(a->Acquire().ok());
+  OneHolds lock = OneHoldsTheLock("tier_retries");
   std::atomic<bool> cancel{false};
   for (int i = 0; i < 4; ++i) {
-    EXPECT_EQ(b->Acquire(absl::Milliseconds(30), &cancel).code(),
+    EXPECT_EQ(lock.other->Acquire(absl::Milliseconds(30), &cancel).code(),
               absl::StatusCode::kDeadlineExceeded);
   }
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_EQ(KernelWaiters(path + ".tickets", 4096), 1);
-  a->Release();
-  EXPECT_TRUE(b->Acquire(absl::Seconds(10), &cancel).ok());
-  b->Release();
+  EXPECT_EQ(WaitersForTicket0(lock.path), 1);
+  lock.holder->Release();
+  EXPECT_TRUE(lock.other->Acquire(absl::Seconds(10), &cancel).ok());
+  lock.other->Release();
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_EQ(KernelWaiters(path + ".tickets", 4096), 0);
+  EXPECT_EQ(WaitersForTicket0(lock.path), 0);
 }
 
 // A wait that may not wait (a zero timeout: a try-lock) leaves nothing
 // waiting behind it.
 TEST(TierLockTest, ATryLockLeavesNoWaiterBehind) {
-  const std::string path = ScratchPath("tier_try");
-  auto a = *TierLock::Open(path);
-  auto b = *TierLock::Open(path);
-  ASSERT_TRUE(a->Acquire().ok());
+  OneHolds lock = OneHoldsTheLock("tier_try");
   std::atomic<bool> cancel{false};
-  EXPECT_EQ(b->Acquire(absl::ZeroDuration(), &cancel).code(),
+  EXPECT_EQ(lock.other->Acquire(absl::ZeroDuration(), &cancel).code(),
             absl::StatusCode::kDeadlineExceeded);
   absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_FALSE(KernelHasAWaiter(path + ".tickets", 4096));
-  a->Release();
-  EXPECT_TRUE(b->Acquire(absl::ZeroDuration(), &cancel).ok());
-  b->Release();
+  EXPECT_EQ(WaitersForTicket0(lock.path), 0);
+  lock.holder->Release();
+  EXPECT_TRUE(lock.other->Acquire(absl::ZeroDuration(), &cancel).ok());
+  lock.other->Release();
 }
 
 // A holder that is alive but makes no progress (a stopped process) never
