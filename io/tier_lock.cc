@@ -78,6 +78,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "io/file.h"
+#include "io/internal/ofd_lock.h"
 #include "io/internal/poll.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
@@ -96,9 +97,7 @@ constexpr off_t kTicketBase = 4096;
 constexpr off_t kMarkBase = 8;
 constexpr int64_t kMarkLanes = 16;
 
-// Applies an OFD lock of `type` (F_RDLCK, F_WRLCK, F_UNLCK) to byte `offset`;
-// `wait` sleeps until it is granted. Returns errno (0 on success).
-int OfdLock(int fd, short type, off_t offset, bool wait);
+using internal_io::OfdLock;
 
 // A wait's limit (Acquire's timeout), when it runs out, and its cancel flag.
 struct Deadline {
@@ -235,20 +234,6 @@ int AwaitHelper(KernelWait& wait, const Deadline& deadline) {
     }
     if (deadline.cancel != nullptr && deadline.cancel->load()) return ECANCELED;
     if (deadline.at.has_value() && MonoNow() >= *deadline.at) return ETIMEDOUT;
-  }
-}
-
-int OfdLock(int fd, short type, off_t offset, bool wait) {
-  struct flock fl;
-  std::memset(&fl, 0, sizeof(fl));
-  fl.l_type = type;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = offset;
-  fl.l_len = 1;
-  fl.l_pid = 0;  // required for OFD locks
-  for (;;) {
-    if (fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) == 0) return 0;
-    if (errno != EINTR) return errno;
   }
 }
 

@@ -38,6 +38,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "io/internal/ofd_lock.h"
 #include "io/internal/poll.h"
 #include "io/tier_lock.h"
 #include "mlp_offload/base/clock.h"
@@ -85,16 +86,6 @@ double HandOver(Hold hold, Wait wait, Release release,
   release();
   waiter.join();
   return ok ? Micros(got - released) : -1;
-}
-
-int OfdLock(int fd, short type, bool wait) {
-  struct flock fl;
-  std::memset(&fl, 0, sizeof(fl));
-  fl.l_type = type;
-  fl.l_whence = SEEK_SET;
-  fl.l_start = 0;
-  fl.l_len = 1;
-  return fcntl(fd, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) == 0 ? 0 : errno;
 }
 
 int Run() {
@@ -145,18 +136,23 @@ int Run() {
                       },
                       [&] { (*a)->Release(); }, hold_for);
       } else {
-        us = HandOver([&] { return OfdLock(holder_fd, F_WRLCK, false) == 0; },
-                      [&] {
-                        const int err = internal_io::PollWithBackoff(
-                            [&] {
-                              const int e = OfdLock(waiter_fd, F_RDLCK, false);
-                              return e == EACCES ? EAGAIN : e;
-                            },
-                            std::nullopt, &cancel);
-                        OfdLock(waiter_fd, F_UNLCK, false);
-                        return err == 0;
-                      },
-                      [&] { OfdLock(holder_fd, F_UNLCK, false); }, hold_for);
+        us = HandOver(
+            [&] {
+              return internal_io::OfdLock(holder_fd, F_WRLCK, 0, false) == 0;
+            },
+            [&] {
+              const int err = internal_io::PollWithBackoff(
+                  [&] {
+                    const int e =
+                        internal_io::OfdLock(waiter_fd, F_RDLCK, 0, false);
+                    return e == EACCES ? EAGAIN : e;
+                  },
+                  std::nullopt, &cancel);
+              internal_io::OfdLock(waiter_fd, F_UNLCK, 0, false);
+              return err == 0;
+            },
+            [&] { internal_io::OfdLock(holder_fd, F_UNLCK, 0, false); },
+            hold_for);
       }
       if (us < 0) {
         fprintf(stderr, "hand-over %d of kind %s failed\n", i, names[k]);

@@ -159,6 +159,11 @@ def strides_of(t):
     return None if mine == row_major[::-1] else mine
 
 
+def describe_strides(strides):
+    """A strides_of value in words, for errors."""
+    return "row-major order" if strides is None else f"strides {tuple(strides)}"
+
+
 def in_memory_order(t):
     """A dense tensor's elements as a 1-D view, in the order they lie in
     memory (a row-major tensor's flattening; a channels_last one's channels

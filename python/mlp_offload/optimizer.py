@@ -3178,8 +3178,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return [self._param_strides.get(pid) for pid in range(len(self._param_shapes))]
 
     def _layout_name(self, pid):
-        strides = self._param_strides.get(pid)
-        return "row-major order" if strides is None else f"strides {tuple(strides)}"
+        return _layout.describe_strides(self._param_strides.get(pid))
 
     def _checkpoint_directory(self, directory, what):
         if directory is None:
@@ -3595,9 +3594,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"(subgroup_numel differs)")
         for pid, (a, b) in enumerate(zip(self._strides_list(), _ckpt.param_strides_of(got))):
             if a != b:
-                there = "row-major order" if b is None else f"strides {tuple(b)}"
                 raise StateMismatchError(
-                    f"checkpoint in {directory} holds parameter {pid} in {there}, this "
+                    f"checkpoint in {directory} holds parameter {pid} in "
+                    f"{_layout.describe_strides(b)}, this "
                     f"model has it in {self._layout_name(pid)} (another memory format, "
                     f"e.g. channels_last): convert the model to the format it was saved "
                     f"with (model.to(memory_format=...)) before creating the optimizer, "
