@@ -33,8 +33,12 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "io/aligned_buffer.h"
 #include "io/file.h"
@@ -429,6 +433,48 @@ uint64_t ExistingRunBytes(const std::string& run_dir,
       held(absl::StrCat(run_dir, "/sg_", i, ".grad"), RoundUp(numel[i] * 4));
   }
   return total;
+}
+
+// Removes from run directory `run_dir` (tier `tier`) the record files that a
+// fresh start of a run placed as `tier_of_subgroup` does not use: those of
+// subgroups placed on another tier or past the last one (an earlier start of
+// the run, placed otherwise or of a larger model), and gradient files when
+// `grads` is false. Their space is the tier's again. Errors name the file.
+absl::Status RemoveStaleRecords(const std::string& run_dir, int tier,
+                                const std::vector<int>& tier_of_subgroup,
+                                bool grads) {
+  DIR* d = opendir(run_dir.c_str());
+  if (d == nullptr) return ErrnoStatus(errno, "opendir", run_dir);
+  std::vector<std::string> stale;
+  while (struct dirent* ent = readdir(d)) {
+    const absl::string_view name = ent->d_name;
+    if (!absl::StartsWith(name, "sg_")) continue;
+    absl::string_view rest = name.substr(3);
+    bool is_grad = false;
+    if (absl::ConsumeSuffix(&rest, ".grad")) {
+      is_grad = true;
+    } else if (!absl::ConsumeSuffix(&rest, ".state")) {
+      continue;
+    }
+    uint64_t i = 0;
+    if (rest.empty() || rest.size() > 9 ||
+        !std::all_of(rest.begin(), rest.end(), absl::ascii_isdigit) ||
+        !absl::SimpleAtoi(rest, &i)) {
+      continue;
+    }
+    const bool used = i < tier_of_subgroup.size() &&
+                      tier_of_subgroup[i] == tier && (grads || !is_grad);
+    if (!used) stale.push_back(std::string(name));
+  }
+  closedir(d);
+  for (const std::string& name : stale) {
+    const std::string path = absl::StrCat(run_dir, "/", name);
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoStatus(errno, "removing a record file of an earlier start",
+                         path);
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -1673,13 +1719,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     m.arrays_per_param = e.arrays();
     m.subgroup_numel = e.numel;
     m.tier_of_subgroup = e.plan.tier_of_subgroup;
-    for (auto& tier : e.tiers) {
+    for (size_t t = 0; t < e.tiers.size(); ++t) {
+      auto& tier = e.tiers[t];
       // A fresh run: an old commit record must not be resumed against it.
       unlink((tier.dir + "/COMMIT").c_str());
       unlink((tier.dir + "/COMMIT.prev").c_str());
       tier.manifest = EncodeManifest(m);
       MLP_RETURN_IF_ERROR(
           WriteFileAtomically(tier.dir + "/MANIFEST", tier.manifest));
+      // After the commit records: a crash in between leaves no commit that
+      // names a removed record.
+      MLP_RETURN_IF_ERROR(
+          Annotate(RemoveStaleRecords(tier.dir, static_cast<int>(t),
+                                      e.plan.tier_of_subgroup, e.eager_grads()),
+                   absl::StrCat("tier ", t)));
     }
   }
 

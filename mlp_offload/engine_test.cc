@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <functional>
 #include <future>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -316,6 +318,64 @@ EngineConfig SmallConfig(int tiers) {
   cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(3000, 3));
   cfg.tier_lock_dir = TempDir("locks");
   return cfg;
+}
+
+// The sg_* files in `dir`, sorted.
+std::vector<std::string> RecordFilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (struct dirent* ent = readdir(d)) {
+      const std::string name = ent->d_name;
+      if (name.rfind("sg_", 0) == 0) names.push_back(name);
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(EngineTest, AFreshStartRemovesTheRecordFilesOfAnEarlierStartItDoesNotUse) {
+  // A run started afresh under a name an earlier start used, placed
+  // otherwise (multipath off) and with fewer subgroups and no gradient
+  // files: the earlier start's records on the other tier, of the dropped
+  // subgroup and its gradient files would hold their space for ever.
+  EngineConfig cfg = SmallConfig(2);
+  cfg.run_name = "stale";
+  cfg.techniques = Only(true, false, false, false);
+  cfg.host_budget_bytes *= 4;
+  {
+    Model model(cfg.subgroup_numel, 1);
+    std::unique_ptr<Engine> e = CreateFrom(cfg, model);
+    ASSERT_NE(e, nullptr);
+    ASSERT_EQ(std::set<int>(e->plan().tier_of_subgroup.begin(),
+                            e->plan().tier_of_subgroup.end()),
+              (std::set<int>{0, 1}));
+  }
+  const std::string dir0 = cfg.tiers[0].path + "/stale";
+  const std::string dir1 = cfg.tiers[1].path + "/stale";
+  ASSERT_FALSE(RecordFilesIn(dir1).empty());
+  // Files that are not records of the run stay.
+  for (const char* name : {"sg_x.state", "sg_1.state.bak", "notes"}) {
+    std::FILE* f = std::fopen(absl::StrCat(dir0, "/", name).c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fclose(f);
+  }
+  cfg.techniques = Only(false, false, true, false);
+  cfg.subgroup_numel.pop_back();
+  Model model(cfg.subgroup_numel, 2);
+  std::unique_ptr<Engine> e = CreateFrom(cfg, model);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(
+      RecordFilesIn(dir0),
+      (std::vector<std::string>{"sg_0.state", "sg_1.state", "sg_1.state.bak",
+                                "sg_2.state", "sg_x.state"}));
+  EXPECT_TRUE(RecordFilesIn(dir1).empty());
+  struct stat st;
+  EXPECT_EQ(stat((dir0 + "/notes").c_str(), &st), 0);
+  // The run steps as usual.
+  model.NewGrads(3);
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  EXPECT_TRUE(e->Step(in, StepOptions()).ok());
 }
 
 TEST(EngineTest, SegmentsMustCoverTheSubgroupOnceWithoutWrapping) {

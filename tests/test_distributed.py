@@ -590,6 +590,54 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
             assert f.read() == data, path
 
 
+def replan_worker(rank, tiers, out_dir, phase):
+    """Phase 1 trains 2 steps in mlp mode, committing each (rank 1's records
+    on both tiers, rank 0's one record on tier 0); phase 2 resumes them as
+    baseline with resume_placement='replan': every rank re-packs (rank 0's
+    placement is unchanged, but the ranks commit together), the records
+    move to tier 0, and training goes on as the plain optimizer's; phase 3
+    resumes the moved records as they are."""
+    ref, ref_opt, model, _ = reference_and_copy(out_dir, f"ref_before_{phase}.pt", phase > 1)
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=200, compute_threads=1, cache_reuse=False,
+                              mode="mlp" if phase == 1 else "baseline", run_name="dist",
+                              commit_every=1, resume="auto", resume_placement="replan")
+    placement = list(opt.plan.tier_of_subgroup)
+    if phase == 1:
+        assert set(placement) == ({0}, {0, 1})[rank], (rank, placement)
+    else:
+        assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2 * phase - 2), \
+            (rank, opt.resumed_from, opt.resumed_step)
+        assert not opt.plan.placement_kept and set(placement) == {0}, (rank, placement)
+        assert opt.engine.committed_step == 2 * phase - 2
+        assert_params_match(model, ref, rank)
+    pairs = ((ref_opt, ref), (opt, model))
+    steps = range(2 * phase - 1, 2 * phase + 1)
+    train_same_batches(steps, pairs)
+    for stats in opt.last_step_stats["bytes_read"][1:]:
+        assert (stats > 0) == (phase == 1 and rank == 1), (rank, opt.last_step_stats)
+    assert_params_match(model, ref, rank)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert_states_match(sd["state"], ref_sd["state"], rank)
+    if rank == 0:
+        save_reference(os.path.join(out_dir, f"ref_before_{phase + 1}.pt"), ref, ref_opt)
+    opt.close()
+
+
+def test_ranks_move_their_resumed_records_to_the_placement_planned_now(tmp_path):
+    tiers = tier_dirs(tmp_path)
+    for phase in (1, 2, 3):
+        spawn(replan_worker, tiers, str(tmp_path), phase)
+        runs = {t: sorted(d for d in os.listdir(t) if d.startswith("dist.r")) for t in tiers}
+        records = {t: sorted(f for d in runs[t] for f in os.listdir(os.path.join(t, d))
+                             if f.startswith("sg_")) for t in tiers}
+        # After the move, every record is on tier 0, in each rank's other
+        # run directory; the directories resumed are gone.
+        assert runs[tiers[0]] == (["dist.r0", "dist.r1"] if phase == 1
+                                  else ["dist.r0.alt", "dist.r1.alt"]), runs
+        assert bool(records[tiers[1]]) == (phase == 1), records
+
+
 def committing_run(optimizer, tiers, ckpt):
     """The run "dist" (a commit every 2 steps, resume='auto', checkpoints in
     `ckpt`) of `optimizer`."""

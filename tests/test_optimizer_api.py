@@ -1800,6 +1800,223 @@ def test_a_run_resumed_with_the_multipath_switch_changed_keeps_its_placement_and
     opt.close()
 
 
+def records_on_tiers(tiers):
+    """{run directory name: {subgroup: tier index}} of the state records
+    (sg_<i>.state files) under `tiers`."""
+    found = {}
+    for t, tier in enumerate(tiers):
+        for name in os.listdir(tier):
+            run_dir = os.path.join(tier, name)
+            if not os.path.isdir(run_dir):
+                continue
+            for f in os.listdir(run_dir):
+                m = re.fullmatch(r"sg_(\d+)\.state", f)
+                if m:
+                    assert int(m.group(1)) not in found.setdefault(name, {}), (name, f)
+                    found[name][int(m.group(1))] = t
+    return found
+
+
+@pytest.mark.parametrize("first,then", [("mlp", "baseline"), ("baseline", "mlp")])
+def test_resume_placement_replan_moves_a_resumed_runs_records_to_the_new_plan(
+        tmp_path, caplog, first, then):
+    tiers = [tmp_path / "a", tmp_path / "b"]
+    for t in tiers:
+        t.mkdir()
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def wrapper(mode, resume, placement):
+        return MLPOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[str(t) for t in tiers],
+            subgroup_numel=100, compute_threads=1, mode=mode, cache_reuse=False,
+            run_name="move", commit_every=1, resume=resume, resume_placement=placement)
+
+    fresh = wrapper(then, "never", "keep")  # where `then` places them
+    planned = list(fresh.plan.tier_of_subgroup)
+    fresh.close()
+    opt = wrapper(first, "never", "keep")
+    written = list(opt.plan.tier_of_subgroup)
+    assert written != planned and len(set(planned + written)) == 2
+    for step in range(2):
+        step_both(ref, ref_opt, model, opt, step)
+    opt.close()
+    assert records_on_tiers(tiers) == {"move.r0": dict(enumerate(written))}
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mlp_offload"):
+        opt = wrapper(then, "require", "replan")
+    assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2)
+    assert not opt.plan.placement_kept
+    assert list(opt.plan.tier_of_subgroup) == planned
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "stay where" in m], messages
+    moved = [m for m in messages if "moved its records" in m]
+    assert len(moved) == 1 and "before [" in moved[0], messages
+    # The records are where the new plan puts them, committed in the run's
+    # other directory; the one resumed is gone.
+    assert records_on_tiers(tiers) == {"move.r0.alt": dict(enumerate(planned))}
+    assert opt.engine.committed_step == 2
+    assert_close(model, ref)
+    uses = [bool(t["bytes_read"]) for t in opt.plan.traffic]
+    assert uses == [True, then == "mlp"]
+    for step in range(2, 5):
+        step_both(ref, ref_opt, model, opt, step)
+        assert [bool(b) for b in opt.last_step_stats["bytes_read"]] == uses
+    assert_close(model, ref)
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    for pid, st in ref_sd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert max_rel_diff(sd["state"][pid][key], st[key]) <= 1e-6, (pid, key)
+    opt.close()
+    # A later start resumes the moved records as they are: nothing kept,
+    # nothing to move.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mlp_offload"):
+        opt = wrapper(then, "require", "replan")
+    assert (opt.resumed_step, opt.plan.placement_kept) == (5, False)
+    assert not [r for r in caplog.records if "moved its records" in r.getMessage()]
+    step_both(ref, ref_opt, model, opt, 5)
+    assert_close(model, ref)
+    opt.close()
+
+
+def test_a_move_that_fails_leaves_the_resumed_commit_to_resume(tmp_path, monkeypatch):
+    # The new placement's commit cannot be written (a full tier): the error
+    # says the records were not moved, and the commit resumed is intact for
+    # the next start, which resumes it (kept or moved).
+    tiers = [tmp_path / "a", tmp_path / "b"]
+    for t in tiers:
+        t.mkdir()
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def wrapper(mode, placement):
+        return MLPOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[str(t) for t in tiers],
+            subgroup_numel=100, compute_threads=1, mode=mode, run_name="move",
+            commit_every=1, resume="auto", resume_placement=placement)
+
+    opt = wrapper("mlp", "keep")
+    written = list(opt.plan.tier_of_subgroup)
+    for step in range(2):
+        step_both(ref, ref_opt, model, opt, step)
+    opt.close()
+    before = records_on_tiers(tiers)
+    real = MLPOffloadOptimizer._write_pystate
+
+    def full(self, step, stepping=False, repacked_from=None, content=None):
+        if repacked_from is not None:
+            raise OSError(28, "No space left on device (injected)")
+        return real(self, step, stepping, repacked_from, content)
+
+    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", full)
+    with torch.no_grad():
+        model[0].weight.zero_()  # the resume sets the parameters again
+    with pytest.raises(OSError, match="injected") as info:
+        wrapper("baseline", "replan")
+    assert any("the records were not moved" in n and "resume_placement='keep'" in n
+               for n in getattr(info.value, "__notes__", [])), info.value
+    monkeypatch.undo()
+    assert records_on_tiers(tiers)["move.r0"] == before["move.r0"]
+    opt = wrapper("baseline", "keep")
+    assert (opt.resumed_step, opt.plan.placement_kept) == (2, True)
+    assert list(opt.plan.tier_of_subgroup) == written
+    assert_close(model, ref)
+    step_both(ref, ref_opt, model, opt, 2)
+    opt.close()
+    opt = wrapper("baseline", "replan")
+    assert (opt.resumed_step, opt.plan.placement_kept) == (3, False)
+    assert set(opt.plan.tier_of_subgroup) == {0}
+    step_both(ref, ref_opt, model, opt, 3)
+    assert_close(model, ref)
+    opt.close()
+    assert records_on_tiers(tiers) == {"move.r0.alt": {i: 0 for i in range(len(written))}}
+
+
+def test_resume_placement_is_checked_by_name(tmp_path):
+    with pytest.raises(errors.ConfigError,
+                       match=r"resume_placement must be one of \('keep', 'replan'\), "
+                             r"got 'move'"):
+        wrap(torch.optim.AdamW(make_model().parameters()), tmp_path, run_name="r",
+             resume="auto", resume_placement="move")
+
+
+_FORK_SCRIPT = r"""
+import copy, json, os, sys, torch
+from mlp_offload import MLPOffloadOptimizer, errors
+tier, mode = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 8)
+ref = copy.deepcopy(model)
+opt = MLPOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[tier],
+                          compute_threads=2, mode=mode)
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+def step(m, o, k):
+    o.zero_grad()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(k))
+    m(x).pow(2).sum().backward()
+    o.step()
+
+step(model, opt, 0)
+step(ref, ref_opt, 0)
+before = sorted(os.listdir(tier))
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    seen = {}
+    for what, call in (("step", lambda: step(model, opt, 1)), ("state_dict", opt.state_dict)):
+        try:
+            call()
+            seen[what] = "ran"
+        except errors.InheritedEngineError as e:
+            seen[what] = str(e)
+    opt.close()
+    os.write(w, json.dumps(seen).encode())
+    sys.exit(0)  # a normal exit: atexit runs the finalizers
+os.close(w)
+with os.fdopen(r) as f:
+    seen = json.loads(f.read())
+_, status = os.waitpid(pid, 0)
+after = sorted(os.listdir(tier))
+for k in (1, 2):
+    step(model, opt, k)
+    step(ref, ref_opt, k)
+diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+opt.close()
+print(json.dumps({"parent": os.getpid(), "child": pid, "status": status, "seen": seen,
+                  "dirs": [before, after, sorted(os.listdir(tier))], "diff": diff}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+def test_a_forked_child_can_neither_use_nor_harm_the_parents_optimizer(tmp_path, mode):
+    # The child's step and state_dict raise InheritedEngineError naming
+    # both processes (the baseline's from its backward hooks); its close()
+    # and its exit leave the engine and the run directory to the parent,
+    # which trains on as torch does. Before, the child's step wrote into the
+    # parent's records, and its exit hung on the engine's threads (absent in
+    # a fork), then would have removed the parent's run directory.
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path), mode], check=True,
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert got["status"] == 0, got
+    for what in ("step", "state_dict"):
+        assert re.search(rf"created by process {got['parent']} and this process "
+                         rf"\({got['child']}\) is a fork of it", got["seen"][what]), got
+    before, after, closed = got["dirs"]
+    assert len(before) == 1 and after == before and closed == [], got
+    assert got["diff"] <= 1e-6, got
+
+
 def test_an_optimizer_of_parameters_with_no_elements_only_is_refused(tmp_path):
     empties = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(3, 0))]
     with pytest.raises(errors.ConfigError, match="2 parameters all have no elements"):

@@ -385,7 +385,7 @@ class CallThread {
 class PyEngine {
  public:
   explicit PyEngine(std::unique_ptr<Engine> engine)
-      : engine_(std::move(engine)) {}
+      : engine_(std::move(engine)), creator_(getpid()) {}
   ~PyEngine() { Close(); }
 
   // The engine, for a call from Python. The Engine is used by one thread at
@@ -396,6 +396,7 @@ class PyEngine {
     if (engine_ == nullptr) {
       ThrowIfError(absl::FailedPreconditionError("the engine is closed"));
     }
+    if (getpid() != creator_) ThrowInherited();
     if (busy_ > 0) {
       if (!InPollingThread()) ThrowBusy(kBusy);
       // A signal handler that Interruptible's poll runs on this thread (a
@@ -413,6 +414,13 @@ class PyEngine {
       ThrowBusy(
           "close() from a signal handler while a step runs: the step would "
           "be left without its engine; close after step() returns");
+    }
+    if (getpid() != creator_) {
+      // A fork's child: the engine's threads are not in it (destroying it
+      // would wait for them for ever), and its files, locks and directories
+      // are the parent's, in use there. It is left alone (leaked).
+      (void)engine_.release();
+      return;
     }
     if (busy_ > 0) ThrowBusy(std::string("close(): ") + kBusy);
     std::unique_ptr<Engine> engine = std::move(engine_);
@@ -564,6 +572,20 @@ class PyEngine {
       "the engine is in use by another thread's call (a step runs without "
       "the GIL): call the optimizer from one thread at a time";
 
+  [[noreturn]] void ThrowInherited() const {
+    py::object cls =
+        py::module_::import("mlp_offload.errors").attr("InheritedEngineError");
+    const std::string message = absl::StrCat(
+        "this engine was created by process ", creator_, " and this process (",
+        getpid(),
+        ") is a fork of it: the engine's I/O and compute threads are not in a "
+        "fork, and its tier files and locks are the parent's, in use there; "
+        "create the optimizer in the process that uses it (a fork may "
+        "neither step nor close the parent's)");
+    PyErr_SetString(cls.ptr(), message.c_str());
+    throw py::error_already_set();
+  }
+
   [[noreturn]] static void ThrowBusy(const std::string& message) {
     py::object cls =
         py::module_::import("mlp_offload.errors").attr("ConcurrentUseError");
@@ -580,8 +602,9 @@ class PyEngine {
   }
 
   std::unique_ptr<Engine> engine_;
-  CallThread calls_;  // Interruptible's
-  int busy_ = 0;      // calls running without the GIL (guarded by the GIL)
+  CallThread calls_;     // Interruptible's
+  const pid_t creator_;  // a fork's child neither uses nor destroys it
+  int busy_ = 0;         // calls running without the GIL (guarded by the GIL)
   // Set by PollScope (guarded by the GIL).
   // Waits for the polled call until a deadline; whether it is over.
   std::function<bool(MonoTime)> wait_polled_;

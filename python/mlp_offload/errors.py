@@ -69,5 +69,11 @@ class ConcurrentUseError(OffloadError):
     a time."""
 
 
+class InheritedEngineError(OffloadError):
+    """The optimizer (its engine) was created in another process, of which
+    this one is a fork (os.fork, a fork-started worker): a fork can neither
+    step it nor close it; create one in the process that uses it."""
+
+
 class NonFiniteGradientError(OffloadError, FloatingPointError):
     """Gradients contain NaN/Inf and no GradScaler asked to skip the step."""

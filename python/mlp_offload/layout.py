@@ -159,6 +159,12 @@ def strides_of(t):
     return None if mine == row_major[::-1] else mine
 
 
+def layout_of(t):
+    """strides_of(t) for a dense tensor, else "not dense": what two
+    tensors' layouts are compared by."""
+    return strides_of(t) if is_dense(t) else "not dense"
+
+
 def describe_strides(strides):
     """A strides_of value in words, for errors."""
     return "row-major order" if strides is None else f"strides {tuple(strides)}"

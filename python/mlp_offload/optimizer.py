@@ -49,14 +49,15 @@ from mlp_offload import recovery as _recovery
 from mlp_offload import state_view as _state_view
 from mlp_offload import _C
 from mlp_offload.errors import (ConcurrentUseError, ConfigError, CorruptStateError,
-                                NonFiniteGradientError, OffloadError, StateMismatchError,
-                                TierError, TierFullError, TierInUseError)
+                                InheritedEngineError, NonFiniteGradientError, OffloadError,
+                                StateMismatchError, TierError, TierFullError, TierInUseError)
 
 _log = logging.getLogger(__name__)
 
 _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
+_RESUME_PLACEMENTS = ("keep", "replan")
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
 # add_param_group holds a copy of this rank's state while it rebuilds the
@@ -142,8 +143,12 @@ def _remove_entries(directory, names):
                 pass
 
 
-def _close_engine(engine, run_dirs):
-    """Closes the engine, then removes its run directory on every tier."""
+def _close_engine(engine, run_dirs, pid):
+    """Closes the engine, then removes its run directory on every tier; in
+    a fork of process `pid`, which made them, nothing (they are the
+    parent's, in use there)."""
+    if os.getpid() != pid:
+        return
     if engine is not None and not engine.closed:
         engine.close()
     for d in run_dirs:
@@ -233,6 +238,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         `resumed_step` say what happened; the model's parameters are set
         from the resumed master copy.
       checkpoint_dir: where save_checkpoint() writes, read by resume.
+      resume_placement: where a resumed run's records go when this
+        configuration places them otherwise than the run wrote them (the
+        multipath switch, or the tiers' bandwidths or capacities, changed):
+        "keep" leaves them where they are (no data moves; the plan is the
+        kept placement's, plan.placement_kept is True, and a warning says
+        so), "replan" moves them at construction to the placement planned
+        now. The move re-packs every rank's state into the run's other
+        directory and commits it there (commit_every > 0; without commits
+        the move lasts for this process only); until every rank holds that
+        commit, the commit resumed stays as it was, so a failure or crash
+        part-way resumes it again. It needs room for a second copy of the
+        state on the tiers, and holds this rank's state in memory or in a
+        file on a tier meanwhile (as add_param_group does).
       state_dict_type: what state_dict() returns in a process group: "full"
         (every rank gets every parameter's state, as torch's optimizer has
         it) or "sharded" (each rank only the parameters whose subgroups it
@@ -258,12 +276,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                  nonfinite="raise", process_group=None, generic_state_keys=None,
                  compute_threads=None, io=None, verify_checksums=True, run_name=None,
                  commit_every=0, resume="never", checkpoint_dir=None, atomic_step=True,
-                 state_dict_type="full", fault_injection=False):
+                 state_dict_type="full", fault_injection=False, resume_placement="keep"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
+        self._pid = os.getpid()  # a fork's child may not use it (_check_open)
         self._incomplete_load = None  # a load that failed after changing state
         self._must_reconstruct = None  # an interrupted re-packing: nothing mends it
         # A refused add_param_group whose kept commit failed on some rank
@@ -346,6 +365,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 _recovery.run_dir_name(run_name, 0)  # checks the name
             self._commit_every = commit_every
             self._resume = resume
+            if resume_placement not in _RESUME_PLACEMENTS:
+                raise ConfigError(f"resume_placement must be one of {_RESUME_PLACEMENTS}, "
+                                  f"got {resume_placement!r}")
+            self._resume_placement = resume_placement
             self._checkpoint_dir = None if checkpoint_dir is None \
                 else _config.check_path("checkpoint_dir", checkpoint_dir)
             self._atomic_step = _config.check_bool("atomic_step", atomic_step)
@@ -381,7 +404,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._agree_on_settings(failure, optimizer, dict(
             subgroup_numel=subgroup_numel, mode=mode, nonfinite=nonfinite,
             state_dict_type=state_dict_type, run_name=run_name, commit_every=commit_every,
-            resume=resume,
+            resume=resume, resume_placement=resume_placement,
             # Checked in the try block: a rank that failed there sends None.
             atomic_step=self._atomic_step if failure is None else None,
             checkpoint_dir=self._checkpoint_dir if failure is None else None))
@@ -425,6 +448,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._want_resume:
             try:
                 self._resume_run()
+                if self._resume_placement == "replan":
+                    self._move_kept_records()
             except BaseException:
                 # Nothing of this optimizer outlives it: the run's lock goes
                 # now (a retry in this process may open the run at once).
@@ -445,8 +470,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         group_sizes=[len(g["params"]) for g in groups],
                         param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
                         param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
-                        param_strides=[_layout.strides_of(p) if _layout.is_dense(p)
-                                       else "not dense" for g in groups for p in g["params"]],
+                        param_strides=[_layout.layout_of(p) for g in groups for p in g["params"]],
                         # Frozen and trainable parameters are packed apart.
                         param_requires_grad=[p.requires_grad for g in groups
                                              for p in g["params"]],
@@ -657,7 +681,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # A persistent run's directories outlive the process (that is the
         # point); a private one's are removed with the engine.
         self._finalizer = weakref.finalize(self, _close_engine, self._engine,
-                                           [] if self._persistent else run_dirs)
+                                           [] if self._persistent else run_dirs, self._pid)
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
 
@@ -730,7 +754,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         says so where this configuration would place them otherwise (the
         multipath switch or the tiers' bandwidths changed), since its step
         times and traffic are then the kept placement's."""
-        if engine is None or not engine.plan.placement_kept:
+        if engine is None or not engine.plan.placement_kept \
+                or self._resume_placement == "replan":
             return
         placement = list(engine.plan.tier_of_subgroup)
         per_tier = [placement.count(t) for t in range(len(self._tiers))]
@@ -738,7 +763,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "rank %d: resuming run %s, whose records stay where they were written "
             "(subgroups per tier: %s), not where this configuration places them "
             "(multipath %s%s): its I/O and step times are those of the kept placement; "
-            "start afresh (resume='never' or another run_name) to place them anew",
+            "resume_placement='replan' moves them",
             self._rank, self._run_name, per_tier,
             "on" if self._techniques["multipath"] else "off: tier 0 alone",
             ", tiers' bandwidths or capacities as given now")
@@ -1192,6 +1217,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._grad_fingerprint[g] = self._engine.gradient_fingerprint(self._local[g], segs)
 
     def _check_open(self):
+        if os.getpid() != self._pid:
+            raise InheritedEngineError(
+                f"this MLPOffloadOptimizer was created by process {self._pid} and this "
+                f"process ({os.getpid()}) is a fork of it: its engine's threads are not "
+                f"in a fork, and its state files and tier locks are the parent's, in use "
+                f"there; create the optimizer in the process that trains (a fork-started "
+                f"DataLoader worker needs none)")
         if self._closed:
             raise OffloadError("this MLPOffloadOptimizer was closed: its state is gone "
                                "from memory (save_checkpoint before close to keep it)")
@@ -1279,7 +1311,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def close(self):
         """Flushes and releases the engine (and its tier directories); any
         later use of the optimizer raises OffloadError. From another thread
-        while a step runs: ConcurrentUseError, and nothing is closed."""
+        while a step runs: ConcurrentUseError, and nothing is closed. In a
+        fork of the process that created it: only this process's object."""
+        if os.getpid() != self._pid:
+            # A fork's child: the engine, its files and the device staging
+            # are the parent's, in use there; they are left as they are
+            # (the finalizer leaves them alone too; a step the parent ran at
+            # the fork is not here).
+            self._closed = True
+            for h in self._grad_hooks:
+                h.remove()
+            self._grad_hooks = []
+            return
         if self._engine is not None and self._engine.busy:
             raise ConcurrentUseError(
                 "close(): the optimizer's engine is in use by a call that is "
@@ -1364,28 +1407,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # their fp32 master copy (for bf16/fp16 parameters, more precise than
         # the parameters themselves).
         self._check_params_unchanged()
-        saved = masters = None
-        steps = [0]
-        if self._initialized:
-            # This rank's subgroups only: they keep their indices (and so
-            # their owners) after the re-packing, as the groups are packed
-            # one after another.
-            with self._together("hold its state for add_param_group"):
-                self._refresh_changed_masters()
-                arena = self._regroup_arena()
-                masters = {}
-                saved = self._read_all_states(sharded=True, masters=masters,
-                                              alloc=arena.take, steps=steps)
-            # The new engine counts on from here: not below any subgroup's
-            # count (a loaded state has its own), alike on every rank (one
-            # without subgroups has no engine to count them).
-            if self._engine is not None:
-                steps.append(self._engine.steps)
-            steps = max(steps)
-            if self._process_group is not None:
-                steps = self._max_over_ranks(steps)[0]
-        else:
-            steps = 0
+        # This rank's subgroups only: they keep their indices (and so their
+        # owners) after the re-packing, as the groups are packed one after
+        # another.
+        saved, masters, steps = self._hold_state("add_param_group")
         repacked_from = self._choose_commit_dir()
         before = len(self.optimizer.param_groups)
         rebuilt = False
@@ -1529,11 +1554,74 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"close() the optimizer and construct it again (resume='auto' resumes the "
             f"newest commit every rank holds)") from failure
 
-    def _regroup_arena(self):
+    def _hold_state(self, what):
+        """Collective, before a re-packing (`what`, for messages): (this
+        rank's state as _read_all_states gives it, held in a
+        _regroup_arena, its fp32 masters, and the step count the new engine
+        counts on from), or (None, None, 0) before the first step."""
+        if not self._initialized:
+            return None, None, 0
+        steps = [0]
+        with self._together(f"hold its state for {what}"):
+            self._refresh_changed_masters()
+            arena = self._regroup_arena(what)
+            masters = {}
+            saved = self._read_all_states(sharded=True, masters=masters,
+                                          alloc=arena.take, steps=steps)
+        # Not below any subgroup's count (a loaded state has its own), alike
+        # on every rank (one without subgroups has no engine to count them).
+        if self._engine is not None:
+            steps.append(self._engine.steps)
+        steps = max(steps)
+        if self._process_group is not None:
+            steps = self._max_over_ranks(steps)[0]
+        return saved, masters, steps
+
+    def _move_kept_records(self):
+        """resume_placement='replan', in the constructor after a resume
+        (collective): where some rank's records stayed where the run wrote
+        them (plan.placement_kept), every rank re-packs its state into its
+        other run directory, placed as this configuration plans it, and
+        commits it there in a new epoch; the directory resumed goes once
+        every rank holds that commit (_settle_run_dir). Raises if it cannot
+        (the constructor then closes): the commit resumed is left as it was,
+        which the next start resumes."""
+        kept = self._engine is not None and self._engine.plan.placement_kept
+        if self._process_group is not None:
+            kept = self._any_rank(kept)
+        if not kept or not self._initialized:
+            return
+        before = None if self._engine is None else list(self._engine.plan.tier_of_subgroup)
+        resumed = self._commit_dir
+        saved, masters, steps = self._hold_state("moving its records")
+        repacked_from = self._choose_commit_dir()
+        self._next_epoch()
+        try:
+            with self._together("move its records to the placement planned now"):
+                self._rebuild(saved, masters, steps, repacked_from)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                exc.add_note(
+                    f"resume_placement='replan': the records were not moved; the commit "
+                    f"resumed is as it was in <tier>/{resumed}, and a start with "
+                    f"resume_placement='keep' resumes it where it is")
+            raise
+        self._settle_run_dir()
+        self._note_param_versions()
+        if self._engine is not None:
+            after = list(self._engine.plan.tier_of_subgroup)
+            count = range(len(self._tiers))
+            _log.info("rank %d: run %s: moved its records to the placement planned now "
+                      "(subgroups per tier: %s, before %s)%s", self._rank, self._run_name,
+                      [after.count(t) for t in count], [before.count(t) for t in count],
+                      "" if self._commit_every > 0 else
+                      "; commit_every is 0, so the run's commit keeps the old placement")
+
+    def _regroup_arena(self, what="add_param_group"):
         """A HostArena for this rank's state (master and arrays): in memory
         where that is cheap, else on the tier with the most room. The ranks
         of this node (LOCAL_WORLD_SIZE) do the same at once: each counts on
-        its share of the memory."""
+        its share of the memory. `what`: the re-packing, for messages."""
         numel = sum(self._subgroups[g].numel for g in self._owned) * (1 + self._num_arrays)
         need = 4 * numel
         avail = _layout.memory_available_bytes()
@@ -1546,19 +1634,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             try:
                 room[tier["path"]] = _layout.free_bytes(tier["path"])
             except OSError as e:
-                _log.warning("add_param_group: cannot stat tier %s: %s", tier["path"], e)
+                _log.warning("%s: cannot stat tier %s: %s", what, tier["path"], e)
         best = max(room, key=room.get, default=None)
         # The node's ranks may all choose that tier.
         if best is None or room[best] // self._local_world < need + _SPILL_HEADROOM_BYTES:
             raise TierFullError(
-                f"add_param_group holds this rank's state ({need} bytes) while it rebuilds "
+                f"{what} holds this rank's state ({need} bytes) while it rebuilds "
                 f"the engine: that is over {_REGROUP_MEMORY_FRACTION:.0%} of the {avail} "
                 f"bytes of memory available to this rank (MemAvailable / "
                 f"LOCAL_WORLD_SIZE {self._local_world}), and no tier has room for it and "
                 f"{_SPILL_HEADROOM_BYTES} bytes to spare for each of the node's ranks (free: "
                 f"{ {p: b for p, b in room.items()} }); nothing was changed")
-        _log.info("add_param_group: this rank's state (%d bytes) is held in a file on %s "
-                  "while the engine is rebuilt", need, best)
+        _log.info("%s: this rank's state (%d bytes) is held in a file on %s while the "
+                  "engine is rebuilt", what, need, best)
         return _layout.HostArena(numel, best)
 
     def _rebuild(self, saved, masters, steps, repacked_from=None):
@@ -1647,13 +1735,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{g.dtype} {tuple(g.shape)}{' sparse' if g.is_sparse else ''} on "
                     f"{g.device}")
             row_major = p.is_contiguous()  # the common case, checked at C++ speed
+            layout = None if row_major else _layout.layout_of(p)
             if p.dtype != self._dtype or p.device != self._device \
                     or row_major != (pid not in self._param_strides) \
-                    or not row_major and (not _layout.is_dense(p) or _layout.strides_of(p)
-                                          != self._param_strides[pid]):
+                    or not row_major and layout != self._param_strides[pid]:
                 self._check_params_unchanged()  # raises, naming the change
-            if not (row_major and g.is_contiguous()) and (
-                    not _layout.is_dense(g) or _layout.strides_of(g) != _layout.strides_of(p)):
+            if not (row_major and g.is_contiguous()) and _layout.layout_of(g) != layout:
                 # Autograd and DDP give a dense parameter's gradient its layout.
                 raise ConfigError(
                     f"the gradient of parameter {pid} has strides {tuple(g.stride())}, the "
@@ -1749,7 +1836,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"{self._dtype} {tuple(self._param_shapes[pid])} on {self._device}: "
                         f"convert the model (model.to(...)) before creating the optimizer, "
                         f"or create it again")
-                now = _layout.strides_of(p) if _layout.is_dense(p) else "not dense"
+                now = _layout.layout_of(p)
                 if now != self._param_strides.get(pid):
                     raise ConfigError(
                         f"parameter {pid} now has strides {tuple(p.stride())} "
