@@ -484,6 +484,19 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         _C.engine.Engine.create(tiers=[{"path": tiers[0]}], host_budget_bytes=1 << 24,
                                 subgroup_numel=[1000, 0], num_state_arrays=2,
                                 grad_dtype="float32")
+    # A techniques dict says every switch: one left out is not taken as on.
+    spec = [{"path": tiers[0], "read_bytes_per_sec": 1e9, "write_bytes_per_sec": 1e9}]
+    for bad, match in (({"multipath": False}, "missing required key 'cache_reuse'"),
+                       (dict(_C.engine.make_plan([10], 2, 4, spec, 1 << 30,
+                                                 "baseline").techniques, lock=True),
+                        "unknown key 'lock'")):
+        with pytest.raises(errors.ConfigError, match=match):
+            _C.engine.make_plan([10], 2, 4, spec, 1 << 30, bad)
+        with pytest.raises(errors.ConfigError, match=match):
+            _C.engine.Engine.create(tiers=[{"path": tiers[0]}], host_budget_bytes=1 << 24,
+                                    subgroup_numel=[1000], num_state_arrays=2,
+                                    grad_dtype="float32", techniques=bad)
+    assert listing(tiers) == {t: [] for t in tiers}
 
 
 def test_bad_gradients_are_refused_before_the_state_changes(tmp_path):

@@ -152,6 +152,13 @@ Techniques TechniquesFromDict(py::handle obj) {
   }
   Techniques t;
   DictReader r(obj, "techniques");
+  // Each switch is said: a dict that left one out would otherwise keep the
+  // engine's default for it (on), an mlp run with one technique changed
+  // where the caller may have meant a baseline run with one added.
+  for (const char* key :
+       {"multipath", "cache_reuse", "delayed_grad_conversion", "tier_lock"}) {
+    r.Require(key);
+  }
   r.Read("multipath", &t.multipath);
   r.Read("cache_reuse", &t.cache_reuse);
   r.Read("delayed_grad_conversion", &t.delayed_grad_conversion);
