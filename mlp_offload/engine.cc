@@ -1194,6 +1194,10 @@ struct Engine::Impl {
   absl::Status CheckTiers();
   absl::Status OpenTiers();
   std::vector<std::string> real_paths;
+  // What the engine opens files under (OpenTiers): every run directory
+  // (with its trailing '/'), and the tier locks' and shared throttles'
+  // files. Set once; read without the mutex (in a fork's child too).
+  std::vector<std::string> file_prefixes;
   absl::Status LoadCommitted();
 
   // --- step pipeline ----------------------------------------------------
@@ -1389,6 +1393,7 @@ absl::Status Engine::Impl::OpenTiers() {
   for (int t = 0; t < num_tiers; ++t) {
     Tier& tier = tiers[t];
     tier.dir = absl::StrCat(real[t], "/", config.run_name);
+    file_prefixes.push_back(tier.dir + "/");
     if (mkdir(tier.dir.c_str(), 0700) == 0) {
       // A new directory survives a crash only once its parent is synced (the
       // commits written in it would go with it).
@@ -1416,6 +1421,7 @@ absl::Status Engine::Impl::OpenTiers() {
                         absl::StrCat("tier ", t, ": shared throttle"));
       }
       shared.state_path = *state;
+      file_prefixes.push_back(*state);
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
@@ -1450,6 +1456,7 @@ absl::Status Engine::Impl::OpenTiers() {
         paths = {base + ".read", base + ".write"};
       }
       for (const std::string& path : paths) {
+        file_prefixes.push_back(path);
         MLP_ASSIGN_OR_RETURN(
             std::unique_ptr<TierLock> lock,
             TierLock::Open(path, std::max(1, config.tier_lock_slots)));
@@ -1624,12 +1631,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "num_state_arrays must be in [0, 8], got ", config.num_state_arrays));
   }
-  if (config.run_name.empty() ||
-      config.run_name.find('/') != std::string::npos ||
-      config.run_name == "." || config.run_name == "..") {
+  auto plain = [](const std::string& name) {
+    return !name.empty() && name.find('/') == std::string::npos &&
+           name != "." && name != "..";
+  };
+  if (!plain(config.run_name)) {
     return absl::InvalidArgumentError(
         absl::StrCat("run_name must be a plain directory name, got '",
                      config.run_name, "'"));
+  }
+  if (!config.replaces_run_name.empty() && !plain(config.replaces_run_name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replaces_run_name must be a plain directory name or empty, got '",
+        config.replaces_run_name, "'"));
   }
   if (config.commit_every < 0) {
     return absl::InvalidArgumentError("commit_every must be >= 0");
@@ -1677,10 +1691,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     if (in.tiers[t].capacity_bytes != 0) continue;
     const std::optional<uint64_t> free = TierFreeBytes(in.tiers[t].path);
     if (!free.has_value()) continue;
-    const uint64_t own =
-        ExistingRunBytes(absl::StrCat(e.real_paths[t], "/", config.run_name),
-                         config.subgroup_numel, 1 + config.num_state_arrays,
-                         !config.techniques.delayed_grad_conversion);
+    uint64_t own = 0;
+    for (const std::string* name :
+         {&config.run_name, &config.replaces_run_name}) {
+      if (name->empty() ||
+          (name != &config.run_name && *name == config.run_name))
+        continue;
+      own +=
+          ExistingRunBytes(absl::StrCat(e.real_paths[t], "/", *name),
+                           config.subgroup_numel, 1 + config.num_state_arrays,
+                           !config.techniques.delayed_grad_conversion);
+    }
     // A full tier holds nothing (0 would tell the planner "unlimited").
     const uint64_t share =
         *free / static_cast<uint64_t>(std::max(1, in.tiers[t].shared_by));
@@ -1846,6 +1867,9 @@ absl::Status Engine::RetryCommit() {
                   absl::StrCat("commit of step ", e.steps_done));
 }
 bool Engine::step_incomplete() const { return impl_->step_failed; }
+const std::vector<std::string>& Engine::file_prefixes() const {
+  return impl_->file_prefixes;
+}
 bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed.step; }
 int64_t Engine::committed_epoch() const { return impl_->committed.epoch; }

@@ -84,6 +84,14 @@ struct EngineConfig {
   IoEngineOptions io;
   // Subdirectory created under every tier path for this run's files.
   std::string run_name = "mlp_offload_run";
+  // A re-packing: the run directory (under every tier) whose state this
+  // engine's replaces, and which the caller removes once the new state is
+  // committed. Its record files count as room on each tier whose capacity
+  // is taken from the free space, as this run's own files do: the plan is
+  // then the one a start after the removal makes (without it, a tier that
+  // the old copy fills looks smaller now than then, and the two plans
+  // differ). "": none.
+  std::string replaces_run_name;
   int tier_lock_slots = 1;  // processes per tier at a time
   // With the tier lock: kExclusive, a process's reads and writes of a tier
   // hold one lock; kPerDirection, reads one and writes another, so one
@@ -341,6 +349,12 @@ class Engine {
   // the one before; its records then fail the header check): what the
   // ranks of a group compare to find the newest commit all of them hold.
   const std::vector<CommitId>& kept_commits() const;
+  // The paths under which the engine's files are (its run directory on
+  // every tier, ending in '/') and the paths of its lock and shared
+  // throttle files. A fork's child closes its copies of the descriptors
+  // of these (they would hold the run lock, the tier locks and the space
+  // of removed files for as long as the child lives); set at Create.
+  const std::vector<std::string>& file_prefixes() const;
   // The epoch of the commits made from now (0 in a fresh run; a resumed
   // engine's is its commit's). A commit is identified by (epoch, step
   // count), and each must be newer than the last: after a load that sets

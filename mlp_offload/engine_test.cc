@@ -2570,6 +2570,59 @@ TEST(EngineTest, AResumeCountsTheRunsOwnFilesAsRoomOnTheTier) {
   EXPECT_TRUE(Engine::Create(cfg).ok());
 }
 
+// Removes the files of flat directory `dir`, then it.
+void RemoveFlatDir(const std::string& dir) {
+  if (DIR* d = opendir(dir.c_str())) {
+    while (struct dirent* ent = readdir(d)) {
+      const std::string name = ent->d_name;
+      if (name != "." && name != "..") unlink((dir + "/" + name).c_str());
+    }
+    closedir(d);
+  }
+  rmdir(dir.c_str());
+}
+
+TEST(EngineTest, ARepackingCountsTheRecordsOfTheRunItReplacesAsRoom) {
+  // The state re-packed into the run's other directory (add_param_group,
+  // resume_placement='replan') while the directory it replaces still holds
+  // its records: those count as room, so the plan is the one a start makes
+  // once they are gone. Without it a tier they fill looks smaller, and
+  // every start would move the records back and forth.
+  EngineConfig cfg = SmallConfig(2);
+  cfg.tiers[0].read_bytes_per_sec = cfg.tiers[0].write_bytes_per_sec = 1e10;
+  cfg.tiers[1].read_bytes_per_sec = cfg.tiers[1].write_bytes_per_sec = 1e8;
+  cfg.techniques = Only(true, false, true, false);
+  cfg.tiers[1].capacity_bytes = 4 * StateDiskBytes(cfg);  // room for all
+  FakeFileSystem fake_fs;
+  g_fake_fs_bytes = StateDiskBytes(cfg) * 6 / 10;  // part of it fits tier 0
+  Model model(cfg.subgroup_numel, 5);
+  cfg.run_name = "old";
+  std::vector<int> planned;
+  {
+    std::unique_ptr<Engine> e = CreateFrom(cfg, model);
+    ASSERT_NE(e, nullptr);
+    planned = e->plan().tier_of_subgroup;
+  }
+  ASSERT_EQ(std::set<int>(planned.begin(), planned.end()),
+            (std::set<int>{0, 1}));
+  cfg.run_name = "new";
+  {
+    std::unique_ptr<Engine> e = CreateFrom(cfg, model);
+    ASSERT_NE(e, nullptr);
+    EXPECT_NE(e->plan().tier_of_subgroup, planned);  // "old" fills tier 0
+  }
+  for (const TierSpec& t : cfg.tiers) RemoveFlatDir(t.path + "/new");
+  cfg.replaces_run_name = "old";
+  {
+    std::unique_ptr<Engine> e = CreateFrom(cfg, model);
+    ASSERT_NE(e, nullptr);
+    EXPECT_EQ(e->plan().tier_of_subgroup, planned);
+  }
+  cfg.replaces_run_name = "../old";
+  EXPECT_EQ(Engine::Create(cfg).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(EngineTest, AFailedFirstInitialisationLeavesTheSubgroupUninitialised) {
   // The write of a subgroup's first record fails: the subgroup stays
   // uninitialised (nothing may commit it), and initialising it again makes

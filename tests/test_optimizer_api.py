@@ -1881,6 +1881,60 @@ def test_resume_placement_replan_moves_a_resumed_runs_records_to_the_new_plan(
     opt.close()
 
 
+def test_a_move_places_the_records_where_the_next_start_plans_them(tmp_path, caplog):
+    # Tier 0's capacity comes from its free space, which the resumed records
+    # fill while the move writes the new copy: they count as room, so the
+    # move's placement is the one the next start plans, and that start
+    # moves nothing. Before, the move planned for a smaller tier 0, and
+    # every start moved the records back and forth between two placements.
+    from mlp_offload import _C
+    tiers = [tmp_path / "a", tmp_path / "b"]
+    for t in tiers:
+        t.mkdir()
+    spec = [{"path": str(tiers[0])}, {"path": str(tiers[1]), "capacity_bytes": 1 << 30}]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(100, 100) for _ in range(10)])
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def wrapper(bandwidths, resume):
+        return MLPOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3), tiers=spec,
+            tier_bandwidths=bandwidths, subgroup_numel=10100, compute_threads=1,
+            cache_reuse=False, run_name="pp", commit_every=1, resume=resume,
+            resume_placement="replan")
+
+    def step(k):
+        x = torch.randn(4, 100, generator=torch.Generator().manual_seed(k))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+
+    _C.engine._set_tier_free_bytes_for_testing(1600 << 10)  # tier 0: 1.6 MB
+    try:
+        opt = wrapper([2e9, 8e9], "never")
+        assert list(opt.plan.tier_of_subgroup).count(0) == 2
+        step(0)
+        opt.close()
+        placements = []
+        for start in range(3):
+            caplog.clear()
+            with caplog.at_level("INFO", logger="mlp_offload"):
+                opt = wrapper([1e10, 1e8], "require")
+            moved = [r for r in caplog.records if "moved its records" in r.getMessage()]
+            assert len(moved) == (start == 0), (start, [r.getMessage() for r in moved])
+            assert not opt.plan.placement_kept
+            placements.append(list(opt.plan.tier_of_subgroup))
+            step(start + 1)
+            opt.close()
+        assert placements[0].count(0) > 2 and placements == placements[:1] * 3, placements
+    finally:
+        _C.engine._set_tier_free_bytes_for_testing(None)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert max_rel_diff(p, q) <= 1e-6
+
+
 def test_a_move_that_fails_leaves_the_resumed_commit_to_resume(tmp_path, monkeypatch):
     # The new placement's commit cannot be written (a full tier): the error
     # says the records were not moved, and the commit resumed is intact for
@@ -2015,6 +2069,70 @@ def test_a_forked_child_can_neither_use_nor_harm_the_parents_optimizer(tmp_path,
     before, after, closed = got["dirs"]
     assert len(before) == 1 and after == before and closed == [], got
     assert got["diff"] <= 1e-6, got
+
+
+_LIVING_FORK_SCRIPT = r"""
+import json, os, signal, sys, time, torch
+from mlp_offload import MLPOffloadOptimizer
+tier, lock_dir = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(16, 8)
+
+def make(resume):
+    return MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[tier],
+                               compute_threads=1, run_name="live", commit_every=1,
+                               resume=resume, tier_lock_dir=lock_dir)
+
+opt = make("never")
+model(torch.randn(4, 16)).sum().backward()
+opt.step()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a worker that never touches the optimizer, and lives on
+    os.close(r)
+    os.write(w, b"x")
+    time.sleep(120)
+    os._exit(0)
+os.close(w)
+os.read(r, 1)
+held = []
+for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    except OSError:
+        pass
+opt.close()
+try:
+    opt = make("auto")  # the run's lock is free again
+    resumed = opt.resumed_step
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    opt.close()
+finally:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(json.dumps({"held": [p for p in held if p.startswith((tier, lock_dir))],
+                  "resumed": resumed}))
+"""
+
+
+def test_a_forked_child_that_lives_on_holds_none_of_the_engines_files(tmp_path):
+    # A fork-started worker that lives on (a persistent DataLoader worker)
+    # closes its copies of the engine's descriptors at the fork: the parent
+    # closes the run and opens it again while the worker lives. Before, the
+    # worker's copy held the run lock (TierInUseError, "held by another live
+    # process") and the tier locks until it exited.
+    import json
+    import subprocess
+    import sys
+    tier, lock_dir = tmp_path / "tier", tmp_path / "locks"
+    tier.mkdir()
+    lock_dir.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", _LIVING_FORK_SCRIPT, str(tier.resolve()),
+         str(lock_dir.resolve())], check=True, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert got == {"held": [], "resumed": 1}, got
 
 
 def test_an_optimizer_of_parameters_with_no_elements_only_is_refused(tmp_path):

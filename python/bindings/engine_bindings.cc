@@ -4,9 +4,13 @@
 // a typo is a ConfigError naming the key), tensors as integer data pointers
 // plus element counts, dtypes as names. Every blocking engine call runs with
 // the GIL released; every absl::Status goes through ThrowIfError.
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -22,6 +26,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
@@ -392,8 +398,55 @@ class CallThread {
 class PyEngine {
  public:
   explicit PyEngine(std::unique_ptr<Engine> engine)
-      : engine_(std::move(engine)), creator_(getpid()) {}
-  ~PyEngine() { Close(); }
+      : engine_(std::move(engine)), creator_(getpid()) {
+    LiveEngines().insert(this);
+  }
+  ~PyEngine() {
+    LiveEngines().erase(this);
+    Close();
+  }
+
+  // Every handle alive in this process (and, in a fork's child, the
+  // parent's): changed and read under the GIL.
+  static std::set<PyEngine*>& LiveEngines() {
+    static auto* live = new std::set<PyEngine*>();
+    return *live;
+  }
+
+  // In a fork's child: closes the child's copies of the descriptors of the
+  // parent's engine files (its run lock, state files, tier locks). Held
+  // here, they would keep the run locked against the parent's next open
+  // after the parent closed it, a lock that the parent held at its death
+  // held, and removed files' space in use, for as long as the child lives.
+  // Closing a copy releases nothing of the parent's. The engine is never
+  // used here (get() refuses), so nothing reads these descriptors.
+  void CloseInheritedFiles() {
+    if (engine_ == nullptr || getpid() == creator_) return;
+    const std::vector<std::string>& prefixes = engine_->file_prefixes();
+    std::vector<int> fds;
+    if (DIR* d = opendir("/proc/self/fd")) {
+      while (struct dirent* ent = readdir(d)) {
+        int fd = -1;
+        if (absl::SimpleAtoi(ent->d_name, &fd) && fd != dirfd(d)) {
+          fds.push_back(fd);
+        }
+      }
+      closedir(d);
+    }
+    for (int fd : fds) {
+      char target[PATH_MAX];
+      const std::string link = absl::StrCat("/proc/self/fd/", fd);
+      const ssize_t len = readlink(link.c_str(), target, sizeof(target) - 1);
+      if (len <= 0) continue;
+      const absl::string_view path(target, static_cast<size_t>(len));
+      for (const std::string& prefix : prefixes) {
+        if (absl::StartsWith(path, prefix)) {
+          close(fd);
+          break;
+        }
+      }
+    }
+  }
 
   // The engine, for a call from Python. The Engine is used by one thread at
   // a time: while a call that released the GIL runs (a step), a call from
@@ -640,6 +693,31 @@ std::vector<float*> FloatPointers(const std::vector<uintptr_t>& ptrs) {
   return out;
 }
 
+// _set_tier_free_bytes_for_testing: the size of the fake file systems.
+std::atomic<uint64_t> g_fake_tier_bytes{0};
+
+// Bytes allocated to `path` and, for a directory, everything under it.
+uint64_t BytesUnder(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return 0;
+  uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+  if (!S_ISDIR(st.st_mode)) return bytes;
+  if (DIR* d = opendir(path.c_str())) {
+    while (struct dirent* ent = readdir(d)) {
+      const std::string name = ent->d_name;
+      if (name != "." && name != "..") bytes += BytesUnder(path + "/" + name);
+    }
+    closedir(d);
+  }
+  return bytes;
+}
+
+uint64_t FakeTierFreeBytes(const std::string& path) {
+  const uint64_t total = g_fake_tier_bytes.load();
+  const uint64_t used = BytesUnder(path);
+  return used >= total ? 0 : total - used;
+}
+
 }  // namespace
 
 void RegisterEngineBindings(py::module_& parent) {
@@ -790,6 +868,29 @@ void RegisterEngineBindings(py::module_& parent) {
       "parameter, master included, and subgroup sizes), one run on every "
       "tier: a resume's manifest checks, without opening the run.");
 
+  m.def(
+      "_set_tier_free_bytes_for_testing",
+      [](std::optional<uint64_t> total) {
+        g_fake_tier_bytes.store(total.value_or(0));
+        internal_engine::SetTierFreeBytesForTesting(
+            total.has_value() ? &FakeTierFreeBytes : nullptr);
+      },
+      py::arg("total"),
+      "Tests: every tier whose capacity comes from its free space is a file "
+      "system of `total` bytes that holds only what is under the tier's "
+      "path (None: statvfs again).");
+
+  m.def(
+      "_close_inherited_files",
+      [] {
+        for (PyEngine* engine : PyEngine::LiveEngines()) {
+          engine->CloseInheritedFiles();
+        }
+      },
+      "In a fork's child (os.register_at_fork, mlp_offload/__init__.py): "
+      "closes the child's copies of the descriptors of every engine's "
+      "files; a no-op in the process that created them.");
+
   m.def("aligned_record_bytes", &AlignedRecordBytes, py::arg("numel"),
         py::arg("arrays_per_param"),
         "Bytes of a record of `numel` params with that many fp32 arrays, "
@@ -828,7 +929,8 @@ void RegisterEngineBindings(py::module_& parent) {
              int tier_lock_slots, const std::string& tier_lock_mode,
              const std::string& tier_lock_dir, double tier_lock_timeout_s,
              bool verify_checksums, bool fault_injection, bool resume,
-             int commit_every, int64_t resume_epoch, int64_t resume_step) {
+             int commit_every, int64_t resume_epoch, int64_t resume_step,
+             const std::string& replaces_run_name) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -839,6 +941,7 @@ void RegisterEngineBindings(py::module_& parent) {
             config.compute_threads = compute_threads;
             config.io = IoFromDict(io);
             config.run_name = run_name;
+            config.replaces_run_name = replaces_run_name;
             config.tier_lock_slots = tier_lock_slots;
             config.tier_lock_dir = tier_lock_dir;
             // The engine refuses one <= 0; NaN has no Duration.
@@ -884,7 +987,7 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
           py::arg("commit_every") = 0, py::arg("resume_epoch") = 0,
-          py::arg("resume_step") = -1,
+          py::arg("resume_step") = -1, py::arg("replaces_run_name") = "",
           "Validates the config, plans, opens the tiers, creates the run "
           "directories.")
       .def("close", &PyEngine::Close,

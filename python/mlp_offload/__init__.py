@@ -14,9 +14,19 @@ asynchronous I/O streams the state in and out.
 
 import importlib as _importlib
 import logging as _logging
+import os as _os
 
 from mlp_offload import errors
 from mlp_offload._C import build_info
+from mlp_offload._C import engine as _engine
+
+# A fork's child (a DataLoader or Pool worker, os.fork) inherits the
+# descriptors of every engine's files: it closes its copies at once, or it
+# would hold the run lock (the parent could not open the run again after
+# closing it) and the tier locks for as long as it lives. The engines
+# themselves are the parent's: a fork cannot use them
+# (errors.InheritedEngineError).
+_os.register_at_fork(after_in_child=_engine._close_inherited_files)
 
 __version__ = build_info()["version"]
 

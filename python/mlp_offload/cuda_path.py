@@ -37,6 +37,7 @@ is what the overlap saves.
 """
 
 import contextlib
+import os
 import time
 import weakref
 
@@ -80,10 +81,13 @@ def _remove_handles(handles):
     handles.clear()
 
 
-def _release(handles, streams):
-    """Finalizer: no copy may still use the buffers about to be freed."""
-    for s in streams:
-        s.synchronize()
+def _release(handles, streams, pid):
+    """Finalizer: no copy may still use the buffers about to be freed. In
+    a fork of process `pid` (CUDA does not work in a fork, and the copies
+    are the parent's), the streams are left alone."""
+    if os.getpid() == pid:
+        for s in streams:
+            s.synchronize()
     _remove_handles(handles)
 
 
@@ -175,7 +179,8 @@ class DeviceStaging:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
             streams = [self._d2h, self._h2d]
-        self._finalizer = weakref.finalize(self, _release, self._handles, streams)
+        self._finalizer = weakref.finalize(self, _release, self._handles, streams,
+                                           os.getpid())
         # The //gpu kernel runs on the extension's own CUDA runtime: used when
         # that runtime works here (it is what pinned the buffers).
         self.grad_stats = "cuda-kernel" if self.pinning == "cudaHostRegister" else "torch"

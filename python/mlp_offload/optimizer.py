@@ -674,7 +674,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                               f"-g{self._generation}-r{self._rank}")
         if engine is None:
-            engine = self._new_engine(budget, numel, resume=False)
+            # A re-packing of a committing run: the records of the directory
+            # it replaces count as room (they go at _settle_run_dir, once the
+            # new state is committed), so the placement is the one the next
+            # start plans (else a tier they fill would look smaller now, and
+            # resume_placement='replan' would move the records back and
+            # forth at every start). Without commits that directory stays.
+            replaces = self._commit_dir if self._persistent and rebuild \
+                and self._commit_every > 0 \
+                and self._commit_dir not in (None, self._run_name) else ""
+            engine = self._new_engine(budget, numel, resume=False, replaces=replaces)
             engine.set_epoch(self._epoch)  # a re-packed state's (see _rebuild)
         self._engine = engine
         run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
@@ -971,7 +980,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"ranks and save_checkpoint(), then load that checkpoint here (load_checkpoint, "
             f"or resume='auto' with checkpoint_dir and a new run_name)")
 
-    def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1):
+    def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1,
+                    replaces=""):
         return _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
@@ -985,7 +995,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             tier_lock_timeout_s=self._engine_settings["tier_lock_timeout"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_epoch=resume_epoch,
-            resume_step=resume_step)
+            resume_step=resume_step, replaces_run_name=replaces)
 
     def _check_require(self, agreed):
         """resume='require' with no committed step on every rank: a checkpoint
