@@ -501,10 +501,16 @@ absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
     return absl::InvalidArgumentError(
         absl::StrCat("tier lock directory ", dir, " is not a directory"));
   }
+  // Resolved, as the tier is: one name for the lock however the directory
+  // is spelt (relative, through a symlink), which is also the name a fork's
+  // child finds its descriptors under (/proc/self/fd, file_prefixes).
+  char real_dir[PATH_MAX];
+  if (realpath(dir.c_str(), real_dir) == nullptr)
+    return ErrnoStatus(errno, "tier lock directory: realpath", dir);
   char real[PATH_MAX];
   if (realpath(tier_dir.c_str(), real) == nullptr)
     return ErrnoStatus(errno, "realpath", tier_dir);
-  return absl::StrCat(dir, "/mlp_offload_tier_lock.", getuid(), ".",
+  return absl::StrCat(real_dir, "/mlp_offload_tier_lock.", getuid(), ".",
                       absl::Hex(StableHash(real), absl::kZeroPad16));
 }
 
@@ -1631,19 +1637,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "num_state_arrays must be in [0, 8], got ", config.num_state_arrays));
   }
-  auto plain = [](const std::string& name) {
-    return !name.empty() && name.find('/') == std::string::npos &&
-           name != "." && name != "..";
-  };
-  if (!plain(config.run_name)) {
+  if (config.run_name.empty() ||
+      config.run_name.find('/') != std::string::npos ||
+      config.run_name == "." || config.run_name == "..") {
     return absl::InvalidArgumentError(
         absl::StrCat("run_name must be a plain directory name, got '",
                      config.run_name, "'"));
-  }
-  if (!config.replaces_run_name.empty() && !plain(config.replaces_run_name)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "replaces_run_name must be a plain directory name or empty, got '",
-        config.replaces_run_name, "'"));
   }
   if (config.commit_every < 0) {
     return absl::InvalidArgumentError("commit_every must be >= 0");
@@ -1691,17 +1690,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     if (in.tiers[t].capacity_bytes != 0) continue;
     const std::optional<uint64_t> free = TierFreeBytes(in.tiers[t].path);
     if (!free.has_value()) continue;
-    uint64_t own = 0;
-    for (const std::string* name :
-         {&config.run_name, &config.replaces_run_name}) {
-      if (name->empty() ||
-          (name != &config.run_name && *name == config.run_name))
-        continue;
-      own +=
-          ExistingRunBytes(absl::StrCat(e.real_paths[t], "/", *name),
-                           config.subgroup_numel, 1 + config.num_state_arrays,
-                           !config.techniques.delayed_grad_conversion);
-    }
+    const uint64_t own =
+        ExistingRunBytes(absl::StrCat(e.real_paths[t], "/", config.run_name),
+                         config.subgroup_numel, 1 + config.num_state_arrays,
+                         !config.techniques.delayed_grad_conversion);
     // A full tier holds nothing (0 would tell the planner "unlimited").
     const uint64_t share =
         *free / static_cast<uint64_t>(std::max(1, in.tiers[t].shared_by));

@@ -84,14 +84,6 @@ struct EngineConfig {
   IoEngineOptions io;
   // Subdirectory created under every tier path for this run's files.
   std::string run_name = "mlp_offload_run";
-  // A re-packing: the run directory (under every tier) whose state this
-  // engine's replaces, and which the caller removes once the new state is
-  // committed. Its record files count as room on each tier whose capacity
-  // is taken from the free space, as this run's own files do: the plan is
-  // then the one a start after the removal makes (without it, a tier that
-  // the old copy fills looks smaller now than then, and the two plans
-  // differ). "": none.
-  std::string replaces_run_name;
   int tier_lock_slots = 1;  // processes per tier at a time
   // With the tier lock: kExclusive, a process's reads and writes of a tier
   // hold one lock; kPerDirection, reads one and writes another, so one

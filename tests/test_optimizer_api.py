@@ -1881,12 +1881,13 @@ def test_resume_placement_replan_moves_a_resumed_runs_records_to_the_new_plan(
     opt.close()
 
 
-def test_a_move_places_the_records_where_the_next_start_plans_them(tmp_path, caplog):
-    # Tier 0's capacity comes from its free space, which the resumed records
-    # fill while the move writes the new copy: they count as room, so the
-    # move's placement is the one the next start plans, and that start
-    # moves nothing. Before, the move planned for a smaller tier 0, and
-    # every start moved the records back and forth between two placements.
+def test_records_move_once_per_change_of_the_placement_settings(tmp_path, caplog):
+    # Tier 0's capacity comes from its free space, which the resumed copy
+    # still fills while the move writes the new one: the move places fewer
+    # records there than a fresh start would. The next starts, under the
+    # same settings, leave them (a warning-free info line says why); before,
+    # every start moved them again, back and forth between two placements.
+    # Settings changed again move them again.
     from mlp_offload import _C
     tiers = [tmp_path / "a", tmp_path / "b"]
     for t in tiers:
@@ -1897,12 +1898,12 @@ def test_a_move_places_the_records_where_the_next_start_plans_them(tmp_path, cap
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
-    def wrapper(bandwidths, resume):
+    def wrapper(bandwidths, resume, placement="replan"):
         return MLPOffloadOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-3), tiers=spec,
             tier_bandwidths=bandwidths, subgroup_numel=10100, compute_threads=1,
             cache_reuse=False, run_name="pp", commit_every=1, resume=resume,
-            resume_placement="replan")
+            resume_placement=placement)
 
     def step(k):
         x = torch.randn(4, 100, generator=torch.Generator().manual_seed(k))
@@ -1918,17 +1919,28 @@ def test_a_move_places_the_records_where_the_next_start_plans_them(tmp_path, cap
         step(0)
         opt.close()
         placements = []
-        for start in range(3):
+        for start, placement in enumerate(("replan", "replan", "keep", "replan")):
             caplog.clear()
             with caplog.at_level("INFO", logger="mlp_offload"):
-                opt = wrapper([1e10, 1e8], "require")
-            moved = [r for r in caplog.records if "moved its records" in r.getMessage()]
-            assert len(moved) == (start == 0), (start, [r.getMessage() for r in moved])
-            assert not opt.plan.placement_kept
+                opt = wrapper([1e10, 1e8], "require", placement)
+            messages = [r.getMessage() for r in caplog.records]
+            moved = [m for m in messages if "moved its records" in m]
+            assert len(moved) == (start == 0), (start, moved)
+            assert not [m for m in messages if "stay where they were written" in m], messages
+            if start > 0 and opt.plan.placement_kept:
+                assert [m for m in messages if "placed under these settings" in m], messages
             placements.append(list(opt.plan.tier_of_subgroup))
             step(start + 1)
             opt.close()
-        assert placements[0].count(0) > 2 and placements == placements[:1] * 3, placements
+        assert placements[0].count(0) > 2 and placements == placements[:1] * 4, placements
+        # Other settings: the records move again.
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mlp_offload"):
+            opt = wrapper([1e8, 1e10], "require")
+        assert [r for r in caplog.records if "moved its records" in r.getMessage()]
+        assert list(opt.plan.tier_of_subgroup).count(0) < placements[0].count(0)
+        step(5)
+        opt.close()
     finally:
         _C.engine._set_tier_free_bytes_for_testing(None)
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -2074,7 +2086,7 @@ def test_a_forked_child_can_neither_use_nor_harm_the_parents_optimizer(tmp_path,
 _LIVING_FORK_SCRIPT = r"""
 import json, os, signal, sys, time, torch
 from mlp_offload import MLPOffloadOptimizer
-tier, lock_dir = sys.argv[1], sys.argv[2]
+tier, lock_dir, real_lock_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 model = torch.nn.Linear(16, 8)
 
 def make(resume):
@@ -2110,7 +2122,7 @@ try:
 finally:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-print(json.dumps({"held": [p for p in held if p.startswith((tier, lock_dir))],
+print(json.dumps({"held": [p for p in held if p.startswith((tier, real_lock_dir))],
                   "resumed": resumed}))
 """
 
@@ -2127,9 +2139,13 @@ def test_a_forked_child_that_lives_on_holds_none_of_the_engines_files(tmp_path):
     tier, lock_dir = tmp_path / "tier", tmp_path / "locks"
     tier.mkdir()
     lock_dir.mkdir()
+    # The lock directory spelt through a symlink, with a trailing slash: the
+    # lock files are found under their resolved name all the same.
+    (tmp_path / "locklink").symlink_to(lock_dir)
     out = subprocess.run(
         [sys.executable, "-c", _LIVING_FORK_SCRIPT, str(tier.resolve()),
-         str(lock_dir.resolve())], check=True, capture_output=True, text=True, timeout=120,
+         str(tmp_path / "locklink") + "/", str(lock_dir.resolve())], check=True,
+        capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
     got = json.loads(out.splitlines()[-1])
     assert got == {"held": [], "resumed": 1}, got

@@ -929,8 +929,7 @@ void RegisterEngineBindings(py::module_& parent) {
              int tier_lock_slots, const std::string& tier_lock_mode,
              const std::string& tier_lock_dir, double tier_lock_timeout_s,
              bool verify_checksums, bool fault_injection, bool resume,
-             int commit_every, int64_t resume_epoch, int64_t resume_step,
-             const std::string& replaces_run_name) {
+             int commit_every, int64_t resume_epoch, int64_t resume_step) {
             EngineConfig config;
             config.tiers = TiersFromList(tiers);
             config.host_budget_bytes = host_budget_bytes;
@@ -941,7 +940,6 @@ void RegisterEngineBindings(py::module_& parent) {
             config.compute_threads = compute_threads;
             config.io = IoFromDict(io);
             config.run_name = run_name;
-            config.replaces_run_name = replaces_run_name;
             config.tier_lock_slots = tier_lock_slots;
             config.tier_lock_dir = tier_lock_dir;
             // The engine refuses one <= 0; NaN has no Duration.
@@ -987,7 +985,7 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("verify_checksums") = true,
           py::arg("fault_injection") = false, py::arg("resume") = false,
           py::arg("commit_every") = 0, py::arg("resume_epoch") = 0,
-          py::arg("resume_step") = -1, py::arg("replaces_run_name") = "",
+          py::arg("resume_step") = -1,
           "Validates the config, plans, opens the tiers, creates the run "
           "directories.")
       .def("close", &PyEngine::Close,

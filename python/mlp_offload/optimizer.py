@@ -248,7 +248,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         directory and commits it there (commit_every > 0; without commits
         the move lasts for this process only); until every rank holds that
         commit, the commit resumed stays as it was, so a failure or crash
-        part-way resumes it again. It needs room for a second copy of the
+        part-way resumes it again. Records move once per change of the
+        settings the placement follows (each commit records those it was
+        placed under), not again at each start. It needs room for a second copy of the
         state on the tiers, and holds this rank's state in memory or in a
         file on a tier meanwhile (as add_param_group does).
       state_dict_type: what state_dict() returns in a process group: "full"
@@ -283,6 +285,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
         self._pid = os.getpid()  # a fork's child may not use it (_check_open)
+        # The placement settings the engine's records were placed under
+        # (_placement_settings; None: not known, a resume of an older commit).
+        self._placement_for = None
         self._incomplete_load = None  # a load that failed after changing state
         self._must_reconstruct = None  # an interrupted re-packing: nothing mends it
         # A refused add_param_group whose kept commit failed on some rank
@@ -448,8 +453,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if self._want_resume:
             try:
                 self._resume_run()
-                if self._resume_placement == "replan":
-                    self._move_kept_records()
+                self._settle_placement()
             except BaseException:
                 # Nothing of this optimizer outlives it: the run's lock goes
                 # now (a retry in this process may open the run at once).
@@ -674,17 +678,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                               f"-g{self._generation}-r{self._rank}")
         if engine is None:
-            # A re-packing of a committing run: the records of the directory
-            # it replaces count as room (they go at _settle_run_dir, once the
-            # new state is committed), so the placement is the one the next
-            # start plans (else a tier they fill would look smaller now, and
-            # resume_placement='replan' would move the records back and
-            # forth at every start). Without commits that directory stays.
-            replaces = self._commit_dir if self._persistent and rebuild \
-                and self._commit_every > 0 \
-                and self._commit_dir not in (None, self._run_name) else ""
-            engine = self._new_engine(budget, numel, resume=False, replaces=replaces)
+            engine = self._new_engine(budget, numel, resume=False)
             engine.set_epoch(self._epoch)  # a re-packed state's (see _rebuild)
+            self._placement_for = self._placement_settings()
         self._engine = engine
         run_dirs = [os.path.join(t["path"], self._run_name) for t in self._tiers]
         # A persistent run's directories outlive the process (that is the
@@ -755,19 +751,46 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._run_id = self._new_run_id()  # resume='never': a fresh start
         if agreed >= 0:
             self._epoch, self._agreed_step = _recovery.split_commit_key(agreed)
-            self._warn_if_placement_kept(engine)
         return engine
 
-    def _warn_if_placement_kept(self, engine):
-        """A resumed run's records stay on the tiers they were written to:
-        says so where this configuration would place them otherwise (the
-        multipath switch or the tiers' bandwidths changed), since its step
-        times and traffic are then the kept placement's."""
-        if engine is None or not engine.plan.placement_kept \
-                or self._resume_placement == "replan":
+    def _placement_settings(self):
+        """What of this configuration the placement of the records follows
+        (the multipath switch, each tier's bandwidths, capacity and share),
+        as text: recorded with every commit as the settings its placement
+        was planned under (see _settle_placement)."""
+        keys = ("read_bytes_per_sec", "write_bytes_per_sec", "capacity_bytes", "shared_by",
+                "throttle_read_bytes_per_sec", "throttle_write_bytes_per_sec",
+                "bandwidth_pool")
+        return json.dumps([self._techniques["multipath"],
+                           [[t.get(k) for k in keys] for t in self._tiers]])
+
+    def _settle_placement(self):
+        """After a resume (the constructor; collective with 'replan'): where
+        this rank's records are not where this configuration places them
+        (plan.placement_kept), and were placed under other settings (the
+        multipath switch, the tiers' bandwidths or capacities changed since),
+        'keep' warns, and 'replan' moves every rank's records
+        (_move_kept_records) if some rank's are so. Records placed under
+        these settings stay as they are (placed, maybe, while an earlier
+        copy took room on a tier: moving them again would only move them
+        back and forth)."""
+        engine = self._engine
+        kept = engine is not None and engine.plan.placement_kept
+        changed = kept and self._placement_for != self._placement_settings()
+        if self._resume_placement == "replan":
+            move = changed if self._process_group is None else self._any_rank(changed)
+            if move:
+                self._move_kept_records()
+                return
+        if not kept:
             return
         placement = list(engine.plan.tier_of_subgroup)
         per_tier = [placement.count(t) for t in range(len(self._tiers))]
+        if not changed:
+            _log.info("rank %d: run %s: its records stay where they were placed under "
+                      "these settings (subgroups per tier: %s), with less room then than "
+                      "a fresh start would have", self._rank, self._run_name, per_tier)
+            return
         _log.warning(
             "rank %d: resuming run %s, whose records stay where they were written "
             "(subgroups per tier: %s), not where this configuration places them "
@@ -980,8 +1003,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"ranks and save_checkpoint(), then load that checkpoint here (load_checkpoint, "
             f"or resume='auto' with checkpoint_dir and a new run_name)")
 
-    def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1,
-                    replaces=""):
+    def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1):
         return _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
@@ -995,7 +1017,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             tier_lock_timeout_s=self._engine_settings["tier_lock_timeout"],
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_epoch=resume_epoch,
-            resume_step=resume_step, replaces_run_name=replaces)
+            resume_step=resume_step)
 
     def _check_require(self, agreed):
         """resume='require' with no committed step on every rank: a checkpoint
@@ -1588,18 +1610,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return saved, masters, steps
 
     def _move_kept_records(self):
-        """resume_placement='replan', in the constructor after a resume
-        (collective): where some rank's records stayed where the run wrote
-        them (plan.placement_kept), every rank re-packs its state into its
-        other run directory, placed as this configuration plans it, and
-        commits it there in a new epoch; the directory resumed goes once
-        every rank holds that commit (_settle_run_dir). Raises if it cannot
-        (the constructor then closes): the commit resumed is left as it was,
-        which the next start resumes."""
-        kept = self._engine is not None and self._engine.plan.placement_kept
-        if self._process_group is not None:
-            kept = self._any_rank(kept)
-        if not kept or not self._initialized:
+        """resume_placement='replan' (_settle_placement; collective): every
+        rank re-packs its state into its other run directory, placed as this
+        configuration plans it (with the room the tiers have while the
+        resumed copy is still there), and commits it there in a new epoch;
+        the directory resumed goes once every rank holds that commit
+        (_settle_run_dir). Raises if it cannot (the constructor then
+        closes): the commit resumed is left as it was, which the next start
+        resumes."""
+        if not self._initialized:
             return
         before = None if self._engine is None else list(self._engine.plan.tier_of_subgroup)
         resumed = self._commit_dir
@@ -2304,6 +2323,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": has_state,
             "layout": self._layout_summary(),
+            # The settings its records were placed under (_settle_placement).
+            "placement_for": self._placement_for,
             "repacked_from": repacked_from,
             # Which start of the run made it (_agree_on_commit).
             "run_id": self._run_id,
@@ -2497,6 +2518,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     run_dir = self._pystate_dir()
                     state = _recovery.read_pystate(run_dir, key)
                     self._check_layout(state["layout"], _recovery.pystate_path(run_dir, key))
+                    # None (a commit from before it was recorded): unknown.
+                    self._placement_for = state.get("placement_for")
             # Every rank has read its part. What the run did not resume
             # (older commits, or one that not every rank made) may not
             # outlive the resume, or pass for a newer commit later.
