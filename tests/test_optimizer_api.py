@@ -1752,30 +1752,45 @@ def test_parameters_and_gradients_of_another_layout_are_refused_by_name(tmp_path
     opt.close()
 
 
+class TwoTierRun:
+    """Two tier directories under tmp_path ("a", "b"), a model and its torch
+    twin with AdamW (lr 1e-2), and committing wrappers of the model's own
+    AdamW over those tiers (run `run_name`, every record streamed)."""
+
+    def __init__(self, tmp_path, run_name):
+        self.tiers = [str(tmp_path / "a"), str(tmp_path / "b")]
+        for t in self.tiers:
+            os.mkdir(t)
+        self.ref = make_model()
+        self.model = copy.deepcopy(self.ref)
+        self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-2)
+        self.run_name = run_name
+
+    def wrapper(self, mode, resume, placement="keep"):
+        return MLPOffloadOptimizer(
+            torch.optim.AdamW(self.model.parameters(), lr=1e-2), tiers=self.tiers,
+            subgroup_numel=100, compute_threads=1, mode=mode, cache_reuse=False,
+            run_name=self.run_name, commit_every=1, resume=resume,
+            resume_placement=placement)
+
+    def step(self, opt, step):
+        step_both(self.ref, self.ref_opt, self.model, opt, step)
+
+
 @pytest.mark.parametrize("first,then", [("mlp", "baseline"), ("baseline", "mlp")])
 def test_a_run_resumed_with_the_multipath_switch_changed_keeps_its_placement_and_says_so(
         tmp_path, caplog, first, then):
     # The records stay on the tiers they were written to; the plan (its
     # traffic per tier) is the kept placement's, and a warning says that
     # the switch did not move them.
-    tiers = [tmp_path / "a", tmp_path / "b"]
-    for t in tiers:
-        t.mkdir()
-    ref = make_model()
-    model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    def wrapper(mode, resume):
-        return MLPOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[str(t) for t in tiers],
-            subgroup_numel=100, compute_threads=1, mode=mode, cache_reuse=False,
-            run_name="switch", commit_every=1, resume=resume)  # every record streams
+    run = TwoTierRun(tmp_path, "switch")
+    wrapper, ref, model = run.wrapper, run.ref, run.model
 
     opt = wrapper(first, "never")
     written = list(opt.plan.tier_of_subgroup)
     assert (set(written) == {0, 1}) == (first == "mlp")
     for step in range(2):
-        step_both(ref, ref_opt, model, opt, step)
+        run.step(opt, step)
     opt.close()
     caplog.clear()
     with caplog.at_level("WARNING", logger="mlp_offload"):
@@ -1788,7 +1803,7 @@ def test_a_run_resumed_with_the_multipath_switch_changed_keeps_its_placement_and
     uses = [bool(t["bytes_read"]) for t in opt.plan.traffic]
     assert uses == [True, first == "mlp"]
     for step in range(2, 5):
-        step_both(ref, ref_opt, model, opt, step)
+        run.step(opt, step)
         assert [bool(b) for b in opt.last_step_stats["bytes_read"]] == uses
     assert_close(model, ref)
     opt.close()
@@ -1820,18 +1835,8 @@ def records_on_tiers(tiers):
 @pytest.mark.parametrize("first,then", [("mlp", "baseline"), ("baseline", "mlp")])
 def test_resume_placement_replan_moves_a_resumed_runs_records_to_the_new_plan(
         tmp_path, caplog, first, then):
-    tiers = [tmp_path / "a", tmp_path / "b"]
-    for t in tiers:
-        t.mkdir()
-    ref = make_model()
-    model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-
-    def wrapper(mode, resume, placement):
-        return MLPOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[str(t) for t in tiers],
-            subgroup_numel=100, compute_threads=1, mode=mode, cache_reuse=False,
-            run_name="move", commit_every=1, resume=resume, resume_placement=placement)
+    run = TwoTierRun(tmp_path, "move")
+    wrapper, tiers, ref, ref_opt, model = run.wrapper, run.tiers, run.ref, run.ref_opt, run.model
 
     fresh = wrapper(then, "never", "keep")  # where `then` places them
     planned = list(fresh.plan.tier_of_subgroup)
@@ -1951,18 +1956,11 @@ def test_a_move_that_fails_leaves_the_resumed_commit_to_resume(tmp_path, monkeyp
     # The new placement's commit cannot be written (a full tier): the error
     # says the records were not moved, and the commit resumed is intact for
     # the next start, which resumes it (kept or moved).
-    tiers = [tmp_path / "a", tmp_path / "b"]
-    for t in tiers:
-        t.mkdir()
-    ref = make_model()
-    model = copy.deepcopy(ref)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    run = TwoTierRun(tmp_path, "move")
+    tiers, ref, ref_opt, model = run.tiers, run.ref, run.ref_opt, run.model
 
     def wrapper(mode, placement):
-        return MLPOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2), tiers=[str(t) for t in tiers],
-            subgroup_numel=100, compute_threads=1, mode=mode, run_name="move",
-            commit_every=1, resume="auto", resume_placement=placement)
+        return run.wrapper(mode, "auto", placement)
 
     opt = wrapper("mlp", "keep")
     written = list(opt.plan.tier_of_subgroup)
@@ -2149,6 +2147,87 @@ def test_a_forked_child_that_lives_on_holds_none_of_the_engines_files(tmp_path):
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
     got = json.loads(out.splitlines()[-1])
     assert got == {"held": [], "resumed": 1}, got
+
+
+_FORK_DURING_CREATE_SCRIPT = r"""
+import fcntl, json, os, signal, subprocess, sys, threading, time, torch
+from mlp_offload import MLPOffloadOptimizer
+tier, lock_dir = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(16, 8)
+
+def make(resume):
+    return MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[tier],
+                               compute_threads=1, run_name="r", commit_every=1,
+                               resume=resume, tier_lock_dir=lock_dir)
+
+opt = make("never")
+tickets = [f for f in os.listdir(lock_dir) if f.endswith(".tickets")][0]
+model(torch.randn(4, 16)).sum().backward()
+opt.step()
+opt.close()  # the lock's last user: its file goes
+# Another process write-locks the tier lock's presence byte (byte 1, as the
+# last user of the lock does while it removes the file): a constructor
+# then waits inside the engine's creation, its run lock already taken.
+code = ("import fcntl, os, time\n"
+        f"fd = os.open({os.path.join(lock_dir, tickets)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX, 1, 1)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(2)\n")
+holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+holder.stdout.readline()
+box = {}
+thread = threading.Thread(target=lambda: box.setdefault("opt", make("auto")))
+thread.start()
+time.sleep(1.0)
+creating = thread.is_alive()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a worker that lives on and never touches the optimizer
+    os.close(r)
+    os.write(w, b"x")
+    time.sleep(120)
+    os._exit(0)
+os.close(w)
+os.read(r, 1)
+thread.join()
+holder.wait()
+held = []
+for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+        held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    except OSError:
+        pass
+box["opt"].close()
+try:
+    make("auto").close()  # the run's lock is free
+    reopened = True
+finally:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(json.dumps({"creating": creating, "reopened": reopened,
+                  "held": [p for p in held if p.startswith((tier, lock_dir))]}))
+"""
+
+
+def test_a_fork_while_another_thread_creates_an_optimizer_holds_none_of_its_files(
+        tmp_path):
+    # The engine is being created without the GIL when the main thread
+    # forks: the child closes the descriptors the creation had opened so
+    # far too (the run lock). Before, the worker held the run lock for its
+    # whole life, and the parent's next open after closing the run raised
+    # TierInUseError.
+    import json
+    import subprocess
+    import sys
+    tier, lock_dir = (tmp_path / "tier").resolve(), (tmp_path / "locks").resolve()
+    tier.mkdir()
+    lock_dir.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_DURING_CREATE_SCRIPT, str(tier), str(lock_dir)],
+        check=True, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert got == {"creating": True, "reopened": True, "held": []}, got
 
 
 def test_an_optimizer_of_parameters_with_no_elements_only_is_refused(tmp_path):

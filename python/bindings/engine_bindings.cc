@@ -16,6 +16,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <list>
 #include <memory>
 #include <optional>
 #include <set>
@@ -393,6 +394,73 @@ class CallThread {
   pid_t owner_ = 0;
 };
 
+// Closes this process's descriptors of files whose path (as /proc/self/fd
+// gives it: resolved) starts with one of `prefixes`.
+void CloseFilesUnder(const std::vector<std::string>& prefixes) {
+  std::vector<int> fds;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (struct dirent* ent = readdir(d)) {
+      int fd = -1;
+      if (absl::SimpleAtoi(ent->d_name, &fd) && fd != dirfd(d)) {
+        fds.push_back(fd);
+      }
+    }
+    closedir(d);
+  }
+  for (int fd : fds) {
+    char target[PATH_MAX];
+    const std::string link = absl::StrCat("/proc/self/fd/", fd);
+    const ssize_t len = readlink(link.c_str(), target, sizeof(target) - 1);
+    if (len <= 0) continue;
+    const absl::string_view path(target, static_cast<size_t>(len));
+    for (const std::string& prefix : prefixes) {
+      if (absl::StartsWith(path, prefix)) {
+        close(fd);
+        break;
+      }
+    }
+  }
+}
+
+// The file prefixes (Engine::file_prefixes) of engines being created or
+// destroyed by a thread without the GIL, which a fork meanwhile must close
+// too (the handle of an engine being created is not made yet, that of one
+// being destroyed holds it no more). Changed and read under the GIL.
+std::list<std::vector<std::string>>& PendingFilePrefixes() {
+  static auto* pending = new std::list<std::vector<std::string>>();
+  return *pending;
+}
+
+// Lists `prefixes` among the pending while it lives (made and destroyed
+// under the GIL, around a part that releases it).
+class PendingFiles {
+ public:
+  explicit PendingFiles(std::vector<std::string> prefixes)
+      : it_(PendingFilePrefixes().insert(PendingFilePrefixes().end(),
+                                         std::move(prefixes))) {}
+  ~PendingFiles() { PendingFilePrefixes().erase(it_); }
+  PendingFiles(const PendingFiles&) = delete;
+  PendingFiles& operator=(const PendingFiles&) = delete;
+
+ private:
+  std::list<std::vector<std::string>>::iterator it_;
+};
+
+// What Engine::Create of `config` will open files under, as far as it can
+// be known before: each tier's run directory and its lock files' prefix.
+std::vector<std::string> ExpectedFilePrefixes(const EngineConfig& config) {
+  std::vector<std::string> prefixes;
+  for (const TierSpec& tier : config.tiers) {
+    char real[PATH_MAX];
+    if (realpath(tier.path.c_str(), real) == nullptr) continue;
+    prefixes.push_back(absl::StrCat(real, "/", config.run_name, "/"));
+    absl::StatusOr<std::string> lock =
+        TierLockPrefix(config.tier_lock_dir, real);
+    if (lock.ok()) prefixes.push_back(*lock);  // its locks and throttle file
+  }
+  return prefixes;
+}
+
 // The Python-side handle: owns the engine so that close() can destroy it
 // (flushing its I/O, releasing its tiers) without waiting for the GC.
 class PyEngine {
@@ -422,30 +490,7 @@ class PyEngine {
   // used here (get() refuses), so nothing reads these descriptors.
   void CloseInheritedFiles() {
     if (engine_ == nullptr || getpid() == creator_) return;
-    const std::vector<std::string>& prefixes = engine_->file_prefixes();
-    std::vector<int> fds;
-    if (DIR* d = opendir("/proc/self/fd")) {
-      while (struct dirent* ent = readdir(d)) {
-        int fd = -1;
-        if (absl::SimpleAtoi(ent->d_name, &fd) && fd != dirfd(d)) {
-          fds.push_back(fd);
-        }
-      }
-      closedir(d);
-    }
-    for (int fd : fds) {
-      char target[PATH_MAX];
-      const std::string link = absl::StrCat("/proc/self/fd/", fd);
-      const ssize_t len = readlink(link.c_str(), target, sizeof(target) - 1);
-      if (len <= 0) continue;
-      const absl::string_view path(target, static_cast<size_t>(len));
-      for (const std::string& prefix : prefixes) {
-        if (absl::StartsWith(path, prefix)) {
-          close(fd);
-          break;
-        }
-      }
-    }
+    CloseFilesUnder(engine_->file_prefixes());
   }
 
   // The engine, for a call from Python. The Engine is used by one thread at
@@ -485,6 +530,7 @@ class PyEngine {
     if (busy_ > 0) ThrowBusy(std::string("close(): ") + kBusy);
     std::unique_ptr<Engine> engine = std::move(engine_);
     if (engine != nullptr) {
+      const PendingFiles pending(engine->file_prefixes());
       py::gil_scoped_release release;
       engine.reset();
     }
@@ -886,6 +932,11 @@ void RegisterEngineBindings(py::module_& parent) {
         for (PyEngine* engine : PyEngine::LiveEngines()) {
           engine->CloseInheritedFiles();
         }
+        // Engines that a thread of the parent was creating or destroying
+        // at the fork (that thread is not here).
+        for (const std::vector<std::string>& prefixes : PendingFilePrefixes()) {
+          CloseFilesUnder(prefixes);
+        }
       },
       "In a fork's child (os.register_at_fork, mlp_offload/__init__.py): "
       "closes the child's copies of the descriptors of every engine's "
@@ -967,6 +1018,7 @@ void RegisterEngineBindings(py::module_& parent) {
             config.resume_step = resume_step;
             absl::StatusOr<std::unique_ptr<Engine>> engine;
             {
+              const PendingFiles pending(ExpectedFilePrefixes(config));
               py::gil_scoped_release release;
               engine = Engine::Create(config);
             }
