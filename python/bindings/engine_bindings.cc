@@ -425,9 +425,14 @@ void CloseFilesUnder(const std::vector<std::string>& prefixes) {
 // The file prefixes (Engine::file_prefixes) of engines being created or
 // destroyed by a thread without the GIL, which a fork meanwhile must close
 // too (the handle of an engine being created is not made yet, that of one
-// being destroyed holds it no more). Changed and read under the GIL.
-std::list<std::vector<std::string>>& PendingFilePrefixes() {
-  static auto* pending = new std::list<std::vector<std::string>>();
+// being destroyed holds it no more), with the pid of the process doing it.
+// Changed and read under the GIL.
+struct Pending {
+  pid_t pid;
+  std::vector<std::string> prefixes;
+};
+std::list<Pending>& PendingFilePrefixes() {
+  static auto* pending = new std::list<Pending>();
   return *pending;
 }
 
@@ -436,14 +441,15 @@ std::list<std::vector<std::string>>& PendingFilePrefixes() {
 class PendingFiles {
  public:
   explicit PendingFiles(std::vector<std::string> prefixes)
-      : it_(PendingFilePrefixes().insert(PendingFilePrefixes().end(),
-                                         std::move(prefixes))) {}
+      : it_(PendingFilePrefixes().insert(
+            PendingFilePrefixes().end(),
+            Pending{getpid(), std::move(prefixes)})) {}
   ~PendingFiles() { PendingFilePrefixes().erase(it_); }
   PendingFiles(const PendingFiles&) = delete;
   PendingFiles& operator=(const PendingFiles&) = delete;
 
  private:
-  std::list<std::vector<std::string>>::iterator it_;
+  std::list<Pending>::iterator it_;
 };
 
 // What Engine::Create of `config` will open files under, as far as it can
@@ -934,8 +940,8 @@ void RegisterEngineBindings(py::module_& parent) {
         }
         // Engines that a thread of the parent was creating or destroying
         // at the fork (that thread is not here).
-        for (const std::vector<std::string>& prefixes : PendingFilePrefixes()) {
-          CloseFilesUnder(prefixes);
+        for (const Pending& pending : PendingFilePrefixes()) {
+          if (pending.pid != getpid()) CloseFilesUnder(pending.prefixes);
         }
       },
       "In a fork's child (os.register_at_fork, mlp_offload/__init__.py): "

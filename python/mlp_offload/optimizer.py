@@ -250,9 +250,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         commit, the commit resumed stays as it was, so a failure or crash
         part-way resumes it again. Records move once per change of the
         settings the placement follows (each commit records those it was
-        placed under), not again at each start. It needs room for a second copy of the
-        state on the tiers, and holds this rank's state in memory or in a
-        file on a tier meanwhile (as add_param_group does).
+        placed under), not again at each start. It needs room for a second
+        copy of the state on the tiers, and holds this rank's state in
+        memory or in a file on a tier meanwhile (as add_param_group does).
       state_dict_type: what state_dict() returns in a process group: "full"
         (every rank gets every parameter's state, as torch's optimizer has
         it) or "sharded" (each rank only the parameters whose subgroups it
