@@ -2007,6 +2007,57 @@ def test_resume_placement_is_checked_by_name(tmp_path):
              resume="auto", resume_placement="move")
 
 
+def run_script(script, *args):
+    """The JSON object that the Python `script` prints last, run in a
+    process of its own with `args` (it forks: pytest's process must not)."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run(
+        [sys.executable, "-c", script] + [str(a) for a in args], check=True,
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+# What the fork tests' scripts share: a committing run "r" of a small model
+# on tier argv[1], its tier locks in argv[2], and the files a process holds.
+_FORK_PRELUDE = r"""
+import json, os, signal, sys, time, torch
+from mlp_offload import MLPOffloadOptimizer
+tier, lock_dir = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(16, 8)
+
+def make(resume):
+    return MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[tier],
+                               compute_threads=1, run_name="r", commit_every=1,
+                               resume=resume, tier_lock_dir=lock_dir)
+
+def fork_worker():
+    # A worker that lives on and never touches the optimizer (a persistent
+    # DataLoader worker): its pid, once its at-fork hooks have run.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(w, b"x")
+        time.sleep(120)
+        os._exit(0)
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    return pid
+
+def files_of(pid, *prefixes):
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return [p for p in held if p.startswith(prefixes)]
+"""
+
 _FORK_SCRIPT = r"""
 import copy, json, os, sys, torch
 from mlp_offload import MLPOffloadOptimizer, errors
@@ -2064,14 +2115,7 @@ def test_a_forked_child_can_neither_use_nor_harm_the_parents_optimizer(tmp_path,
     # which trains on as torch does. Before, the child's step wrote into the
     # parent's records, and its exit hung on the engine's threads (absent in
     # a fork), then would have removed the parent's run directory.
-    import json
-    import subprocess
-    import sys
-    out = subprocess.run(
-        [sys.executable, "-c", _FORK_SCRIPT, str(tmp_path), mode], check=True,
-        capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
-    got = json.loads(out.splitlines()[-1])
+    got = run_script(_FORK_SCRIPT, tmp_path, mode)
     assert got["status"] == 0, got
     for what in ("step", "state_dict"):
         assert re.search(rf"created by process {got['parent']} and this process "
@@ -2081,35 +2125,13 @@ def test_a_forked_child_can_neither_use_nor_harm_the_parents_optimizer(tmp_path,
     assert got["diff"] <= 1e-6, got
 
 
-_LIVING_FORK_SCRIPT = r"""
-import json, os, signal, sys, time, torch
-from mlp_offload import MLPOffloadOptimizer
-tier, lock_dir, real_lock_dir = sys.argv[1], sys.argv[2], sys.argv[3]
-model = torch.nn.Linear(16, 8)
-
-def make(resume):
-    return MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[tier],
-                               compute_threads=1, run_name="live", commit_every=1,
-                               resume=resume, tier_lock_dir=lock_dir)
-
+_LIVING_FORK_SCRIPT = _FORK_PRELUDE + r"""
+real_lock_dir = sys.argv[3]
 opt = make("never")
 model(torch.randn(4, 16)).sum().backward()
 opt.step()
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:  # a worker that never touches the optimizer, and lives on
-    os.close(r)
-    os.write(w, b"x")
-    time.sleep(120)
-    os._exit(0)
-os.close(w)
-os.read(r, 1)
-held = []
-for fd in os.listdir(f"/proc/{pid}/fd"):
-    try:
-        held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    except OSError:
-        pass
+pid = fork_worker()
+held = files_of(pid, tier, real_lock_dir)
 opt.close()
 try:
     opt = make("auto")  # the run's lock is free again
@@ -2120,8 +2142,7 @@ try:
 finally:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-print(json.dumps({"held": [p for p in held if p.startswith((tier, real_lock_dir))],
-                  "resumed": resumed}))
+print(json.dumps({"held": held, "resumed": resumed}))
 """
 
 
@@ -2131,35 +2152,19 @@ def test_a_forked_child_that_lives_on_holds_none_of_the_engines_files(tmp_path):
     # closes the run and opens it again while the worker lives. Before, the
     # worker's copy held the run lock (TierInUseError, "held by another live
     # process") and the tier locks until it exited.
-    import json
-    import subprocess
-    import sys
     tier, lock_dir = tmp_path / "tier", tmp_path / "locks"
     tier.mkdir()
     lock_dir.mkdir()
     # The lock directory spelt through a symlink, with a trailing slash: the
     # lock files are found under their resolved name all the same.
     (tmp_path / "locklink").symlink_to(lock_dir)
-    out = subprocess.run(
-        [sys.executable, "-c", _LIVING_FORK_SCRIPT, str(tier.resolve()),
-         str(tmp_path / "locklink") + "/", str(lock_dir.resolve())], check=True,
-        capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
-    got = json.loads(out.splitlines()[-1])
+    got = run_script(_LIVING_FORK_SCRIPT, tier.resolve(), str(tmp_path / "locklink") + "/",
+                     lock_dir.resolve())
     assert got == {"held": [], "resumed": 1}, got
 
 
-_FORK_DURING_CREATE_SCRIPT = r"""
-import fcntl, json, os, signal, subprocess, sys, threading, time, torch
-from mlp_offload import MLPOffloadOptimizer
-tier, lock_dir = sys.argv[1], sys.argv[2]
-model = torch.nn.Linear(16, 8)
-
-def make(resume):
-    return MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[tier],
-                               compute_threads=1, run_name="r", commit_every=1,
-                               resume=resume, tier_lock_dir=lock_dir)
-
+_FORK_DURING_CREATE_SCRIPT = _FORK_PRELUDE + r"""
+import subprocess, threading
 opt = make("never")
 tickets = [f for f in os.listdir(lock_dir) if f.endswith(".tickets")][0]
 model(torch.randn(4, 16)).sum().backward()
@@ -2180,23 +2185,10 @@ thread = threading.Thread(target=lambda: box.setdefault("opt", make("auto")))
 thread.start()
 time.sleep(1.0)
 creating = thread.is_alive()
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:  # a worker that lives on and never touches the optimizer
-    os.close(r)
-    os.write(w, b"x")
-    time.sleep(120)
-    os._exit(0)
-os.close(w)
-os.read(r, 1)
+pid = fork_worker()
 thread.join()
 holder.wait()
-held = []
-for fd in os.listdir(f"/proc/{pid}/fd"):
-    try:
-        held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    except OSError:
-        pass
+held = files_of(pid, tier, lock_dir)
 box["opt"].close()
 try:
     make("auto").close()  # the run's lock is free
@@ -2204,8 +2196,7 @@ try:
 finally:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-print(json.dumps({"creating": creating, "reopened": reopened,
-                  "held": [p for p in held if p.startswith((tier, lock_dir))]}))
+print(json.dumps({"creating": creating, "reopened": reopened, "held": held}))
 """
 
 
@@ -2216,17 +2207,10 @@ def test_a_fork_while_another_thread_creates_an_optimizer_holds_none_of_its_file
     # far too (the run lock). Before, the worker held the run lock for its
     # whole life, and the parent's next open after closing the run raised
     # TierInUseError.
-    import json
-    import subprocess
-    import sys
     tier, lock_dir = (tmp_path / "tier").resolve(), (tmp_path / "locks").resolve()
     tier.mkdir()
     lock_dir.mkdir()
-    out = subprocess.run(
-        [sys.executable, "-c", _FORK_DURING_CREATE_SCRIPT, str(tier), str(lock_dir)],
-        check=True, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout
-    got = json.loads(out.splitlines()[-1])
+    got = run_script(_FORK_DURING_CREATE_SCRIPT, tier, lock_dir)
     assert got == {"creating": True, "reopened": True, "held": []}, got
 
 
