@@ -483,6 +483,23 @@ namespace internal_engine {
 void SetTierFreeBytesForTesting(TierFreeBytesFn fn) {
   g_tier_free_bytes.store(fn);
 }
+
+uint64_t BytesUnderForTesting(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return 0;
+  uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+  if (!S_ISDIR(st.st_mode)) return bytes;
+  if (DIR* d = opendir(path.c_str())) {
+    while (struct dirent* ent = readdir(d)) {
+      const std::string name = ent->d_name;
+      if (name != "." && name != "..") {
+        bytes += BytesUnderForTesting(path + "/" + name);
+      }
+    }
+    closedir(d);
+  }
+  return bytes;
+}
 }  // namespace internal_engine
 
 absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
@@ -503,7 +520,7 @@ absl::StatusOr<std::string> TierLockPrefix(const std::string& lock_dir,
   }
   // Resolved, as the tier is: one name for the lock however the directory
   // is spelt (relative, through a symlink), which is also the name a fork's
-  // child finds its descriptors under (/proc/self/fd, file_prefixes).
+  // child finds its descriptors under (/proc/self/fd).
   char real_dir[PATH_MAX];
   if (realpath(dir.c_str(), real_dir) == nullptr)
     return ErrnoStatus(errno, "tier lock directory: realpath", dir);
@@ -1200,10 +1217,6 @@ struct Engine::Impl {
   absl::Status CheckTiers();
   absl::Status OpenTiers();
   std::vector<std::string> real_paths;
-  // What the engine opens files under (OpenTiers): every run directory
-  // (with its trailing '/'), and the tier locks' and shared throttles'
-  // files. Set once; read without the mutex (in a fork's child too).
-  std::vector<std::string> file_prefixes;
   absl::Status LoadCommitted();
 
   // --- step pipeline ----------------------------------------------------
@@ -1399,7 +1412,6 @@ absl::Status Engine::Impl::OpenTiers() {
   for (int t = 0; t < num_tiers; ++t) {
     Tier& tier = tiers[t];
     tier.dir = absl::StrCat(real[t], "/", config.run_name);
-    file_prefixes.push_back(tier.dir + "/");
     if (mkdir(tier.dir.c_str(), 0700) == 0) {
       // A new directory survives a crash only once its parent is synced (the
       // commits written in it would go with it).
@@ -1427,7 +1439,6 @@ absl::Status Engine::Impl::OpenTiers() {
                         absl::StrCat("tier ", t, ": shared throttle"));
       }
       shared.state_path = *state;
-      file_prefixes.push_back(*state);
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
@@ -1462,7 +1473,6 @@ absl::Status Engine::Impl::OpenTiers() {
         paths = {base + ".read", base + ".write"};
       }
       for (const std::string& path : paths) {
-        file_prefixes.push_back(path);
         MLP_ASSIGN_OR_RETURN(
             std::unique_ptr<TierLock> lock,
             TierLock::Open(path, std::max(1, config.tier_lock_slots)));
@@ -1859,9 +1869,6 @@ absl::Status Engine::RetryCommit() {
                   absl::StrCat("commit of step ", e.steps_done));
 }
 bool Engine::step_incomplete() const { return impl_->step_failed; }
-const std::vector<std::string>& Engine::file_prefixes() const {
-  return impl_->file_prefixes;
-}
 bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed.step; }
 int64_t Engine::committed_epoch() const { return impl_->committed.epoch; }

@@ -341,12 +341,6 @@ class Engine {
   // the one before; its records then fail the header check): what the
   // ranks of a group compare to find the newest commit all of them hold.
   const std::vector<CommitId>& kept_commits() const;
-  // The paths under which the engine's files are (its run directory on
-  // every tier, ending in '/') and the paths of its lock and shared
-  // throttle files. A fork's child closes its copies of the descriptors
-  // of these (they would hold the run lock, the tier locks and the space
-  // of removed files for as long as the child lives); set at Create.
-  const std::vector<std::string>& file_prefixes() const;
   // The epoch of the commits made from now (0 in a fresh run; a resumed
   // engine's is its commit's). A commit is identified by (epoch, step
   // count), and each must be newer than the last: after a load that sets
@@ -390,6 +384,9 @@ namespace internal_engine {
 // a small file system (one that its own files fill up) for a real one.
 using TierFreeBytesFn = uint64_t (*)(const std::string& path);
 void SetTierFreeBytesForTesting(TierFreeBytesFn fn);
+// The bytes allocated to `path` and, for a directory, to everything under
+// it: what a fake file system holding only that directory has used.
+uint64_t BytesUnderForTesting(const std::string& path);
 
 }  // namespace internal_engine
 }  // namespace mlp_offload

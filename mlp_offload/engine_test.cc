@@ -2504,23 +2504,8 @@ TEST(EngineTest, AGradientReadErrorOnACacheHitLosesNoUpdate) {
 // tier directory (what the test's runs write there).
 uint64_t g_fake_fs_bytes = 0;
 
-uint64_t BytesUnder(const std::string& path) {
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return 0;
-  uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
-  if (!S_ISDIR(st.st_mode)) return bytes;
-  DIR* d = opendir(path.c_str());
-  if (d == nullptr) return bytes;
-  while (struct dirent* ent = readdir(d)) {
-    const std::string name = ent->d_name;
-    if (name != "." && name != "..") bytes += BytesUnder(path + "/" + name);
-  }
-  closedir(d);
-  return bytes;
-}
-
 uint64_t FakeFreeBytes(const std::string& path) {
-  const uint64_t used = BytesUnder(path);
+  const uint64_t used = internal_engine::BytesUnderForTesting(path);
   return used >= g_fake_fs_bytes ? 0 : g_fake_fs_bytes - used;
 }
 

@@ -5,7 +5,6 @@
 // plus element counts, dtypes as names. Every blocking engine call runs with
 // the GIL released; every absl::Status goes through ThrowIfError.
 #include <dirent.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -422,7 +421,7 @@ void CloseFilesUnder(const std::vector<std::string>& prefixes) {
   }
 }
 
-// The file prefixes (Engine::file_prefixes) of engines being created or
+// The file prefixes (FilePrefixes) of engines being created or
 // destroyed by a thread without the GIL, which a fork meanwhile must close
 // too (the handle of an engine being created is not made yet, that of one
 // being destroyed holds it no more), with the pid of the process doing it.
@@ -452,9 +451,11 @@ class PendingFiles {
   std::list<Pending>::iterator it_;
 };
 
-// What Engine::Create of `config` will open files under, as far as it can
-// be known before: each tier's run directory and its lock files' prefix.
-std::vector<std::string> ExpectedFilePrefixes(const EngineConfig& config) {
+// What an engine of `config` opens files under, known before it is created:
+// each tier's run directory (resolved, with its trailing '/') and the prefix
+// of the tier's lock and shared-throttle files (TierLockPrefix). A fork's
+// child closes its copies of their descriptors.
+std::vector<std::string> FilePrefixes(const EngineConfig& config) {
   std::vector<std::string> prefixes;
   for (const TierSpec& tier : config.tiers) {
     char real[PATH_MAX];
@@ -471,8 +472,11 @@ std::vector<std::string> ExpectedFilePrefixes(const EngineConfig& config) {
 // (flushing its I/O, releasing its tiers) without waiting for the GC.
 class PyEngine {
  public:
-  explicit PyEngine(std::unique_ptr<Engine> engine)
-      : engine_(std::move(engine)), creator_(getpid()) {
+  PyEngine(std::unique_ptr<Engine> engine,
+           std::vector<std::string> file_prefixes)
+      : engine_(std::move(engine)),
+        file_prefixes_(std::move(file_prefixes)),
+        creator_(getpid()) {
     LiveEngines().insert(this);
   }
   ~PyEngine() {
@@ -496,7 +500,7 @@ class PyEngine {
   // used here (get() refuses), so nothing reads these descriptors.
   void CloseInheritedFiles() {
     if (engine_ == nullptr || getpid() == creator_) return;
-    CloseFilesUnder(engine_->file_prefixes());
+    CloseFilesUnder(file_prefixes_);
   }
 
   // The engine, for a call from Python. The Engine is used by one thread at
@@ -536,7 +540,7 @@ class PyEngine {
     if (busy_ > 0) ThrowBusy(std::string("close(): ") + kBusy);
     std::unique_ptr<Engine> engine = std::move(engine_);
     if (engine != nullptr) {
-      const PendingFiles pending(engine->file_prefixes());
+      const PendingFiles pending(file_prefixes_);
       py::gil_scoped_release release;
       engine.reset();
     }
@@ -714,6 +718,9 @@ class PyEngine {
   }
 
   std::unique_ptr<Engine> engine_;
+  // FilePrefixes of its config: what a fork's child closes (kept here, as
+  // the engine is not asked in a child, nor there any more while closing).
+  const std::vector<std::string> file_prefixes_;
   CallThread calls_;     // Interruptible's
   const pid_t creator_;  // a fork's child neither uses nor destroys it
   int busy_ = 0;         // calls running without the GIL (guarded by the GIL)
@@ -748,25 +755,9 @@ std::vector<float*> FloatPointers(const std::vector<uintptr_t>& ptrs) {
 // _set_tier_free_bytes_for_testing: the size of the fake file systems.
 std::atomic<uint64_t> g_fake_tier_bytes{0};
 
-// Bytes allocated to `path` and, for a directory, everything under it.
-uint64_t BytesUnder(const std::string& path) {
-  struct stat st;
-  if (lstat(path.c_str(), &st) != 0) return 0;
-  uint64_t bytes = static_cast<uint64_t>(st.st_blocks) * 512;
-  if (!S_ISDIR(st.st_mode)) return bytes;
-  if (DIR* d = opendir(path.c_str())) {
-    while (struct dirent* ent = readdir(d)) {
-      const std::string name = ent->d_name;
-      if (name != "." && name != "..") bytes += BytesUnder(path + "/" + name);
-    }
-    closedir(d);
-  }
-  return bytes;
-}
-
 uint64_t FakeTierFreeBytes(const std::string& path) {
   const uint64_t total = g_fake_tier_bytes.load();
-  const uint64_t used = BytesUnder(path);
+  const uint64_t used = internal_engine::BytesUnderForTesting(path);
   return used >= total ? 0 : total - used;
 }
 
@@ -1022,13 +1013,15 @@ void RegisterEngineBindings(py::module_& parent) {
             config.commit_every = commit_every;
             config.resume_epoch = resume_epoch;
             config.resume_step = resume_step;
+            std::vector<std::string> prefixes = FilePrefixes(config);
             absl::StatusOr<std::unique_ptr<Engine>> engine;
             {
-              const PendingFiles pending(ExpectedFilePrefixes(config));
+              const PendingFiles pending(prefixes);
               py::gil_scoped_release release;
               engine = Engine::Create(config);
             }
-            return std::make_unique<PyEngine>(ValueOrThrow(std::move(engine)));
+            return std::make_unique<PyEngine>(ValueOrThrow(std::move(engine)),
+                                              std::move(prefixes));
           },
           py::arg("tiers"), py::arg("host_budget_bytes"),
           py::arg("subgroup_numel"), py::arg("num_state_arrays"),
