@@ -1026,6 +1026,156 @@ struct Engine::Impl {
     return b;
   }
 
+  // The subgroups `which`, the tiers taking turns: each tier's own in the
+  // order given.
+  std::vector<int> TierTurns(const std::vector<int>& which) const {
+    std::vector<std::vector<int>> per_tier(tiers.size());
+    for (int i : which) per_tier[plan.tier_of_subgroup[i]].push_back(i);
+    std::vector<int> order;
+    for (size_t k = 0; order.size() < which.size(); ++k) {
+      for (const std::vector<int>& mine : per_tier) {
+        if (k < mine.size()) order.push_back(mine[k]);
+      }
+    }
+    return order;
+  }
+
+  // What ReadSubgroups and WriteSubgroups (`what`) check of `records`
+  // before touching anything.
+  absl::Status CheckStateAccess(const char* what,
+                                const std::vector<SubgroupState>& records,
+                                bool write) const {
+    if (in_step) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " during a step"));
+    }
+    std::vector<bool> seen(n(), false);
+    for (const SubgroupState& r : records) {
+      const int i = r.subgroup;
+      if (i < 0 || i >= n())
+        return absl::OutOfRangeError(absl::StrCat(what, ": no subgroup ", i));
+      if (seen[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": subgroup ", i, " given twice"));
+      }
+      seen[i] = true;
+      if (static_cast<int>(r.state.size()) != config.num_state_arrays) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": ", r.state.size(), " state arrays given for subgroup ", i,
+            ", the engine has ", config.num_state_arrays));
+      }
+      if (write && r.master == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": no master given for subgroup ", i));
+      }
+      if (write && r.step < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": negative step ", r.step, " for subgroup ", i));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Writes a new record of each subgroup of `which` (each at most once,
+  // outside a step), the tiers taking turns, with writes in flight on every
+  // tier at once as the buffers allow. fill(i, payload) puts subgroup i's
+  // payload in place and returns its step count; it runs without the lock
+  // (the buffer is the caller's, no I/O in flight on it) while the other
+  // writes complete. A record cached in memory is filled there and, unless
+  // `write_cached`, written back only when evicted (WriteSubgroup), else
+  // now (InitializeSubgroup). A write that fails changes nothing, unless it
+  // went over the only copy of the subgroup's latest version (cached, or on
+  // disk after its commit): the new record is then kept in memory as the
+  // latest version. After an error no further write starts; the ones in
+  // flight finish, and the first error is returned, naming its subgroup
+  // ("<what> subgroup i").
+  absl::Status WriteRecords(
+      const std::vector<int>& which, const char* what, bool write_cached,
+      const std::function<int64_t(int i, float* payload)>& fill)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    failed_commit.reset();  // the state is no longer that commit's
+    struct Flight {
+      int subgroup;
+      int buffer;
+      int64_t old_step;
+      bool keep_if_failed;
+    };
+    std::deque<Flight> flying;
+    absl::Status first;
+    auto settle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      const Flight f = flying.front();
+      flying.pop_front();
+      absl::Status s = FinishWrite(f.buffer);
+      if (!s.ok()) {
+        SettleFailedRewrite(f.subgroup, f.buffer, f.keep_if_failed, f.old_step);
+        if (first.ok()) {
+          first = Annotate(s, absl::StrCat(what, " subgroup ", f.subgroup));
+        }
+        return;
+      }
+      initialized[f.subgroup] = true;
+      SupersedeIncompleteStep(f.subgroup);
+      // A record the next step starts with stays cached (cache reuse), if
+      // the cache has room for it: a state written back into a new engine
+      // starts with a warm cache, and a record kept beyond the cache's size
+      // would take a streaming buffer that the steps and reads need.
+      if (KeepInCache(f.subgroup, f.buffer)) {
+        buffers[f.buffer].state = BufState::kCached;
+      } else {
+        Free(f.buffer);
+      }
+    };
+    for (int i : TierTurns(which)) {
+      if (interrupted.load()) {  // SetInterrupted: no further write starts
+        first = absl::CancelledError(
+            absl::StrCat(what, " subgroup ", i, ": interrupted"));
+        break;
+      }
+      int b = buffer_of[i];
+      const bool cached = b >= 0;
+      if (cached) {
+        absl::Status s = WaitIo(b);
+        if (!s.ok()) {
+          first = s;
+          break;
+        }
+      } else {
+        // The writes in flight hold the buffers: the oldest lands first.
+        while (FindFreeBuffer() < 0 && !flying.empty()) settle();
+        if (!first.ok()) break;
+        absl::StatusOr<int> claimed = WaitAndClaimFree(i, BufState::kInUse);
+        if (!claimed.ok()) {
+          first = claimed.status();
+          break;
+        }
+        b = *claimed;
+      }
+      float* payload = Payload(b);
+      const uint64_t bytes = payload_bytes[i];
+      const bool write = !cached || write_cached;
+      uint64_t checksum = 0;
+      mu.Unlock();
+      const int64_t step = fill(i, payload);
+      if (write) checksum = PayloadChecksum(payload, bytes, &pool);
+      mu.Lock();
+      buffers[b].from_disk = false;
+      if (!write) {
+        sg_step[i] = step;
+        initialized[i] = true;
+        SupersedeIncompleteStep(i);
+        rewritten[i] = true;
+        continue;  // written back when evicted
+      }
+      // The header carries the step count: the old one comes back if the
+      // write fails and changed nothing.
+      flying.push_back({i, b, sg_step[i], cached || OverwritesLatest(i)});
+      sg_step[i] = step;
+      IssueWrite(i, b, checksum);
+    }
+    while (!flying.empty()) settle();
+    return first;
+  }
+
   // Calls visit(i, b) for each subgroup i of `which`, with its verified
   // record in buffer b, outside a step. The tiers take turns, each
   // streaming its own subgroups in order, and records are read ahead (one
@@ -1036,14 +1186,7 @@ struct Engine::Impl {
       const std::vector<int>& which,
       const std::function<absl::Status(int i, int b)>& visit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    std::vector<std::vector<int>> per_tier(tiers.size());
-    for (int i : which) per_tier[plan.tier_of_subgroup[i]].push_back(i);
-    std::vector<int> order;
-    for (size_t k = 0; order.size() < which.size(); ++k) {
-      for (const std::vector<int>& mine : per_tier) {
-        if (k < mine.size()) order.push_back(mine[k]);
-      }
-    }
+    const std::vector<int> order = TierTurns(which);
     struct Ahead {
       int subgroup;
       int buffer;
@@ -1052,7 +1195,8 @@ struct Engine::Impl {
     // The first record of `order` not considered for reading ahead.
     size_t next = 0;
     auto read_ahead = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      while (ahead.size() < tiers.size() && next < order.size()) {
+      while (ahead.size() < tiers.size() && next < order.size() &&
+             !interrupted.load()) {
         const int j = order[next];
         if (buffer_of[j] >= 0) {  // in memory already
           ++next;
@@ -1074,8 +1218,14 @@ struct Engine::Impl {
       }
       ahead.clear();
     };
+    read_ahead();  // every tier's first record, the first one's included
     for (size_t k = 0; k < order.size(); ++k) {
       const int i = order[k];
+      if (interrupted.load()) {  // SetInterrupted
+        drop_ahead();
+        return absl::CancelledError(
+            absl::StrCat("reading subgroup ", i, ": interrupted"));
+      }
       next = std::max(next, k + 1);
       bool claimed = false;
       int b = -1;
@@ -1896,69 +2046,60 @@ FaultInjectingEngine* Engine::fault_injector(int tier) const {
 absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
                                         const OptimizerHyperparams* state_init,
                                         bool commit_initial) {
+  return InitializeSubgroups({{i, params, state_init}}, dtype, commit_initial);
+}
+
+absl::Status Engine::InitializeSubgroups(const std::vector<SubgroupInit>& inits,
+                                         DType dtype, bool commit_initial) {
   Impl& e = *impl_;
-  if (i < 0 || i >= e.n())
-    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
   if (e.in_step)
-    return absl::FailedPreconditionError("InitializeSubgroup during a step");
-  if (params == nullptr)
-    return absl::InvalidArgumentError("InitializeSubgroup: null params");
+    return absl::FailedPreconditionError("InitializeSubgroups during a step");
+  std::vector<int> which;
+  std::vector<int> init_of(e.n(), -1);
+  for (size_t k = 0; k < inits.size(); ++k) {
+    const int i = inits[k].subgroup;
+    if (i < 0 || i >= e.n()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("InitializeSubgroups: no subgroup ", i));
+    }
+    if (init_of[i] >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("InitializeSubgroups: subgroup ", i, " given twice"));
+    }
+    if (inits[k].params == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("InitializeSubgroups: null params for subgroup ", i));
+    }
+    init_of[i] = static_cast<int>(k);
+    which.push_back(i);
+  }
   MutexLock l(&e.mu);
-  e.failed_commit.reset();  // the state is no longer that commit's
-  int b = e.buffer_of[i];
-  const bool was_cached = b >= 0;
-  if (was_cached) {
-    MLP_RETURN_IF_ERROR(e.WaitIo(b));
-  } else {
-    MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(i, BufState::kInUse));
-  }
-  float* rec = e.Payload(b);
-  const uint64_t n = e.numel[i];
-  ConvertToFloat32(params, dtype, rec, n, &e.pool);
-  float* state[3] = {nullptr, nullptr, nullptr};
-  for (int k = 0; k < e.config.num_state_arrays; ++k) {
-    float* s = rec + (k + 1) * n;
-    if (k < 3) state[k] = s;
-    std::memset(s, 0, n * sizeof(float));
-  }
-  if (state_init != nullptr && e.config.num_state_arrays <= 3) {
-    InitState(*state_init, state, n, &e.pool);
-  }
-  e.buffers[b].from_disk = false;
-  // The record's header carries its step count: 0 while it is written, the
-  // old count back if the write fails.
-  const int64_t old_step = e.sg_step[i];
-  // Whether the write goes over the subgroup's latest version on disk (one
-  // written after its commit): a failed write may have destroyed it.
-  const bool over_latest = e.OverwritesLatest(i);
-  e.sg_step[i] = 0;
-  absl::Status s = e.WriteNow(i, b);
-  if (!s.ok()) {
-    // The cached copy, or the disk's latest version, is overwritten already:
-    // the new record stays as the latest version.
-    e.SettleFailedRewrite(i, b, was_cached || over_latest, old_step);
-    return Annotate(s, absl::StrCat("initialising subgroup ", i));
-  }
-  e.initialized[i] = true;
-  e.SupersedeIncompleteStep(i);
-  // Keep the record in memory if it is one the next step starts with (cache
-  // reuse) and the cache has room for it: after a step the cache already
-  // holds those records, and one kept beyond its size takes a streaming
-  // buffer that the steps and reads need.
-  if (e.KeepInCache(i, b)) {
-    e.buffers[b].state = BufState::kCached;
-  } else {
-    e.Free(b);
-  }
+  MLP_RETURN_IF_ERROR(e.WriteRecords(
+      which, "initialising", /*write_cached=*/true, [&](int i, float* payload) {
+        const SubgroupInit& in = inits[init_of[i]];
+        const uint64_t n = e.numel[i];
+        ConvertToFloat32(in.params, dtype, payload, n, &e.pool);
+        float* state[3] = {nullptr, nullptr, nullptr};
+        for (int k = 0; k < e.config.num_state_arrays; ++k) {
+          float* s = payload + (k + 1) * n;
+          if (k < 3) state[k] = s;
+          std::memset(s, 0, n * sizeof(float));
+        }
+        if (in.state_init != nullptr && e.config.num_state_arrays <= 3) {
+          InitState(*in.state_init, state, n, &e.pool);
+        }
+        return int64_t{0};
+      }));
   if (commit_initial && e.config.commit_every > 0 && e.committed.step < 0 &&
       std::all_of(e.initialized.begin(), e.initialized.end(),
                   [](bool x) { return x; })) {
     // The initial state is resumable too (records another call left in
     // memory go to disk first).
-    s = e.FlushCached();
+    absl::Status s = e.FlushCached();
     if (s.ok()) s = e.WriteCommit();
+    return s;
   }
-  return s;
+  return absl::OkStatus();
 }
 
 namespace {
@@ -2496,47 +2637,63 @@ absl::StatusOr<StepStats> Engine::Step(
 absl::Status Engine::ReadSubgroup(int i, float* master,
                                   const std::vector<float*>& state,
                                   int64_t* step) {
-  Impl& e = *impl_;
-  if (i < 0 || i >= e.n())
-    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
-  if (e.in_step)
-    return absl::FailedPreconditionError("ReadSubgroup during a step");
-  if (static_cast<int>(state.size()) != e.config.num_state_arrays) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ReadSubgroup: ", state.size(), " state arrays given, engine has ",
-        e.config.num_state_arrays));
-  }
-  MutexLock l(&e.mu);
-  bool claimed = false;
-  MLP_ASSIGN_OR_RETURN(int b, e.Resident(i, &claimed));
-  const float* rec = e.Payload(b);
-  const uint64_t n = e.numel[i];
-  if (master != nullptr) std::memcpy(master, rec, n * 4);
-  for (size_t k = 0; k < state.size(); ++k) {
-    if (state[k] != nullptr) std::memcpy(state[k], rec + (k + 1) * n, n * 4);
-  }
-  if (step != nullptr) *step = e.sg_step[i];
-  if (claimed) e.Free(b);
+  std::vector<SubgroupState> one(1);
+  one[0].subgroup = i;
+  one[0].master = master;
+  one[0].state = state;
+  MLP_RETURN_IF_ERROR(ReadSubgroups(&one));
+  if (step != nullptr) *step = one[0].step;
   return absl::OkStatus();
 }
 
-absl::Status Engine::ReadMasters(const std::vector<float*>& masters) {
-  Impl& e = *impl_;
-  if (e.in_step)
-    return absl::FailedPreconditionError("ReadMasters during a step");
-  if (static_cast<int>(masters.size()) != e.n()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ReadMasters: ", masters.size(),
-                     " pointers given, the engine has ", e.n(), " subgroups"));
+namespace {
+
+// Copies a record's payload (master, then the state arrays, `n` floats each)
+// out to `r`'s buffers (null ones skipped), or in from them (a null state
+// array: zeros).
+void CopyOut(const float* payload, uint64_t n, const Engine::SubgroupState& r) {
+  if (r.master != nullptr) std::memcpy(r.master, payload, n * 4);
+  for (size_t k = 0; k < r.state.size(); ++k) {
+    if (r.state[k] != nullptr)
+      std::memcpy(r.state[k], payload + (k + 1) * n, n * 4);
   }
+}
+void CopyIn(const Engine::SubgroupState& r, uint64_t n, float* payload) {
+  std::memcpy(payload, r.master, n * 4);
+  for (size_t k = 0; k < r.state.size(); ++k) {
+    float* to = payload + (k + 1) * n;
+    if (r.state[k] == nullptr) {
+      std::memset(to, 0, n * 4);
+    } else {
+      std::memcpy(to, r.state[k], n * 4);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status Engine::ReadSubgroups(std::vector<SubgroupState>* records) {
+  Impl& e = *impl_;
+  MLP_RETURN_IF_ERROR(e.CheckStateAccess("ReadSubgroups", *records, false));
   std::vector<int> which;
-  for (int i = 0; i < e.n(); ++i) {
-    if (masters[i] != nullptr) which.push_back(i);
+  std::vector<int> record_of(e.n(), -1);
+  for (size_t k = 0; k < records->size(); ++k) {
+    which.push_back((*records)[k].subgroup);
+    record_of[which.back()] = static_cast<int>(k);
   }
   MutexLock l(&e.mu);
   return e.VisitRecords(which,
                         [&](int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
-                          std::memcpy(masters[i], e.Payload(b), e.numel[i] * 4);
+                          SubgroupState& r = (*records)[record_of[i]];
+                          r.step = e.sg_step[i];
+                          // The buffer is this call's (claimed, or cached with
+                          // no I/O in flight): the copy runs without the lock,
+                          // and completions of the reads ahead keep flowing.
+                          const float* payload = e.Payload(b);
+                          const uint64_t n = e.numel[i];
+                          e.mu.Unlock();
+                          CopyOut(payload, n, r);
+                          e.mu.Lock();
                           return absl::OkStatus();
                         });
 }
@@ -2544,68 +2701,29 @@ absl::Status Engine::ReadMasters(const std::vector<float*>& masters) {
 absl::Status Engine::WriteSubgroup(int i, const float* master,
                                    const std::vector<const float*>& state,
                                    int64_t step) {
+  std::vector<SubgroupState> one(1);
+  one[0].subgroup = i;
+  one[0].master = const_cast<float*>(master);  // read from only
+  for (const float* s : state) one[0].state.push_back(const_cast<float*>(s));
+  one[0].step = step;
+  return WriteSubgroups(one);
+}
+
+absl::Status Engine::WriteSubgroups(const std::vector<SubgroupState>& records) {
   Impl& e = *impl_;
-  if (i < 0 || i >= e.n())
-    return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
-  if (e.in_step)
-    return absl::FailedPreconditionError("WriteSubgroup during a step");
-  if (static_cast<int>(state.size()) != e.config.num_state_arrays ||
-      master == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("WriteSubgroup: need the master and ",
-                     e.config.num_state_arrays, " state arrays"));
+  MLP_RETURN_IF_ERROR(e.CheckStateAccess("WriteSubgroups", records, true));
+  std::vector<int> which;
+  std::vector<int> record_of(e.n(), -1);
+  for (size_t k = 0; k < records.size(); ++k) {
+    which.push_back(records[k].subgroup);
+    record_of[which.back()] = static_cast<int>(k);
   }
-  if (step < 0)
-    return absl::InvalidArgumentError("WriteSubgroup: negative step");
   MutexLock l(&e.mu);
-  e.failed_commit.reset();  // the state is no longer that commit's
-  int b = e.buffer_of[i];
-  bool cached = b >= 0;
-  if (cached) {
-    MLP_RETURN_IF_ERROR(e.WaitIo(b));
-  } else {
-    MLP_ASSIGN_OR_RETURN(b, e.WaitAndClaimFree(i, BufState::kInUse));
-  }
-  float* rec = e.Payload(b);
-  const uint64_t n = e.numel[i];
-  std::memcpy(rec, master, n * 4);
-  for (size_t k = 0; k < state.size(); ++k) {
-    if (state[k] == nullptr) {
-      std::memset(rec + (k + 1) * n, 0, n * 4);
-    } else {
-      std::memcpy(rec + (k + 1) * n, state[k], n * 4);
-    }
-  }
-  e.buffers[b].from_disk = false;
-  if (cached) {
-    e.sg_step[i] = step;
-    e.initialized[i] = true;
-    e.SupersedeIncompleteStep(i);
-    e.rewritten[i] = true;
-    return absl::OkStatus();  // written back when evicted
-  }
-  // The header carries the step count. A failed write changes nothing (the
-  // subgroup keeps its version on disk, or stays uninitialised), unless it
-  // went over the latest version on disk: the new record is then kept in
-  // memory as the latest version.
-  const int64_t old_step = e.sg_step[i];
-  const bool over_latest = e.OverwritesLatest(i);
-  e.sg_step[i] = step;
-  absl::Status s = e.WriteNow(i, b);
-  if (!s.ok()) {
-    e.SettleFailedRewrite(i, b, over_latest, old_step);
-    return Annotate(s, absl::StrCat("writing subgroup ", i));
-  }
-  // As InitializeSubgroup: a record the next step starts with stays cached
-  // (a state written back into a new engine starts with a warm cache).
-  if (e.KeepInCache(i, b)) {
-    e.buffers[b].state = BufState::kCached;
-  } else {
-    e.Free(b);
-  }
-  e.initialized[i] = true;
-  e.SupersedeIncompleteStep(i);
-  return absl::OkStatus();
+  return e.WriteRecords(which, "writing", /*write_cached=*/false,
+                        [&](int i, float* payload) {
+                          CopyIn(records[record_of[i]], e.numel[i], payload);
+                          return records[record_of[i]].step;
+                        });
 }
 
 namespace {

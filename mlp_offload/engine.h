@@ -217,6 +217,16 @@ class Engine {
       int i, const void* params, DType dtype,
       const OptimizerHyperparams* state_init = nullptr,
       bool commit_initial = true);
+  // InitializeSubgroup for several subgroups (each at most once; their
+  // params all of `dtype`), with the writes in flight on every tier at once
+  // (see WriteSubgroups, which it follows after an error).
+  struct SubgroupInit {
+    int subgroup = -1;
+    const void* params = nullptr;
+    const OptimizerHyperparams* state_init = nullptr;  // null: zeros
+  };
+  absl::Status InitializeSubgroups(const std::vector<SubgroupInit>& inits,
+                                   DType dtype, bool commit_initial = true);
 
   // Baseline (delayed_grad_conversion off): called as gradients become final
   // during backward; converts them to fp32 and writes them to the subgroup's
@@ -299,10 +309,31 @@ class Engine {
   absl::Status WriteSubgroup(int i, const float* master,
                              const std::vector<const float*>& state,
                              int64_t step);
-  // Copies each subgroup i's master parameters to masters[i] (fp32; none
-  // where it is null), reading ahead from every tier at once: what
-  // ReadSubgroup one subgroup after another would give, sooner.
-  absl::Status ReadMasters(const std::vector<float*>& masters);
+  // One subgroup's state outside the engine (fp32, the subgroup's size each),
+  // for ReadSubgroups and WriteSubgroups.
+  struct SubgroupState {
+    int subgroup = -1;
+    float* master = nullptr;
+    std::vector<float*> state;  // one per state array
+    int64_t step = 0;
+  };
+  // ReadSubgroup for several subgroups (each at most once), sooner: the
+  // tiers take turns, and every tier reads ahead while a record is copied
+  // out. Null pointers skip (the masters alone, say); each `step` is set.
+  // The first error stops the call (the records before it were copied), as
+  // does SetInterrupted (Cancelled).
+  absl::Status ReadSubgroups(std::vector<SubgroupState>* records);
+  // WriteSubgroup for several subgroups (each at most once; a null state
+  // array writes zeros, the master is required): the tiers take turns, and
+  // the writes are in flight on every tier at once, as many as the host
+  // buffers allow. After an error no further write is started, the ones in
+  // flight are finished, and the first error is returned naming its
+  // subgroup: each subgroup written as WriteSubgroup would have written it,
+  // or left as it was (or its new record kept in memory, where its write
+  // went over its only copy of the latest version: see WriteSubgroup).
+  // SetInterrupted stops it the same way (Cancelled). Arguments are checked
+  // before anything is written.
+  absl::Status WriteSubgroups(const std::vector<SubgroupState>& records);
 
   // Writes the whole state (every tier, every cached record) to `dir`
   // atomically: a crash mid-save leaves the previous checkpoint intact.

@@ -1884,16 +1884,21 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
   };
   fails_on_each(IoOp::kRead, [&] { return e.SaveCheckpoint(dir); });
   ASSERT_TRUE(e.SaveCheckpoint(dir).ok());
-  // The master copies stream the same way (ReadMasters); a null pointer
-  // skips a subgroup.
+  // The master copies stream the same way (ReadSubgroups, null arrays): a
+  // subgroup left out is not touched.
   std::vector<std::vector<float>> masters(4);
   auto read_masters = [&](int skip) {
-    std::vector<float*> ptrs;
+    std::vector<Engine::SubgroupState> records;
     for (int i = 0; i < 4; ++i) {
       masters[i].assign(cfg.subgroup_numel[i], -1.0f);
-      ptrs.push_back(i == skip ? nullptr : masters[i].data());
+      if (i == skip) continue;
+      Engine::SubgroupState r;
+      r.subgroup = i;
+      r.master = masters[i].data();
+      r.state = {nullptr, nullptr};
+      records.push_back(std::move(r));
     }
-    return e.ReadMasters(ptrs);
+    return e.ReadSubgroups(&records);
   };
   fails_on_each(IoOp::kRead, [&] { return read_masters(-1); });
   for (int skip : {-1, 1}) {
@@ -1906,8 +1911,6 @@ void StreamCheckpointsThroughFaults(int tiers, int buffers) {
           << "subgroup " << i << ", skipping " << skip;
     }
   }
-  EXPECT_EQ(e.ReadMasters({nullptr}).code(),
-            absl::StatusCode::kInvalidArgument);
   for (int i = 0; i < 4; ++i) {
     const size_t n = cfg.subgroup_numel[i];
     std::vector<float> got(3 * n);
@@ -1928,6 +1931,211 @@ TEST(EngineTest, CheckpointsStreamThroughFewBuffersAndSurviveFaults) {
   StreamCheckpointsThroughFaults(/*tiers=*/1, /*buffers=*/2);
   StreamCheckpointsThroughFaults(/*tiers=*/2, /*buffers=*/2);
   StreamCheckpointsThroughFaults(/*tiers=*/2, /*buffers=*/3);
+}
+
+// ReadSubgroups, WriteSubgroups and InitializeSubgroups keep every tier
+// busy: with tier 0's first request held back (for far longer than the call
+// takes otherwise), tier 1's first request is made meanwhile; one subgroup
+// after another, it would wait for tier 0's. A batch whose write fails on
+// one tier names that subgroup: the others are written, it keeps the record
+// it had, and the next call works (no buffer is left claimed). Bad
+// arguments change nothing.
+TEST(EngineTest, BatchedStateAccessKeepsEveryTierBusy) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.fault_injection = true;
+  cfg.techniques.cache_reuse = false;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 61);
+  ASSERT_EQ(e.plan().num_cached, 0);
+  std::vector<int> on_tier[2];
+  for (int i = 0; i < 4; ++i)
+    on_tier[e.plan().tier_of_subgroup[i]].push_back(i);
+  ASSERT_FALSE(on_tier[0].empty());
+  ASSERT_FALSE(on_tier[1].empty());
+
+  // A state for every subgroup: master, two arrays, and a step count.
+  struct State {
+    std::vector<std::vector<float>> master, m, v;
+    std::vector<Engine::SubgroupState> records;
+  };
+  auto make_state = [&](uint32_t seed, int64_t step) {
+    State st;
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (int i = 0; i < 4; ++i) {
+      const size_t n = cfg.subgroup_numel[i];
+      for (auto* a : {&st.master, &st.m, &st.v}) {
+        a->emplace_back(n);
+        for (float& x : a->back()) x = u(rng);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      Engine::SubgroupState r;
+      r.subgroup = i;
+      r.master = st.master[i].data();
+      r.state = {st.m[i].data(), st.v[i].data()};
+      r.step = step + i;
+      st.records.push_back(std::move(r));
+    }
+    return st;
+  };
+  // Subgroup i of a state as Snapshot gives it.
+  auto flat = [&](const State& st, int i) {
+    std::vector<float> all = st.master[i];
+    all.insert(all.end(), st.m[i].begin(), st.m[i].end());
+    all.insert(all.end(), st.v[i].begin(), st.v[i].end());
+    return all;
+  };
+  auto steps_of = [&] {
+    std::vector<int64_t> steps;
+    for (int i = 0; i < 4; ++i) {
+      int64_t step = -1;
+      float* none = nullptr;
+      EXPECT_TRUE(e.ReadSubgroup(i, none, {none, none}, &step).ok());
+      steps.push_back(step);
+    }
+    return steps;
+  };
+
+  // `call` with tier 0's first request of `op` held back kHold: how long
+  // after the start tier 1 saw its first.
+  const absl::Duration kHold = absl::Seconds(2);
+  auto tier1_waited = [&](IoOp op, const std::function<absl::Status()>& call) {
+    FaultSpec hold;
+    hold.kind = FaultSpec::Kind::kDelay;
+    hold.op = op;
+    hold.delay = kHold;
+    e.fault_injector(0)->AddFault(hold);
+    FaultSpec count = hold;  // counts tier 1's first request, delays nothing
+    count.delay = absl::ZeroDuration();
+    e.fault_injector(1)->AddFault(count);
+    const int before = e.fault_injector(1)->fired();
+    const MonoTime start = MonoNow();
+    std::future<absl::Status> done = std::async(std::launch::async, call);
+    while (e.fault_injector(1)->fired() == before &&
+           done.wait_for(std::chrono::milliseconds(1)) !=
+               std::future_status::ready) {
+    }
+    const double seen = SecondsSince(start);
+    const absl::Status s = done.get();
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(e.fault_injector(1)->fired(), before + 1);
+    e.fault_injector(0)->ClearFaults();
+    e.fault_injector(1)->ClearFaults();
+    return seen;
+  };
+
+  State written = make_state(62, 5);
+  const double held = absl::ToDoubleSeconds(kHold);
+  EXPECT_LT(tier1_waited(IoOp::kWrite,
+                         [&] { return e.WriteSubgroups(written.records); }),
+            held / 2)
+      << "tier 1's write waited for tier 0's";
+  State read = make_state(63, 0);
+  EXPECT_LT(
+      tier1_waited(IoOp::kRead, [&] { return e.ReadSubgroups(&read.records); }),
+      held / 2)
+      << "tier 1's read waited for tier 0's";
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(flat(read, i), flat(written, i)) << "subgroup " << i;
+    EXPECT_EQ(read.records[i].step, 5 + i);
+  }
+  EXPECT_EQ(steps_of(), (std::vector<int64_t>{5, 6, 7, 8}));
+
+  // A write that fails on tier 1: its first subgroup keeps its record.
+  const int j = on_tier[1][0];
+  FaultSpec eio;
+  eio.op = IoOp::kWrite;
+  eio.path_substring = absl::StrCat("sg_", j, ".state");
+  e.fault_injector(1)->AddFault(eio);
+  State next = make_state(64, 20);
+  absl::Status s = e.WriteSubgroups(next.records);
+  e.fault_injector(1)->ClearFaults();
+  EXPECT_NE(s.message().find(absl::StrCat("writing subgroup ", j)),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s;
+  auto now = Snapshot(e, cfg);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(now[i], flat(i == j ? written : next, i)) << "subgroup " << i;
+  }
+  std::vector<int64_t> want = {20, 21, 22, 23};
+  want[j] = 5 + j;
+  EXPECT_EQ(steps_of(), want);
+  ASSERT_TRUE(e.WriteSubgroups(next.records).ok());
+  now = Snapshot(e, cfg);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(now[i], flat(next, i)) << i;
+
+  // Bad arguments: refused before anything is written.
+  State bad = make_state(65, 30);
+  auto refused = [&](std::vector<Engine::SubgroupState> records,
+                     absl::StatusCode code, const std::string& says) {
+    absl::Status w = e.WriteSubgroups(records);
+    EXPECT_EQ(w.code(), code) << w;
+    EXPECT_NE(w.message().find(says), std::string::npos) << w;
+    EXPECT_EQ(Snapshot(e, cfg), now);
+    absl::Status r = e.ReadSubgroups(&records);
+    EXPECT_EQ(r.code(), code) << r;
+  };
+  auto twice = bad.records;
+  twice[2].subgroup = 1;
+  refused(twice, absl::StatusCode::kInvalidArgument, "subgroup 1 given twice");
+  auto out_of_range = bad.records;
+  out_of_range[3].subgroup = 4;
+  refused(out_of_range, absl::StatusCode::kOutOfRange, "no subgroup 4");
+  auto arrays = bad.records;
+  arrays[3].state.pop_back();
+  refused(arrays, absl::StatusCode::kInvalidArgument, "1 state arrays given");
+  auto no_master = bad.records;
+  no_master[3].master = nullptr;
+  EXPECT_EQ(e.WriteSubgroups(no_master).code(),
+            absl::StatusCode::kInvalidArgument);
+  auto negative = bad.records;
+  negative[3].step = -1;
+  EXPECT_EQ(e.WriteSubgroups(negative).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Snapshot(e, cfg), now);
+
+  // InitializeSubgroups takes the same turns.
+  std::vector<Engine::SubgroupInit> inits;
+  for (int i = 0; i < 4; ++i) inits.push_back({i, bad.master[i].data()});
+  auto init_refused = [&](std::vector<Engine::SubgroupInit> these,
+                          absl::StatusCode code) {
+    EXPECT_EQ(e.InitializeSubgroups(these, DType::kFloat32).code(), code);
+    EXPECT_EQ(Snapshot(e, cfg), now);
+  };
+  auto init_twice = inits;
+  init_twice[0].subgroup = 3;
+  init_refused(init_twice, absl::StatusCode::kInvalidArgument);
+  auto init_null = inits;
+  init_null[2].params = nullptr;
+  init_refused(init_null, absl::StatusCode::kInvalidArgument);
+  auto init_out = inits;
+  init_out[1].subgroup = -1;
+  init_refused(init_out, absl::StatusCode::kOutOfRange);
+  EXPECT_LT(tier1_waited(
+                IoOp::kWrite,
+                [&] { return e.InitializeSubgroups(inits, DType::kFloat32); }),
+            held / 2)
+      << "tier 1's initialisation waited for tier 0's";
+  now = Snapshot(e, cfg);
+  for (int i = 0; i < 4; ++i) {
+    const size_t n = cfg.subgroup_numel[i];
+    std::vector<float> want = bad.master[i];
+    want.resize(3 * n, 0.0f);
+    EXPECT_EQ(now[i], want) << "subgroup " << i;
+  }
+  EXPECT_EQ(steps_of(), std::vector<int64_t>(4, 0));
+
+  // Interrupted (Ctrl-C), no further record is written or read.
+  e.SetInterrupted(true);
+  EXPECT_EQ(e.WriteSubgroups(next.records).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ(e.ReadSubgroups(&read.records).code(),
+            absl::StatusCode::kCancelled);
+  e.SetInterrupted(false);
+  EXPECT_EQ(Snapshot(e, cfg), now);
 }
 
 TEST(EngineTest, ACheckpointLoadedAfterAFailedStepReplacesIt) {

@@ -18,6 +18,8 @@ def pytest_addoption(parser):
                      help="path of tools/ownership_bench.py")
     parser.addoption("--frozen_bench", default=None,
                      help="path of tools/frozen_bench.py")
+    parser.addoption("--state_io_bench", default=None,
+                     help="path of tools/state_io_bench.py")
     parser.addoption("--update_benchmark", default=None,
                      help="path of the built //mlp_offload:update_benchmark")
     parser.addoption("--checkpoint_benchmark", default=None,

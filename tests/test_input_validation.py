@@ -255,10 +255,14 @@ def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):
         engine.write_subgroup(1, small.data_ptr(), ptrs, 3, 50)
     with pytest.raises(errors.ConfigError, match=r"initialize_subgroup: subgroup 0 "):
         engine.initialize_subgroup(0, small.data_ptr(), "float32", 50)
-    with pytest.raises(errors.ConfigError, match=r"read_masters: subgroup 1 has 8 "):
-        engine.read_masters([0, small.data_ptr()], [0, 50])
-    with pytest.raises(errors.ConfigError, match=r"read_masters: 2 pointers but 1 sizes"):
-        engine.read_masters([0, small.data_ptr()], [8])
+    big = [torch.full((128,), 7.0) for _ in range(3)]
+    whole = (0, big[0].data_ptr(), [b.data_ptr() for b in big[1:]])
+    with pytest.raises(errors.ConfigError, match=r"read_subgroups: subgroup 1 has 8 "):
+        engine.read_subgroups([whole + (128,), (1, small.data_ptr(), ptrs, 50)])
+    with pytest.raises(errors.ConfigError, match=r"write_subgroups: subgroup 1 has 8 "):
+        engine.write_subgroups([whole + (3, 128), (1, small.data_ptr(), ptrs, 3, 50)])
+    with pytest.raises(errors.ConfigError, match=r"WriteSubgroups: subgroup 0 given twice"):
+        engine.write_subgroups([whole + (3, 128), whole + (3, 128)])
     # The right sizes are taken; nothing above changed the state.
     master = torch.empty(8)
     state = [torch.empty(8), torch.empty(8)]

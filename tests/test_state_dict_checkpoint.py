@@ -6,8 +6,10 @@ mid-training equals uninterrupted training, refuses another model's
 checkpoint, and a failed save leaves the previous checkpoint usable.
 """
 
+import collections
 import copy
 import json
+import os
 import re
 
 import pytest
@@ -156,13 +158,96 @@ def test_checkpoint_resume_equals_uninterrupted_training(tmp_path, name, mode):
     opt2.close()
 
 
+@pytest.mark.parametrize("batch", ["one record", "one per tier", "all at once"])
+def test_whole_state_transfers_go_in_batches_that_keep_every_tier_busy(
+        tmp_path, monkeypatch, batch):
+    """The first step's initialisation, state_dict(), load_state_dict() and
+    add_param_group move this rank's records through the engine a batch at a
+    time, the tiers taking turns (the engine reads and writes a batch on
+    every tier at once). In batches of one record, of one record per tier,
+    or all in one, each subgroup goes once per transfer and the state is
+    torch's."""
+    from mlp_offload import optimizer as impl
+    if batch != "all at once":
+        monkeypatch.setattr(impl, "_STATE_IO_BATCH_BYTES", 0)
+        monkeypatch.setattr(impl, "_STATE_IO_RECORDS_PER_TIER",
+                            0 if batch == "one record" else 1)
+    seen = []
+    real = impl.MLPOffloadOptimizer._io_batches
+
+    def spy(self, gs, *args, **kwargs):
+        batches = real(self, gs, *args, **kwargs)
+        seen.append((self, list(gs), batches))
+        return batches
+    monkeypatch.setattr(impl.MLPOffloadOptimizer, "_io_batches", spy)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 8))
+    make_opt = OPTIMIZERS["adamw"]
+    ref = make()
+    ref_opt = make_opt(ref.parameters())
+    model = make()
+    opt = wrap(make_opt(model.parameters()), tier_dirs(tmp_path, 2, "a"), subgroup_numel=100)
+    assert opt.engine.num_subgroups > 4
+    run(ref, ref_opt, range(3))
+    run(model, opt, range(3))
+    assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    model2 = make()
+    opt2 = wrap(make_opt(model2.parameters()), tier_dirs(tmp_path, 2, "b"), subgroup_numel=100)
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), ref.parameters()):
+            p.copy_(q)
+    opt2.load_state_dict(ref_opt.state_dict())
+    assert_same_state(opt2.state_dict(), ref_opt.state_dict())
+    extra = torch.nn.Parameter(torch.randn(50))
+    ref_extra = extra.detach().clone().requires_grad_(True)
+    opt2.add_param_group({"params": [extra], "lr": 5e-3})
+    ref_opt.add_param_group({"params": [ref_extra], "lr": 5e-3})
+    for step in range(3, 5):
+        for m, o, e in ((ref, ref_opt, ref_extra), (model2, opt2, extra)):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            o.zero_grad()
+            (m(x).square().mean() + (e * torch.linspace(-1, 1, 50)).sum()).backward()
+            o.step()
+    assert_same_params(model2, ref)
+    assert torch.allclose(extra, ref_extra, rtol=1e-6)
+    assert_same_state(opt2.state_dict(), ref_opt.state_dict())
+    # Every transfer went through the batches: both initialisations, three
+    # state_dict()s, the load, add_param_group's read and its write-back.
+    assert len(seen) == 8, len(seen)
+    for o, gs, batches in seen:
+        assert sorted(g for b in batches for g in b) == sorted(gs)
+        tier_of = o._engine.plan.tier_of_subgroup
+        tiers = [[tier_of[o._local[g]] for g in b] for b in batches]
+        if batch == "one record":
+            assert all(len(b) == 1 for b in batches)
+        elif batch == "one per tier":  # the bytes of one record per tier
+            size = {g: o._subgroups[g].numel for g in gs}
+            assert all(sum(size[g] for g in b) <= 2 * max(size.values()) for b in batches)
+        else:
+            assert len(batches) == 1
+        # The tiers take turns (a batch has work for each while both have
+        # records left).
+        flat = [t for b in tiers for t in b]
+        count = collections.Counter(flat)
+        assert len(count) == 2
+        assert flat == [t for k in range(max(count.values())) for t in sorted(count)
+                        if k < count[t]], tiers
+    opt.close()
+    opt2.close()
+
+
 @pytest.mark.parametrize("batch_bytes", [None, 1])
 def test_checkpoint_restores_master_and_param_groups(tmp_path, monkeypatch, batch_bytes):
     # The parameters come from the master copies, read a batch of subgroups
     # at a time (batch_bytes=1: the smallest batches, 1 per tier).
     from mlp_offload import optimizer as impl
     if batch_bytes is not None:
-        monkeypatch.setattr(impl, "_MASTER_READ_BYTES", batch_bytes)
+        monkeypatch.setattr(impl, "_STATE_IO_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(impl, "_STATE_IO_RECORDS_PER_TIER", 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
                                 torch.nn.Tanh(), torch.nn.Linear(32, 8))
@@ -318,3 +403,28 @@ def _without(sd, keys):
     return {"param_groups": sd["param_groups"],
             "state": {i: {k: v for k, v in st.items() if k not in keys}
                       for i, st in sd["state"].items()}}
+
+
+def test_state_io_bench_times_both_ways_of_each_transfer(request, tmp_path):
+    """tools/state_io_bench.py on a tiny state: each case runs both ways (one
+    record at a time, batched) in processes of its own, which check the
+    state they leave (a step after it), and prints what the caps allow."""
+    import subprocess
+    import sys
+    script = request.config.getoption("--state_io_bench")
+    if not script:
+        pytest.skip("run through bazel: needs --state_io_bench")
+    out = subprocess.run(
+        [sys.executable, script, "--dir", str(tmp_path), "--numel", "8e4",
+         "--subgroup_numel", "1e4", "--rate", "100e6", "--rounds", "1",
+         "--cases", "initialize,replan_to_mlp", "--json"],
+        check=True, capture_output=True, text=True, timeout=600).stdout
+    rows = {(r["case"], r["way"]): r for r in map(json.loads, out.splitlines())}
+    assert set(rows) == {(c, w) for c in ("initialize", "replan_to_mlp")
+                         for w in ("one_at_a_time", "batched")}
+    for row in rows.values():
+        assert len(row["seconds"]) == 1 and row["seconds"][0] > 0
+        # 80k parameters, 960 kB of state: a tier moves at least the half
+        # of it that the mlp placement gives it, at 100 MB/s.
+        assert row["ceiling"][0] >= 0.5 * 960e3 / 100e6
+    assert os.listdir(tmp_path) == []  # its directories are removed

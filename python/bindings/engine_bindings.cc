@@ -21,6 +21,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -604,6 +605,18 @@ class PyEngine {
     return Unwrap(std::move(*result));
   }
 
+  // A call over `records` records: Interruptible where there are several
+  // (a batch may take long), WithoutGil for one (Interruptible's hand-over
+  // to its thread costs about 0.25 ms).
+  template <typename Call>
+  void Batch(size_t records, Call call) {
+    if (records > 1) {
+      Interruptible(call);
+    } else {
+      WithoutGil(call);
+    }
+  }
+
  private:
   // A call's result as Python sees it: a Status raises unless OK, a
   // StatusOr gives its value or raises.
@@ -730,7 +743,7 @@ class PyEngine {
   unsigned long polling_thread_ = 0;  // NOLINT(runtime/int): CPython's
 };
 
-// The buffers handed to initialize/read/write_subgroup and read_masters are
+// The buffers handed to initialize/read/write_subgroup(s) are
 // bare addresses: the caller states how many elements each holds, and a
 // count that is not subgroup i's is refused before any is touched. (A bad
 // index is left to the engine, which names it.)
@@ -1199,6 +1212,39 @@ void RegisterEngineBindings(py::module_& parent) {
           "call that initialises the last subgroup of a run with no commit "
           "yet commits that initial state.")
       .def(
+          "initialize_subgroups",
+          [](PyEngine& e,
+             const std::vector<
+                 std::tuple<int, uintptr_t, uint64_t, py::object>>& records,
+             const std::string& dtype, bool commit_initial) {
+            const DType dt = DTypeFromName(dtype);
+            // The dicts are read here, with the GIL; the engine points at
+            // these.
+            std::vector<OptimizerHyperparams> hps(records.size());
+            std::vector<Engine::SubgroupInit> inits;
+            inits.reserve(records.size());
+            for (size_t k = 0; k < records.size(); ++k) {
+              const auto& [i, params, numel, state_init] = records[k];
+              CheckNumel(e.get(), "initialize_subgroups", i, numel);
+              Engine::SubgroupInit in;
+              in.subgroup = i;
+              in.params = reinterpret_cast<const void*>(params);
+              if (!state_init.is_none()) {
+                hps[k] = HyperparamsFromDict(state_init);
+                in.state_init = &hps[k];
+              }
+              inits.push_back(in);
+            }
+            e.Batch(inits.size(), [&](Engine& engine) {
+              return engine.InitializeSubgroups(inits, dt, commit_initial);
+            });
+          },
+          py::arg("records"), py::arg("dtype"),
+          py::arg("commit_initial") = true,
+          "initialize_subgroup for several subgroups, records = [(i, params, "
+          "numel, state_init or None)], each subgroup at most once, written "
+          "to every tier at once.")
+      .def(
           "offload_gradients",
           [](PyEngine& e, int i, const py::list& segments) {
             std::vector<Segment> segs = SegmentsFromList(segments);
@@ -1327,29 +1373,56 @@ void RegisterEngineBindings(py::module_& parent) {
           "buffers (data pointers, 0 skips one, of `numel` floats each, which "
           "must be the subgroup's); returns its step count.")
       .def(
-          "read_masters",
-          [](PyEngine& e, const std::vector<uintptr_t>& masters,
-             const std::vector<uint64_t>& numels) {
-            if (numels.size() != masters.size()) {
-              ThrowIfError(absl::InvalidArgumentError(
-                  absl::StrCat("read_masters: ", masters.size(),
-                               " pointers but ", numels.size(), " sizes")));
+          "read_subgroups",
+          [](PyEngine& e,
+             const std::vector<std::tuple<
+                 int, uintptr_t, std::vector<uintptr_t>, uint64_t>>& records) {
+            std::vector<Engine::SubgroupState> in;
+            in.reserve(records.size());
+            for (const auto& [i, master, state, numel] : records) {
+              CheckNumel(e.get(), "read_subgroups", i, numel);
+              Engine::SubgroupState r;
+              r.subgroup = i;
+              r.master = reinterpret_cast<float*>(master);
+              r.state = FloatPointers(state);
+              in.push_back(std::move(r));
             }
-            for (size_t i = 0; i < masters.size(); ++i) {
-              if (masters[i] != 0) {
-                CheckNumel(e.get(), "read_masters", static_cast<int>(i),
-                           numels[i]);
-              }
-            }
-            std::vector<float*> out = FloatPointers(masters);
-            e.WithoutGil(
-                [&](Engine& engine) { return engine.ReadMasters(out); });
+            e.Batch(in.size(),
+                    [&](Engine& engine) { return engine.ReadSubgroups(&in); });
+            std::vector<int64_t> steps;
+            steps.reserve(in.size());
+            for (const Engine::SubgroupState& r : in) steps.push_back(r.step);
+            return steps;
           },
-          py::arg("masters"), py::arg("numels"),
-          "Copies every subgroup's master parameters into the given fp32 "
-          "buffers (data pointers, one per subgroup; 0 skips one; numels[i] "
-          "floats each, which must be subgroup i's), reading from every tier "
-          "at once.")
+          py::arg("records"),
+          "read_subgroup for several subgroups, records = [(i, master, "
+          "state, numel)], each subgroup at most once, read from every tier "
+          "at once; returns their step counts in the order given.")
+      .def(
+          "write_subgroups",
+          [](PyEngine& e, const std::vector<
+                              std::tuple<int, uintptr_t, std::vector<uintptr_t>,
+                                         int64_t, uint64_t>>& records) {
+            std::vector<Engine::SubgroupState> in;
+            in.reserve(records.size());
+            for (const auto& [i, master, state, step, numel] : records) {
+              CheckNumel(e.get(), "write_subgroups", i, numel);
+              Engine::SubgroupState r;
+              r.subgroup = i;
+              r.master = reinterpret_cast<float*>(master);
+              r.state = FloatPointers(state);
+              r.step = step;
+              in.push_back(std::move(r));
+            }
+            e.Batch(in.size(),
+                    [&](Engine& engine) { return engine.WriteSubgroups(in); });
+          },
+          py::arg("records"),
+          "write_subgroup for several subgroups, records = [(i, master, "
+          "state, step, numel)], each subgroup at most once, written to every "
+          "tier at once. After an error no further write starts; the first "
+          "error is raised, naming its subgroup (each subgroup written, or "
+          "left as it was).")
       .def(
           "write_subgroup",
           [](PyEngine& e, int i, uintptr_t master,

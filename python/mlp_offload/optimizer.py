@@ -66,6 +66,20 @@ _SHARD_KEY = "mlp_offload_shard"
 # layout.HostArena), which must have this much to spare besides.
 _REGROUP_MEMORY_FRACTION = 0.5
 _SPILL_HEADROOM_BYTES = 64 << 20
+# The initialisation, state_dict, load_state_dict and the re-packings
+# (add_param_group, a replan) read and write this rank's records in
+# batches that the engine moves through every tier at once
+# (read_subgroups, write_subgroups, initialize_subgroups): a batch holds
+# this many bytes of records, or this many records per tier it uses
+# (the largest), whichever is more. Host memory a batch holds besides the
+# engine's own buffers: one record per tier where a re-packing holds its
+# state in a file (memory is short).
+_STATE_IO_BATCH_BYTES = 32 << 20
+_STATE_IO_RECORDS_PER_TIER = 2
+# A rank's state held across a re-packing (_hold_state): its torch-format
+# state (None before the first step), fp32 masters and step count, and
+# whether it is held in a file (lean: memory is short).
+_HeldState = collections.namedtuple("_HeldState", "saved masters steps lean")
 # The collective methods, as _enter_collective tells them apart.
 _COLLECTIVE_OPS = ("step", "state_dict", "load_state_dict", "save_checkpoint",
                    "load_checkpoint", "add_param_group")
@@ -121,9 +135,6 @@ def _collective_device(types):
     kind = sorted(types)[0]
     return torch.device(kind, getattr(torch, kind).current_device())
 
-
-# What _params_from_masters holds of the master copy at a time (bytes).
-_MASTER_READ_BYTES = 256 << 20
 
 # The files of a rank's checkpoint parts: manifest.rank<k>[.prev].json,
 # engine-r<k>-<id>[.old|.tmp.<pid>], python-r<k>-<id>.pt.
@@ -1442,7 +1453,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # This rank's subgroups only: they keep their indices (and so their
         # owners) after the re-packing, as the groups are packed one after
         # another.
-        saved, masters, steps = self._hold_state("add_param_group")
+        held = self._hold_state("add_param_group")
         repacked_from = self._choose_commit_dir()
         before = len(self.optimizer.param_groups)
         rebuilt = False
@@ -1454,7 +1465,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self.optimizer.add_param_group(param_group)  # torch's checks
                 self.param_groups = self.optimizer.param_groups
                 rebuilt = True
-                self._rebuild(saved, masters, steps, repacked_from)
+                self._rebuild(held, repacked_from)
         except BaseException as exc:
             # Refused here (another dtype, more state arrays than the
             # optimizer has) or failed (a full tier), on this rank or
@@ -1484,7 +1495,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 with self._together("restore its parameter groups"):
                     self._next_epoch()
                     if rebuilt:
-                        self._rebuild(saved, masters, steps)
+                        self._rebuild(held)
             except BaseException as again:
                 # No state to step from: step() and saves refuse until a load
                 # (an interrupt of the restore too).
@@ -1498,7 +1509,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"restoring the optimizer's previous groups ({type(again).__name__}: "
                     f"{again}); load a checkpoint or state dict"
                     f"{self._last_commit_note()}") from exc
-            kept = {"steps": steps, "pystate": None, "landed": True, "rebuilt": rebuilt}
+            kept = {"steps": held.steps, "pystate": None, "landed": True, "rebuilt": rebuilt}
             if any_rebuilt and not rebuilt:
                 try:
                     self._commit_kept_engine(kept)
@@ -1587,12 +1598,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"newest commit every rank holds)") from failure
 
     def _hold_state(self, what):
-        """Collective, before a re-packing (`what`, for messages): (this
-        rank's state as _read_all_states gives it, held in a
-        _regroup_arena, its fp32 masters, and the step count the new engine
-        counts on from), or (None, None, 0) before the first step."""
+        """Collective, before a re-packing (`what`, for messages): this
+        rank's state as a _HeldState, held in a _regroup_arena (before the
+        first step: no state)."""
         if not self._initialized:
-            return None, None, 0
+            return _HeldState(None, None, 0, False)
         steps = [0]
         with self._together(f"hold its state for {what}"):
             self._refresh_changed_masters()
@@ -1607,7 +1617,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         steps = max(steps)
         if self._process_group is not None:
             steps = self._max_over_ranks(steps)[0]
-        return saved, masters, steps
+        return _HeldState(saved, masters, steps, arena.directory is not None)
 
     def _move_kept_records(self):
         """resume_placement='replan' (_settle_placement; collective): every
@@ -1622,12 +1632,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return
         before = None if self._engine is None else list(self._engine.plan.tier_of_subgroup)
         resumed = self._commit_dir
-        saved, masters, steps = self._hold_state("moving its records")
+        held = self._hold_state("moving its records")
         repacked_from = self._choose_commit_dir()
         self._next_epoch()
         try:
             with self._together("move its records to the placement planned now"):
-                self._rebuild(saved, masters, steps, repacked_from)
+                self._rebuild(held, repacked_from)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 exc.add_note(
@@ -1653,10 +1663,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         its share of the memory. `what`: the re-packing, for messages."""
         numel = sum(self._subgroups[g].numel for g in self._owned) * (1 + self._num_arrays)
         need = 4 * numel
+        # Held in memory, the state is written back in batches
+        # (_io_batches), which take memory of their own meanwhile.
+        largest = max((self._subgroups[g].numel for g in self._owned), default=0)
+        batch = max(_STATE_IO_BATCH_BYTES, _STATE_IO_RECORDS_PER_TIER * len(self._tiers)
+                    * 4 * largest * (1 + self._num_arrays))
         avail = _layout.memory_available_bytes()
         if avail is not None:
             avail //= self._local_world
-        if avail is None or need <= _REGROUP_MEMORY_FRACTION * avail:
+        if avail is None or need + batch <= _REGROUP_MEMORY_FRACTION * avail:
             return _layout.HostArena(numel)
         room = {}
         for tier in self._tiers:
@@ -1669,7 +1684,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if best is None or room[best] // self._local_world < need + _SPILL_HEADROOM_BYTES:
             raise TierFullError(
                 f"{what} holds this rank's state ({need} bytes) while it rebuilds "
-                f"the engine: that is over {_REGROUP_MEMORY_FRACTION:.0%} of the {avail} "
+                f"the engine: that and the {batch} bytes of a batch written back are "
+                f"over {_REGROUP_MEMORY_FRACTION:.0%} of the {avail} "
                 f"bytes of memory available to this rank (MemAvailable / "
                 f"LOCAL_WORLD_SIZE {self._local_world}), and no tier has room for it and "
                 f"{_SPILL_HEADROOM_BYTES} bytes to spare for each of the node's ranks (free: "
@@ -1678,21 +1694,22 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                   "engine is rebuilt", what, need, best)
         return _layout.HostArena(numel, best)
 
-    def _rebuild(self, saved, masters, steps, repacked_from=None):
+    def _rebuild(self, held, repacked_from=None):
         """Packs the groups and creates the engine again, then writes the
-        state `saved` (None: not initialised) back, `steps` steps taken. A
+        state `held` (_hold_state's; its state None: not initialised) back. A
         persistent run commits it at once, in a new epoch (the step count
         may be one that the run committed already): the new engine is in
         the run's other directory, whose commit replaces the last one once
         every rank has made it (_settle_run_dir)."""
         self._build(rebuild=True)  # the new engine takes self._epoch
+        saved, masters, steps, lean = held
         if saved is None:
             return
         if self._engine is not None:
             # First: the records the next step starts with stay cached as
             # they are written back, which depends on the step count.
             self._engine.set_step(steps)
-        self._write_states(saved, masters)  # every subgroup of this rank
+        self._write_states(saved, masters, lean=lean)  # every subgroup of this rank
         self._initialized = True
         if self._engine is not None:
             if self._commit_every > 0:
@@ -1897,13 +1914,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # The engine commits the initial state (step 0) once every
             # subgroup is initialised: its Python side goes first.
             self._write_pystate(0)
-        for g in self._owned:
-            sg = self._subgroups[g]
-            flat = _layout.flat_fp32(sg.params)
-            init = self._init_hyperparams(sg.group)
-            ptr, _, numel = _fp32_buffers(flat)
-            self._engine.initialize_subgroup(self._local[g], ptr, "float32", numel, init)
-            del flat
+        # A batch at a time, every tier writing at once.
+        for batch in self._io_batches(self._owned, arrays=False):
+            flats, records = [], []
+            for g in batch:
+                sg = self._subgroups[g]
+                flats.append(_layout.flat_fp32(sg.params))
+                ptr, _, numel = _fp32_buffers(flats[-1])
+                records.append((self._local[g], ptr, numel, self._init_hyperparams(sg.group)))
+            self._engine.initialize_subgroups(records, "float32")
+            del flats
         self._initialized = True
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
@@ -2411,20 +2431,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Sets the model's parameters from the engine's fp32 master copy."""
         with torch.no_grad():
             with self._together("read its master weights"):
-                # Several subgroups at a time, every tier reading at once (one
-                # after another took twice as long on two tiers), in batches
-                # of bounded memory: _MASTER_READ_BYTES, or one subgroup per
-                # tier where they are larger.
-                owned = list(self._owned)
-                largest = max([self._subgroups[g].numel for g in owned], default=1)
-                per = max(len(self._tiers), _MASTER_READ_BYTES // (4 * largest))
-                for first in range(0, len(owned), per):
-                    masters = {g: torch.empty(self._subgroups[g].numel, dtype=torch.float32)
-                               for g in owned[first:first + per]}
-                    buffers = [_fp32_buffers(masters[g]) if g in masters else (0, [], 0)
-                               for g in owned]
-                    self._engine.read_masters([b[0] for b in buffers], [b[2] for b in buffers])
-                    for g, master in masters.items():
+                # A batch at a time, every tier reading at once (one after
+                # another took twice as long on two tiers).
+                for batch in self._io_batches(self._owned, arrays=False):
+                    masters = self._read_subgroups(batch, arrays=False)
+                    for g, (master, _, _) in masters.items():
                         for p, _, off, n in self._subgroups[g].slices():
                             p.copy_(_layout.shaped_like(master[off:off + n], p))
             if self._process_group is not None:
@@ -2775,14 +2786,52 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _read_subgroup(self, g, alloc=None):
         """(master, [arrays], step) of subgroup g (owned by this rank), in
         memory from `alloc(n)` (default: new tensors)."""
-        sg = self._subgroups[g]
+        return self._read_subgroups([g], alloc)[g]
+
+    def _read_subgroups(self, gs, alloc=None, arrays=True):
+        """{g: (master, [arrays], step)} of this rank's subgroups `gs`, read
+        in one call (every tier at once), in memory from `alloc(n)`
+        (default: new tensors); without `arrays`, the masters alone (the
+        arrays' list empty)."""
         if alloc is None:
             alloc = functools.partial(torch.empty, dtype=torch.float32)
-        master = alloc(sg.numel)
-        arrays = [alloc(sg.numel) for _ in range(self._num_arrays)]
-        ptr, ptrs, numel = _fp32_buffers(master, arrays)
-        step = self._engine.read_subgroup(self._local[g], ptr, ptrs, numel)
-        return master, arrays, int(step)
+        held, records = {}, []
+        for g in gs:
+            n = self._subgroups[g].numel
+            held[g] = (alloc(n), [alloc(n) for _ in range(self._num_arrays if arrays else 0)])
+            ptr, ptrs, numel = _fp32_buffers(*held[g])
+            records.append((self._local[g], ptr, ptrs or [0] * self._num_arrays, numel))
+        steps = self._engine.read_subgroups(records) if records else []
+        return {g: (master, arrays, int(step))
+                for (g, (master, arrays)), step in zip(held.items(), steps)}
+
+    def _io_batches(self, gs, arrays=True, lean=False):
+        """This rank's subgroups `gs` in batches for read_subgroups and
+        write_subgroups (_STATE_IO_BATCH_BYTES; without `arrays`, of the
+        masters alone; `lean`: one record per tier): the tiers take turns,
+        so that each batch has work for every tier the subgroups are on."""
+        gs = list(gs)
+        if not gs:
+            return []
+        tier_of = self._engine.plan.tier_of_subgroup
+        turn, keyed = collections.Counter(), []
+        for g in gs:
+            t = tier_of[self._local[g]]
+            keyed.append((turn[t], t, g))
+            turn[t] += 1
+        per_element = 4 * (1 + (self._num_arrays if arrays else 0))
+        record = {g: per_element * self._subgroups[g].numel for g in gs}
+        per_tier = 1 if lean else _STATE_IO_RECORDS_PER_TIER
+        limit = max(0 if lean else _STATE_IO_BATCH_BYTES,
+                    per_tier * len(turn) * max(record.values()))
+        batches, size = [[]], 0
+        for _, _, g in sorted(keyed):
+            if batches[-1] and size + record[g] > limit:
+                batches.append([])
+                size = 0
+            batches[-1].append(g)
+            size += record[g]
+        return batches
 
     def _subgroup_record(self, g):
         """Like _read_subgroup, for any subgroup: the owner broadcasts it."""
@@ -2955,13 +3004,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 has_state.update(part_has)
                 extras.update(part_extras)
         out = {}
-        for sg in self._subgroups:
-            if sharded:
-                if self._owner(sg.index) != self._rank:
-                    continue
-                master, arrays, step = self._read_subgroup(sg.index, alloc)
-            else:
-                master, arrays, step = self._subgroup_record(sg.index)
+
+        def take(g, master, arrays, step):
+            sg = self._subgroups[g]
             if steps is not None:
                 steps.append(step)
             for p, pid, off, n in sg.slices():
@@ -2973,6 +3018,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                        extras=None if extras is None else extras.get(pid, {}))
                 if st is not None:
                     out[pid] = st
+
+        if sharded or self._process_group is None:
+            # This rank's records, a batch at a time from every tier.
+            for batch in self._io_batches(self._owned):
+                for g, record in self._read_subgroups(batch, alloc).items():
+                    take(g, *record)
+            # In parameter order, as one subgroup after another gave them.
+            out = dict(sorted(out.items()))
+        else:
+            for sg in self._subgroups:  # each from its owner rank
+                take(sg.index, *self._subgroup_record(sg.index))
         if not sharded and self._family is None and self._process_group is not None:
             # Python-side state lives on the owner rank only.
             objs = self._gather({pid: st for pid, st in out.items()
@@ -2990,118 +3046,130 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                for pid in sg.param_ids}
         return self._pid_to_sg[pid]
 
-    def _write_states(self, states, masters=None, check_only=False):
+    def _write_states(self, states, masters=None, check_only=False, lean=False):
         """Writes {param index: torch-format state} into the engine.
 
         Parameters of one subgroup must agree on their step count; a subgroup
         none of whose parameters has state is reset to the initial state.
         The master copy is taken from `masters` ({param index: fp32 values})
         where it has the parameter, else from the current parameter values.
-        With `check_only`, raises what writing would raise and writes nothing.
+        With `check_only`, raises what writing would raise and writes nothing;
+        with `lean`, in the smallest batches that keep every tier busy (the
+        caller holds the state in a file: memory is short).
         """
         self._check_params_unchanged()  # the master copy comes from them
         self._refresh_hyperparams()
-        for g in self._owned:
-            sg = self._subgroups[g]
-            present = [pid in states for pid in sg.param_ids]
-            if check_only and not all(present):
-                if any(present):
+        # A batch at a time, every tier at once (the engine's turns).
+        batches = [self._owned] if check_only else self._io_batches(self._owned, lean=lean)
+        for batch in batches:
+            records, held = [], []
+            for g in batch:
+                sg = self._subgroups[g]
+                present = [pid in states for pid in sg.param_ids]
+                if check_only and not all(present):
+                    if any(present):
+                        missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
+                        raise StateMismatchError(
+                            f"parameters {missing} have no state while others of their "
+                            f"subgroup {g} do; their state is stored together")
+                    continue
+                master = None if check_only else _layout.flat_fp32(sg.params)
+                if masters:
+                    for _, pid, off, n in sg.slices():
+                        if pid in masters:
+                            master[off:off + n].copy_(masters[pid])
+                if not any(present):
+                    init = self._init_hyperparams(sg.group)
+                    # A load is committed by the next step's commit (or by the
+                    # caller), never half-way by this call.
+                    ptr, _, numel = _fp32_buffers(master)
+                    self._engine.initialize_subgroup(self._local[g], ptr, "float32", numel, init,
+                                                     commit_initial=False)
+                    for pid in sg.param_ids:
+                        self._has_state[pid] = False
+                        self._py_state.pop(pid, None)
+                    continue
+                if not all(present):
                     missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
                     raise StateMismatchError(
-                        f"parameters {missing} have no state while others of their "
-                        f"subgroup {g} do; their state is stored together")
-                continue
-            master = None if check_only else _layout.flat_fp32(sg.params)
-            if masters:
-                for _, pid, off, n in sg.slices():
-                    if pid in masters:
-                        master[off:off + n].copy_(masters[pid])
-            if not any(present):
-                init = self._init_hyperparams(sg.group)
-                # A load is committed by the next step's commit (or by the
-                # caller), never half-way by this call.
-                ptr, _, numel = _fp32_buffers(master)
-                self._engine.initialize_subgroup(self._local[g], ptr, "float32", numel, init,
-                                                 commit_initial=False)
-                for pid in sg.param_ids:
-                    self._has_state[pid] = False
-                    self._py_state.pop(pid, None)
-                continue
-            if not all(present):
-                missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
-                raise StateMismatchError(
-                    f"parameters {missing} have no state while others of their subgroup "
-                    f"{g} do; their state is stored together")
-            arrays = [] if check_only else [torch.zeros(sg.numel, dtype=torch.float32)
-                                             for _ in range(self._num_arrays)]
-            steps = set()
-            for p, pid, off, n in sg.slices():
-                st = states[pid]
-                if self._family is not None:
-                    hp = self._group_hps[sg.group]
-                    # Keys the settings do not use now (amsgrad or momentum
-                    # switched off) are kept where the engine has an array.
-                    keys = self._array_names(sg.group)
-                    required = _hp.state_names(hp) if _hp.has_step_key(hp) else ()
-                    if _hp.has_step_key(hp):
-                        if "step" not in st:
-                            raise StateMismatchError(f"state of parameter {pid} has no 'step'")
-                        steps.add(_loaded_step(st["step"], pid))
-                    else:
-                        steps.add(1 if any(st.get(k) is not None for k in keys) else 0)
-                    if not check_only:
-                        self._has_state[pid] = _generic.has_state_value(
-                            [k for k in keys if st.get(k) is not None], keys)
-                        # Keys no kernel array holds (a user's own, or one
-                        # of a setting the engine was not sized for) are
-                        # kept as loaded, as torch keeps them.
-                        extra = {k: v for k, v in st.items() if k not in keys and
-                                 not (k == "step" and _hp.has_step_key(hp))}
-                        if extra:
-                            self._py_state[pid] = _copy_state(extra)
+                        f"parameters {missing} have no state while others of their subgroup "
+                        f"{g} do; their state is stored together")
+                arrays = [] if check_only else [torch.zeros(sg.numel, dtype=torch.float32)
+                                                 for _ in range(self._num_arrays)]
+                steps = set()
+                for p, pid, off, n in sg.slices():
+                    st = states[pid]
+                    if self._family is not None:
+                        hp = self._group_hps[sg.group]
+                        # Keys the settings do not use now (amsgrad or momentum
+                        # switched off) are kept where the engine has an array.
+                        keys = self._array_names(sg.group)
+                        required = _hp.state_names(hp) if _hp.has_step_key(hp) else ()
+                        if _hp.has_step_key(hp):
+                            if "step" not in st:
+                                raise StateMismatchError(f"state of parameter {pid} has no 'step'")
+                            steps.add(_loaded_step(st["step"], pid))
                         else:
-                            self._py_state.pop(pid, None)
-                else:
-                    keys = self._keys[sg.group]
-                    if not check_only:
-                        self._py_state[pid] = _copy_state(
-                            {k: v for k, v in st.items() if k not in keys})
-                        self._has_state[pid] = _generic.has_state_value(
-                            [k for k in keys if st.get(k) is not None], keys)
-                for ki, k in enumerate(keys[:self._num_arrays]):
-                    value = st.get(k)
-                    if value is None:
-                        if self._family is not None and k in required:
+                            steps.add(1 if any(st.get(k) is not None for k in keys) else 0)
+                        if not check_only:
+                            self._has_state[pid] = _generic.has_state_value(
+                                [k for k in keys if st.get(k) is not None], keys)
+                            # Keys no kernel array holds (a user's own, or one
+                            # of a setting the engine was not sized for) are
+                            # kept as loaded, as torch keeps them.
+                            extra = {k: v for k, v in st.items() if k not in keys and
+                                     not (k == "step" and _hp.has_step_key(hp))}
+                            if extra:
+                                self._py_state[pid] = _copy_state(extra)
+                            else:
+                                self._py_state.pop(pid, None)
+                    else:
+                        keys = self._keys[sg.group]
+                        if not check_only:
+                            self._py_state[pid] = _copy_state(
+                                {k: v for k, v in st.items() if k not in keys})
+                            self._has_state[pid] = _generic.has_state_value(
+                                [k for k in keys if st.get(k) is not None], keys)
+                    for ki, k in enumerate(keys[:self._num_arrays]):
+                        value = st.get(k)
+                        if value is None:
+                            if self._family is not None and k in required:
+                                raise StateMismatchError(
+                                    f"state of parameter {pid} has no '{k}'")
+                            continue
+                        if not isinstance(value, torch.Tensor) or value.numel() != n:
                             raise StateMismatchError(
-                                f"state of parameter {pid} has no '{k}'")
-                        continue
-                    if not isinstance(value, torch.Tensor) or value.numel() != n:
+                                f"state '{k}' of parameter {pid} has "
+                                f"{getattr(value, 'numel', lambda: '?')()} elements, the "
+                                f"parameter {n}")
+                        if not check_only:
+                            _layout.shaped_like(arrays[ki][off:off + n], p).copy_(
+                                value.detach().reshape(p.shape))
+                if self._family is not None:
+                    if len(steps) != 1:
                         raise StateMismatchError(
-                            f"state '{k}' of parameter {pid} has "
-                            f"{getattr(value, 'numel', lambda: '?')()} elements, the "
-                            f"parameter {n}")
-                    if not check_only:
-                        _layout.shaped_like(arrays[ki][off:off + n], p).copy_(
-                            value.detach().reshape(p.shape))
-            if self._family is not None:
-                if len(steps) != 1:
-                    raise StateMismatchError(
-                        f"parameters {sg.param_ids} of subgroup {g} have different step "
-                        f"counts {sorted(steps)}; their state is stored together")
-                step = steps.pop()
-            else:
-                step = 1
-            if check_only:
-                continue
-            ptr, ptrs, numel = _fp32_buffers(master, arrays)
-            self._engine.write_subgroup(self._local[g], ptr, ptrs, step, numel)
+                            f"parameters {sg.param_ids} of subgroup {g} have different step "
+                            f"counts {sorted(steps)}; their state is stored together")
+                    step = steps.pop()
+                else:
+                    step = 1
+                if check_only:
+                    continue
+                ptr, ptrs, numel = _fp32_buffers(master, arrays)
+                records.append((self._local[g], ptr, ptrs, step, numel))
+                held.append((master, arrays))  # alive until written
+            if records:
+                self._engine.write_subgroups(records)
+            # Nothing of this batch outlives it (the next one is held alone).
+            master = arrays = records = held = None
 
     def state_dict(self):
         """The state in torch's format (tensors on the host, fp32).
 
-        Read from the engine one subgroup at a time. In a process group every
-        rank gets the whole state, or with state_dict_type="sharded" its own
-        parameters' state and a "mlp_offload_shard" entry naming the rank.
+        Read from the engine a batch of records at a time, from every tier at
+        once (_STATE_IO_BATCH_BYTES). In a process group every rank gets the
+        whole state, or with state_dict_type="sharded" its own parameters'
+        state and a "mlp_offload_shard" entry naming the rank.
         """
         self._check_open()
         if self._state_dict_type == "full":
