@@ -1093,6 +1093,7 @@ struct Engine::Impl {
       const std::vector<int>& which, const char* what, bool write_cached,
       const std::function<int64_t(int i, float* payload)>& fill)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (which.empty()) return absl::OkStatus();
     failed_commit.reset();  // the state is no longer that commit's
     struct Flight {
       int subgroup;
@@ -1125,12 +1126,15 @@ struct Engine::Impl {
         Free(f.buffer);
       }
     };
+    // SetInterrupted: no further write starts.
+    auto stop_if_interrupted = [&](int i) {
+      if (!interrupted.load()) return false;
+      first = absl::CancelledError(
+          absl::StrCat(what, " subgroup ", i, ": interrupted"));
+      return true;
+    };
     for (int i : TierTurns(which)) {
-      if (interrupted.load()) {  // SetInterrupted: no further write starts
-        first = absl::CancelledError(
-            absl::StrCat(what, " subgroup ", i, ": interrupted"));
-        break;
-      }
+      if (stop_if_interrupted(i)) break;
       int b = buffer_of[i];
       const bool cached = b >= 0;
       if (cached) {
@@ -1142,7 +1146,7 @@ struct Engine::Impl {
       } else {
         // The writes in flight hold the buffers: the oldest lands first.
         while (FindFreeBuffer() < 0 && !flying.empty()) settle();
-        if (!first.ok()) break;
+        if (!first.ok() || stop_if_interrupted(i)) break;
         absl::StatusOr<int> claimed = WaitAndClaimFree(i, BufState::kInUse);
         if (!claimed.ok()) {
           first = claimed.status();

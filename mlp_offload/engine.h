@@ -298,8 +298,11 @@ class Engine {
   // bandwidth cap holds back fail at once (IoEngine::SetInterrupted);
   // requests the device has are waited for. Step then ends as a failed step
   // does (AbortStep: the subgroups finished keep their update, the next step
-  // resumes the rest). In effect until SetInterrupted(false), which the
-  // caller must call before the next step. Thread-safe.
+  // resumes the rest). ReadSubgroup(s), WriteSubgroup(s),
+  // InitializeSubgroup(s) and SaveCheckpoint likewise return Cancelled at
+  // their next record (SaveCheckpoint leaving the previous checkpoint as it
+  // was). In effect until SetInterrupted(false), which the caller must call
+  // before the next call. Thread-safe.
   void SetInterrupted(bool interrupted);
 
   // Copies subgroup `i`'s master parameters and state arrays out (fp32) or in,

@@ -2138,6 +2138,65 @@ TEST(EngineTest, BatchedStateAccessKeepsEveryTierBusy) {
   EXPECT_EQ(Snapshot(e, cfg), now);
 }
 
+// Interrupted while its first writes are in flight, a batch starts no
+// further write: the subgroups it wrote hold their new records, the others
+// their old ones, and the next call writes them all.
+TEST(EngineTest, AnInterruptedBatchStopsAtItsNextRecordAndLosesNone) {
+  EngineConfig cfg = SmallConfig(2);
+  cfg.fault_injection = true;
+  cfg.techniques.cache_reuse = false;
+  cfg.host_budget_bytes = 2 * (4096 + AlignedRecordBytes(3000, 3));
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 71);
+  ASSERT_EQ(e.plan().num_cached, 0);
+  const auto before = Snapshot(e, cfg);
+  std::vector<std::vector<float>> values(4);
+  std::vector<Engine::SubgroupState> records(4);
+  for (int i = 0; i < 4; ++i) {
+    const size_t n = cfg.subgroup_numel[i];
+    values[i].assign(3 * n, 0.5f + i);
+    records[i].subgroup = i;
+    records[i].master = values[i].data();
+    records[i].state = {values[i].data() + n, values[i].data() + 2 * n};
+    records[i].step = 9;
+  }
+  // Tier 0's first write is held back while the interrupt comes.
+  FaultSpec hold;
+  hold.kind = FaultSpec::Kind::kDelay;
+  hold.op = IoOp::kWrite;
+  hold.delay = absl::Milliseconds(500);
+  e.fault_injector(0)->AddFault(hold);
+  std::future<absl::Status> done =
+      std::async(std::launch::async, [&] { return e.WriteSubgroups(records); });
+  while (e.fault_injector(0)->fired() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  e.SetInterrupted(true);
+  const absl::Status s = done.get();
+  e.SetInterrupted(false);
+  e.fault_injector(0)->ClearFaults();
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  // Two buffers: the first record of each tier was written, no other.
+  std::set<int> first_of_tier;
+  for (int t = 0; t < 2; ++t) {
+    for (int i = 0; i < 4; ++i) {
+      if (e.plan().tier_of_subgroup[i] == t) {
+        first_of_tier.insert(i);
+        break;
+      }
+    }
+  }
+  const auto now = Snapshot(e, cfg);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(now[i], first_of_tier.count(i) ? values[i] : before[i])
+        << "subgroup " << i;
+  }
+  ASSERT_TRUE(e.WriteSubgroups(records).ok());
+  const auto after = Snapshot(e, cfg);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(after[i], values[i]) << i;
+}
+
 TEST(EngineTest, ACheckpointLoadedAfterAFailedStepReplacesIt) {
   // The step fails when its writes drain (every subgroup already updated);
   // loading the checkpoint taken before it abandons it, so the next step

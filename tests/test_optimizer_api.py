@@ -202,6 +202,27 @@ def test_add_param_group_keeps_state(tmp_path, monkeypatch, kind, spill):
     opt.close()
 
 
+def test_a_small_state_is_held_in_memory_where_a_batch_would_not_fit(tmp_path, monkeypatch):
+    # add_param_group counts the batches it writes back with in its memory
+    # check: never more than the state itself (a 32 MiB batch floor charged
+    # to a 12 kB state sent it to a file with 40 MiB available).
+    arenas = []
+
+    class Recorded(layout.HostArena):
+        def __init__(self, *args):
+            super().__init__(*args)
+            arenas.append(self)
+    monkeypatch.setattr(layout, "HostArena", Recorded)
+    monkeypatch.setattr(layout, "memory_available_bytes", lambda: 40 << 20)
+    ps = [torch.nn.Parameter(torch.randn(1000))]
+    opt = wrap(torch.optim.Adam(ps, lr=0.1), tmp_path)
+    ps[0].grad = torch.ones_like(ps[0])
+    opt.step()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(10))]})
+    assert [a.directory for a in arenas] == [None]
+    opt.close()
+
+
 def test_add_param_group_keeps_the_packing_of_parameters_frozen_since(tmp_path):
     # The existing groups are packed as they were built, whatever a
     # parameter's requires_grad is now: re-packed, a frozen parameter would

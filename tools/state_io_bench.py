@@ -47,6 +47,9 @@ def child(case, way, directory, numel, subgroup_numel, rate):
     if way == "one_at_a_time":
         optimizer_module._STATE_IO_BATCH_BYTES = 0
         optimizer_module._STATE_IO_RECORDS_PER_TIER = 0
+    # add_param_group and a replan hold the state in memory (in a file, their
+    # write-back would go one record per tier whichever way).
+    optimizer_module._REGROUP_MEMORY_FRACTION = float("inf")
     tiers = []
     for t in range(2):
         path = os.path.join(directory, f"tier{t}")

@@ -1664,14 +1664,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         numel = sum(self._subgroups[g].numel for g in self._owned) * (1 + self._num_arrays)
         need = 4 * numel
         # Held in memory, the state is written back in batches
-        # (_io_batches), which take memory of their own meanwhile.
+        # (_io_batches), which take memory of their own meanwhile (at most
+        # as much as the state).
         largest = max((self._subgroups[g].numel for g in self._owned), default=0)
         batch = max(_STATE_IO_BATCH_BYTES, _STATE_IO_RECORDS_PER_TIER * len(self._tiers)
                     * 4 * largest * (1 + self._num_arrays))
         avail = _layout.memory_available_bytes()
         if avail is not None:
             avail //= self._local_world
-        if avail is None or need + batch <= _REGROUP_MEMORY_FRACTION * avail:
+        if avail is None or need + min(batch, need) <= _REGROUP_MEMORY_FRACTION * avail:
             return _layout.HostArena(numel)
         room = {}
         for tier in self._tiers:
