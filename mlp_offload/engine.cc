@@ -1040,25 +1040,39 @@ struct Engine::Impl {
     return order;
   }
 
-  // What ReadSubgroups and WriteSubgroups (`what`) check of `records`
-  // before touching anything.
-  absl::Status CheckStateAccess(const char* what,
-                                const std::vector<SubgroupState>& records,
-                                bool write) const {
+  // What a call over the subgroups `which` (ReadSubgroups and the like,
+  // `what`) checks before touching anything: outside a step, each subgroup
+  // at most once. Sets index_of[i] to subgroup i's index in `which` (-1:
+  // not there).
+  absl::Status IndexBatch(const char* what, const std::vector<int>& which,
+                          std::vector<int>* index_of) const {
     if (in_step) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, " during a step"));
     }
-    std::vector<bool> seen(n(), false);
-    for (const SubgroupState& r : records) {
-      const int i = r.subgroup;
+    index_of->assign(n(), -1);
+    for (size_t k = 0; k < which.size(); ++k) {
+      const int i = which[k];
       if (i < 0 || i >= n())
         return absl::OutOfRangeError(absl::StrCat(what, ": no subgroup ", i));
-      if (seen[i]) {
+      if ((*index_of)[i] >= 0) {
         return absl::InvalidArgumentError(
             absl::StrCat(what, ": subgroup ", i, " given twice"));
       }
-      seen[i] = true;
+      (*index_of)[i] = static_cast<int>(k);
+    }
+    return absl::OkStatus();
+  }
+  // IndexBatch for ReadSubgroups and WriteSubgroups (`write`), with what
+  // they check of each record; `which` gets the records' subgroups.
+  absl::Status CheckStateAccess(const char* what,
+                                const std::vector<SubgroupState>& records,
+                                bool write, std::vector<int>* which,
+                                std::vector<int>* record_of) const {
+    for (const SubgroupState& r : records) which->push_back(r.subgroup);
+    MLP_RETURN_IF_ERROR(IndexBatch(what, *which, record_of));
+    for (const SubgroupState& r : records) {
+      const int i = r.subgroup;
       if (static_cast<int>(r.state.size()) != config.num_state_arrays) {
         return absl::InvalidArgumentError(absl::StrCat(
             what, ": ", r.state.size(), " state arrays given for subgroup ", i,
@@ -2056,26 +2070,14 @@ absl::Status Engine::InitializeSubgroup(int i, const void* params, DType dtype,
 absl::Status Engine::InitializeSubgroups(const std::vector<SubgroupInit>& inits,
                                          DType dtype, bool commit_initial) {
   Impl& e = *impl_;
-  if (e.in_step)
-    return absl::FailedPreconditionError("InitializeSubgroups during a step");
-  std::vector<int> which;
-  std::vector<int> init_of(e.n(), -1);
-  for (size_t k = 0; k < inits.size(); ++k) {
-    const int i = inits[k].subgroup;
-    if (i < 0 || i >= e.n()) {
-      return absl::OutOfRangeError(
-          absl::StrCat("InitializeSubgroups: no subgroup ", i));
+  std::vector<int> which, init_of;
+  for (const SubgroupInit& in : inits) which.push_back(in.subgroup);
+  MLP_RETURN_IF_ERROR(e.IndexBatch("InitializeSubgroups", which, &init_of));
+  for (const SubgroupInit& in : inits) {
+    if (in.params == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "InitializeSubgroups: null params for subgroup ", in.subgroup));
     }
-    if (init_of[i] >= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("InitializeSubgroups: subgroup ", i, " given twice"));
-    }
-    if (inits[k].params == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("InitializeSubgroups: null params for subgroup ", i));
-    }
-    init_of[i] = static_cast<int>(k);
-    which.push_back(i);
   }
   MutexLock l(&e.mu);
   MLP_RETURN_IF_ERROR(e.WriteRecords(
@@ -2678,13 +2680,9 @@ void CopyIn(const Engine::SubgroupState& r, uint64_t n, float* payload) {
 
 absl::Status Engine::ReadSubgroups(std::vector<SubgroupState>* records) {
   Impl& e = *impl_;
-  MLP_RETURN_IF_ERROR(e.CheckStateAccess("ReadSubgroups", *records, false));
-  std::vector<int> which;
-  std::vector<int> record_of(e.n(), -1);
-  for (size_t k = 0; k < records->size(); ++k) {
-    which.push_back((*records)[k].subgroup);
-    record_of[which.back()] = static_cast<int>(k);
-  }
+  std::vector<int> which, record_of;
+  MLP_RETURN_IF_ERROR(
+      e.CheckStateAccess("ReadSubgroups", *records, false, &which, &record_of));
   MutexLock l(&e.mu);
   return e.VisitRecords(which,
                         [&](int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
@@ -2715,13 +2713,9 @@ absl::Status Engine::WriteSubgroup(int i, const float* master,
 
 absl::Status Engine::WriteSubgroups(const std::vector<SubgroupState>& records) {
   Impl& e = *impl_;
-  MLP_RETURN_IF_ERROR(e.CheckStateAccess("WriteSubgroups", records, true));
-  std::vector<int> which;
-  std::vector<int> record_of(e.n(), -1);
-  for (size_t k = 0; k < records.size(); ++k) {
-    which.push_back(records[k].subgroup);
-    record_of[which.back()] = static_cast<int>(k);
-  }
+  std::vector<int> which, record_of;
+  MLP_RETURN_IF_ERROR(
+      e.CheckStateAccess("WriteSubgroups", records, true, &which, &record_of));
   MutexLock l(&e.mu);
   return e.WriteRecords(which, "writing", /*write_cached=*/false,
                         [&](int i, float* payload) {

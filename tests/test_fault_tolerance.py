@@ -1637,7 +1637,7 @@ def test_resume_takes_a_checkpoint_the_run_saved_after_its_last_commit(tmp_path)
 
 @pytest.mark.parametrize("how", ["resume_at_once", "skipped_step", "step", "commit"])
 def test_a_record_rewritten_in_memory_survives_a_load_that_failed(tmp_path, how):
-    """A record rewritten in memory (write_subgroup into the cache) is its
+    """A record rewritten in memory (write_subgroups into the cache) is its
     latest version's only copy: a load that fails on its checkpoint record
     (read into the cache) first writes it back to its tier, so nothing is
     lost (before, the next step raised that it was lost). It goes on as
@@ -1675,7 +1675,7 @@ def test_a_record_rewritten_in_memory_survives_a_load_that_failed(tmp_path, how)
 
     def read(engine, i):
         got = torch.empty(numel)
-        return engine.read_subgroup(i, got.data_ptr(), [0, 0], numel), got
+        return engine.read_subgroups([(i, got.data_ptr(), [0, 0], numel)])[0], got
 
     e = create()
     assert e.plan.num_cached >= 1
@@ -1686,7 +1686,7 @@ def test_a_record_rewritten_in_memory_survives_a_load_that_failed(tmp_path, how)
     e.save_checkpoint(str(tmp_path / "ckpt"))
     cached = e.plan.order(0)[-1]  # kept in the cache after step 1
     new, zeros = torch.full((numel,), 100.0), torch.zeros(numel)
-    e.write_subgroup(cached, new.data_ptr(), [zeros.data_ptr()] * 2, 1, numel)
+    e.write_subgroups([(cached, new.data_ptr(), [zeros.data_ptr()] * 2, 1, numel)])
     os.truncate(str(tmp_path / "ckpt" / f"sg_{cached}.ckpt"), 1000)
     with pytest.raises(errors.CorruptStateError, match="truncated"):
         e.load_checkpoint(str(tmp_path / "ckpt"))

@@ -248,11 +248,11 @@ def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):
     arrays = [torch.zeros(50), torch.zeros(50)]
     ptrs = [a.data_ptr() for a in arrays]
     with pytest.raises(errors.ConfigError,
-                       match=r"read_subgroup: subgroup 0 has 128 elements, the buffers "
+                       match=r"read_subgroups: subgroup 0 has 128 elements, the buffers "
                              r"given hold 50"):
-        engine.read_subgroup(0, small.data_ptr(), ptrs, 50)
-    with pytest.raises(errors.ConfigError, match=r"write_subgroup: subgroup 1 has 8 "):
-        engine.write_subgroup(1, small.data_ptr(), ptrs, 3, 50)
+        engine.read_subgroups([(0, small.data_ptr(), ptrs, 50)])
+    with pytest.raises(errors.ConfigError, match=r"write_subgroups: subgroup 1 has 8 "):
+        engine.write_subgroups([(1, small.data_ptr(), ptrs, 3, 50)])
     with pytest.raises(errors.ConfigError, match=r"initialize_subgroup: subgroup 0 "):
         engine.initialize_subgroup(0, small.data_ptr(), "float32", 50)
     big = [torch.full((128,), 7.0) for _ in range(3)]
@@ -266,7 +266,8 @@ def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):
     # The right sizes are taken; nothing above changed the state.
     master = torch.empty(8)
     state = [torch.empty(8), torch.empty(8)]
-    assert engine.read_subgroup(1, master.data_ptr(), [s.data_ptr() for s in state], 8) == 1
+    assert engine.read_subgroups([(1, master.data_ptr(), [s.data_ptr() for s in state], 8)]) \
+        == [1]
     assert torch.equal(master, model.bias.detach())
     after = opt.state_dict()["state"][0]
     for k, v in before.items():

@@ -743,7 +743,7 @@ class PyEngine {
   unsigned long polling_thread_ = 0;  // NOLINT(runtime/int): CPython's
 };
 
-// The buffers handed to initialize/read/write_subgroup(s) are
+// The buffers handed to initialize_subgroup(s) and read/write_subgroups are
 // bare addresses: the caller states how many elements each holds, and a
 // count that is not subgroup i's is refused before any is touched. (A bad
 // index is left to the engine, which names it.)
@@ -1356,23 +1356,6 @@ void RegisterEngineBindings(py::module_& parent) {
           },
           "Aborts a generic step: nothing of it is committed.")
       .def(
-          "read_subgroup",
-          [](PyEngine& e, int i, uintptr_t master,
-             const std::vector<uintptr_t>& state, uint64_t numel) {
-            CheckNumel(e.get(), "read_subgroup", i, numel);
-            std::vector<float*> st = FloatPointers(state);
-            int64_t step = 0;
-            e.WithoutGil([&](Engine& engine) {
-              return engine.ReadSubgroup(i, reinterpret_cast<float*>(master),
-                                         st, &step);
-            });
-            return step;
-          },
-          py::arg("i"), py::arg("master"), py::arg("state"), py::arg("numel"),
-          "Copies subgroup i's master and state arrays into the given fp32 "
-          "buffers (data pointers, 0 skips one, of `numel` floats each, which "
-          "must be the subgroup's); returns its step count.")
-      .def(
           "read_subgroups",
           [](PyEngine& e,
              const std::vector<std::tuple<
@@ -1395,9 +1378,11 @@ void RegisterEngineBindings(py::module_& parent) {
             return steps;
           },
           py::arg("records"),
-          "read_subgroup for several subgroups, records = [(i, master, "
-          "state, numel)], each subgroup at most once, read from every tier "
-          "at once; returns their step counts in the order given.")
+          "Copies the master and state arrays of each subgroup i of records = "
+          "[(i, master, state, numel)] (each at most once) into the given fp32 "
+          "buffers (data pointers, 0 skips one, of `numel` floats each, which "
+          "must be the subgroup's), reading from every tier at once; returns "
+          "their step counts in the order given.")
       .def(
           "write_subgroups",
           [](PyEngine& e, const std::vector<
@@ -1418,30 +1403,13 @@ void RegisterEngineBindings(py::module_& parent) {
                     [&](Engine& engine) { return engine.WriteSubgroups(in); });
           },
           py::arg("records"),
-          "write_subgroup for several subgroups, records = [(i, master, "
-          "state, step, numel)], each subgroup at most once, written to every "
-          "tier at once. After an error no further write starts; the first "
+          "Replaces the master, state arrays (0: zeros) and step count of each "
+          "subgroup i of records = [(i, master, state, step, numel)] (each at "
+          "most once) from fp32 buffers of `numel` floats each, which must be "
+          "the subgroup's, writing to every tier at once. After an error no "
+          "further write starts; the first "
           "error is raised, naming its subgroup (each subgroup written, or "
           "left as it was).")
-      .def(
-          "write_subgroup",
-          [](PyEngine& e, int i, uintptr_t master,
-             const std::vector<uintptr_t>& state, int64_t step,
-             uint64_t numel) {
-            CheckNumel(e.get(), "write_subgroup", i, numel);
-            std::vector<const float*> st;
-            for (uintptr_t p : state)
-              st.push_back(reinterpret_cast<const float*>(p));
-            e.WithoutGil([&](Engine& engine) {
-              return engine.WriteSubgroup(
-                  i, reinterpret_cast<const float*>(master), st, step);
-            });
-          },
-          py::arg("i"), py::arg("master"), py::arg("state"), py::arg("step"),
-          py::arg("numel"),
-          "Replaces subgroup i's master, state arrays (0: zeros) and step "
-          "count from fp32 buffers of `numel` floats each, which must be the "
-          "subgroup's.")
       .def(
           "save_checkpoint",
           [](PyEngine& e, const std::string& dir) {

@@ -80,6 +80,15 @@ _STATE_IO_RECORDS_PER_TIER = 2
 # state (None before the first step), fp32 masters and step count, and
 # whether it is held in a file (lean: memory is short).
 _HeldState = collections.namedtuple("_HeldState", "saved masters steps lean")
+
+
+def _io_batch_bytes(largest_record, tiers, lean=False):
+    """The bytes of a batch (see _STATE_IO_BATCH_BYTES) whose largest
+    record has `largest_record` bytes, on `tiers` tiers; `lean`: one
+    record per tier."""
+    if lean:
+        return tiers * largest_record
+    return max(_STATE_IO_BATCH_BYTES, _STATE_IO_RECORDS_PER_TIER * tiers * largest_record)
 # The collective methods, as _enter_collective tells them apart.
 _COLLECTIVE_OPS = ("step", "state_dict", "load_state_dict", "save_checkpoint",
                    "load_checkpoint", "add_param_group")
@@ -1667,8 +1676,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (_io_batches), which take memory of their own meanwhile (at most
         # as much as the state).
         largest = max((self._subgroups[g].numel for g in self._owned), default=0)
-        batch = max(_STATE_IO_BATCH_BYTES, _STATE_IO_RECORDS_PER_TIER * len(self._tiers)
-                    * 4 * largest * (1 + self._num_arrays))
+        batch = _io_batch_bytes(4 * largest * (1 + self._num_arrays), len(self._tiers))
         avail = _layout.memory_available_bytes()
         if avail is not None:
             avail //= self._local_world
@@ -1765,7 +1773,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         moved = True
             if moved:
                 ptr, ptrs, numel = _fp32_buffers(master, arrays)
-                self._engine.write_subgroup(self._local[g], ptr, ptrs, step, numel)
+                self._engine.write_subgroups([(self._local[g], ptr, ptrs, step, numel)])
             self._param_versions[g] = self._versions(g)
 
     def _segments(self, sg):
@@ -2796,15 +2804,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         arrays' list empty)."""
         if alloc is None:
             alloc = functools.partial(torch.empty, dtype=torch.float32)
-        held, records = {}, []
+        buffers, records = {}, []
         for g in gs:
             n = self._subgroups[g].numel
-            held[g] = (alloc(n), [alloc(n) for _ in range(self._num_arrays if arrays else 0)])
-            ptr, ptrs, numel = _fp32_buffers(*held[g])
+            buffers[g] = (alloc(n), [alloc(n) for _ in range(self._num_arrays if arrays else 0)])
+            ptr, ptrs, numel = _fp32_buffers(*buffers[g])
             records.append((self._local[g], ptr, ptrs or [0] * self._num_arrays, numel))
         steps = self._engine.read_subgroups(records) if records else []
         return {g: (master, arrays, int(step))
-                for (g, (master, arrays)), step in zip(held.items(), steps)}
+                for (g, (master, arrays)), step in zip(buffers.items(), steps)}
 
     def _io_batches(self, gs, arrays=True, lean=False):
         """This rank's subgroups `gs` in batches for read_subgroups and
@@ -2822,9 +2830,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             turn[t] += 1
         per_element = 4 * (1 + (self._num_arrays if arrays else 0))
         record = {g: per_element * self._subgroups[g].numel for g in gs}
-        per_tier = 1 if lean else _STATE_IO_RECORDS_PER_TIER
-        limit = max(0 if lean else _STATE_IO_BATCH_BYTES,
-                    per_tier * len(turn) * max(record.values()))
+        limit = _io_batch_bytes(max(record.values()), len(turn), lean)
         batches, size = [[]], 0
         for _, _, g in sorted(keyed):
             if batches[-1] and size + record[g] > limit:
