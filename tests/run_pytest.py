@@ -36,4 +36,10 @@ def _preload_asan():
 
 if __name__ == "__main__":
     _preload_asan()
-    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-rs"] + sys.argv[1:]))
+    # --capture=sys: pytest captures what Python writes, not what is written
+    # to the file descriptors. A process that dies inside a test (a
+    # sanitizer's report, std::terminate, a fatal signal's message) writes
+    # to fd 2, and under fd capture that text went to pytest's temporary file
+    # and was lost with the process: the test log said nothing.
+    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-rs", "--capture=sys"]
+                         + sys.argv[1:]))
