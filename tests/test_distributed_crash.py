@@ -14,7 +14,6 @@ import random
 import signal
 import time
 
-from conftest import free_port
 from fork_server import Server, assert_same_run, read_events
 
 # What a surviving rank sees when its peer was killed under it.
@@ -57,7 +56,7 @@ def train(cmd):
         os.write(fd, (" ".join(str(w) for w in words) + "\n").encode())
 
     rank = cmd["rank"]
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%%d" %% cmd["port"],
+    dist.init_process_group("gloo", init_method="file://" + cmd["store"],
                             rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     report("started")
@@ -97,11 +96,14 @@ def train(cmd):
 
 
 def start_ranks(server, tmp_path, name, tiers, ckpt, out):
-    port = free_port()
+    # The ranks meet through a file of their own start's (a TCP port picked
+    # free beforehand could be taken by another process before rank 0
+    # listens on it).
+    store = tmp_path / f"{name}.store"
     pids, progress = [], []
     for rank in range(2):
         progress.append(tmp_path / f"{name}.rank{rank}.progress")
-        pids.append(server.start(progress=str(progress[-1]), rank=rank, port=port,
+        pids.append(server.start(progress=str(progress[-1]), rank=rank, store=str(store),
                                  tiers=[str(t) for t in tiers], ckpt=str(ckpt),
                                  out=str(out)))
     return pids, progress
