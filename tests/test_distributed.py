@@ -61,6 +61,32 @@ def worker(rank, tiers, name, mode):
     assert sd["state"].keys() == ref_sd["state"].keys()
     assert all(sd["state"][i].keys() == st.keys() for i, st in ref_sd["state"].items())
     assert_states_match(sd["state"], ref_sd["state"], rank)
+    # The records come a batch at a time from every rank at once: one read
+    # per round of each rank's own records. In batches of one record, rank 1
+    # (three subgroups) still sends its records after rank 0 has sent its
+    # only one.
+    from mlp_offload import optimizer as impl
+    real = impl.MLPOffloadOptimizer._read_subgroups
+    for one in (False, True):
+        calls = []
+
+        def spy(self, gs, *args, **kwargs):
+            calls.append(list(gs))
+            return real(self, gs, *args, **kwargs)
+        with mock.patch.object(impl.MLPOffloadOptimizer, "_read_subgroups", spy), \
+                mock.patch.object(impl, "_STATE_IO_BATCH_BYTES",
+                                  0 if one else impl._STATE_IO_BATCH_BYTES), \
+                mock.patch.object(impl, "_STATE_IO_RECORDS_PER_TIER",
+                                  0 if one else impl._STATE_IO_RECORDS_PER_TIER):
+            got = opt.state_dict()
+        assert list(got["state"]) == sorted(ref_sd["state"])
+        assert_states_match(got["state"], ref_sd["state"], rank)
+        owned = sorted(opt._owned)
+        if one:
+            assert sorted(calls[:len(owned)]) == [[g] for g in owned], (rank, calls)
+            assert calls[len(owned):] == [[]] * (3 - len(owned)), (rank, calls)
+        else:
+            assert len(calls) == 1 and sorted(calls[0]) == owned, (rank, calls)
     if name != "rmsprop":
         # Keys no kernel uses, loaded on every rank, are kept by the owner
         # rank and reach every rank's full state dict.
@@ -1534,6 +1560,27 @@ def read_failure_worker(rank, tiers, ckpt):
                 opt.engine.clear_faults(t)
         dist.barrier()
     opt.load_checkpoint(ckpt, restore_params=True)
+    assert len(opt.state_dict()["state"]) == 4
+    # In batches of one record, rank 1's second read fails: every rank
+    # raises in that round, and the state is whole after.
+    from mlp_offload import optimizer as impl
+    real, calls = impl.MLPOffloadOptimizer._read_subgroups, []
+
+    def failing(self, gs, *args, **kwargs):
+        calls.append(list(gs))
+        if rank == 1 and len(calls) == 2:
+            raise TierIOError("injected: the second batch's read")
+        return real(self, gs, *args, **kwargs)
+    with mock.patch.object(impl.MLPOffloadOptimizer, "_read_subgroups", failing), \
+            mock.patch.object(impl, "_STATE_IO_BATCH_BYTES", 0), \
+            mock.patch.object(impl, "_STATE_IO_RECORDS_PER_TIER", 0):
+        with pytest.raises(OffloadError) as err:
+            opt.state_dict()
+    if rank == 1:
+        assert "injected" in str(err.value), str(err.value)
+        assert len(calls) == 2, calls
+    else:
+        assert "rank 1 could not read the state" in str(err.value), str(err.value)
     assert len(opt.state_dict()["state"]) == 4
     opt.close()
 

@@ -1679,9 +1679,8 @@ def test_a_record_rewritten_in_memory_survives_a_load_that_failed(tmp_path, how)
 
     e = create()
     assert e.plan.num_cached >= 1
-    for i in range(n):
-        init = torch.full((numel,), float(i))
-        e.initialize_subgroup(i, init.data_ptr(), "float32", numel)
+    inits = [torch.full((numel,), float(i)) for i in range(n)]
+    e.initialize_subgroups([(i, inits[i].data_ptr(), numel, None) for i in range(n)], "float32")
     step(e, [])
     e.save_checkpoint(str(tmp_path / "ckpt"))
     cached = e.plan.order(0)[-1]  # kept in the cache after step 1

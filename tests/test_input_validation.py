@@ -253,8 +253,8 @@ def test_engine_copy_calls_refuse_buffers_not_of_the_subgroups_size(tmp_path):
         engine.read_subgroups([(0, small.data_ptr(), ptrs, 50)])
     with pytest.raises(errors.ConfigError, match=r"write_subgroups: subgroup 1 has 8 "):
         engine.write_subgroups([(1, small.data_ptr(), ptrs, 3, 50)])
-    with pytest.raises(errors.ConfigError, match=r"initialize_subgroup: subgroup 0 "):
-        engine.initialize_subgroup(0, small.data_ptr(), "float32", 50)
+    with pytest.raises(errors.ConfigError, match=r"initialize_subgroups: subgroup 0 "):
+        engine.initialize_subgroups([(0, small.data_ptr(), 50, None)], "float32")
     big = [torch.full((128,), 7.0) for _ in range(3)]
     whole = (0, big[0].data_ptr(), [b.data_ptr() for b in big[1:]])
     with pytest.raises(errors.ConfigError, match=r"read_subgroups: subgroup 1 has 8 "):

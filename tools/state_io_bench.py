@@ -16,7 +16,12 @@ allow: for each direction, the most bytes any one tier moves over the
 rate, summed over the directions the operation uses; for a replan (the
 `mlp` placement to the `baseline` one, all on the first tier, or back),
 plus the time of a resume that moves nothing, measured in the same
-process. Usage:
+process. `state_dict_2_ranks` is a full state_dict() in a gloo group of two
+ranks (spawned), each with two tiers of its own, as on two nodes: every
+rank reads a batch of its own records at once, then the ranks broadcast
+theirs in turn; one at a time there is a record per rank and round, and
+the ceiling is the slowest rank's reads at the caps plus the broadcasts of
+the whole state, timed in the same processes. Usage:
 
   tools/state_io_bench.py --dir /path/on/the/disk [--numel 2e7]
       [--subgroup_numel 1e6] [--rate 200e6] [--rounds 2]
@@ -35,11 +40,11 @@ import tempfile
 import time
 
 CASES = ("initialize", "state_dict", "load_state_dict", "add_param_group",
-         "replan_to_baseline", "replan_to_mlp")
+         "replan_to_baseline", "replan_to_mlp", "state_dict_2_ranks")
 WAYS = ("one_at_a_time", "batched")
 
 
-def child(case, way, directory, numel, subgroup_numel, rate):
+def child(case, way, directory, numel, subgroup_numel, rate, rank=None):
     import torch
     from mlp_offload import MLPOffloadOptimizer
     from mlp_offload import optimizer as optimizer_module
@@ -47,6 +52,19 @@ def child(case, way, directory, numel, subgroup_numel, rate):
     if way == "one_at_a_time":
         optimizer_module._STATE_IO_BATCH_BYTES = 0
         optimizer_module._STATE_IO_RECORDS_PER_TIER = 0
+    if case == "state_dict_2_ranks" and rank is None:
+        # Two ranks of a gloo group, each with tiers of its own (as on two
+        # nodes); the parent's process only starts them.
+        import torch.multiprocessing as mp
+        mp.spawn(rank_main, args=(case, way, directory, numel, subgroup_numel, rate), nprocs=2)
+        with open(os.path.join(directory, "result.json")) as f:
+            print(f.read().strip())
+        return
+    if rank is not None:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{directory}/pg", rank=rank,
+                                world_size=2)
+        directory = os.path.join(directory, f"rank{rank}")
     # add_param_group and a replan hold the state in memory (in a file, their
     # write-back would go one record per tier whichever way).
     optimizer_module._REGROUP_MEMORY_FRACTION = float("inf")
@@ -57,7 +75,9 @@ def child(case, way, directory, numel, subgroup_numel, rate):
         tiers.append({"path": path, "throttle_read_bytes_per_sec": rate,
                       "throttle_write_bytes_per_sec": rate})
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(numel // 8) * 0.01) for _ in range(8)]
+    # Parameters of one subgroup each (a parameter is never split).
+    count = max(1, numel // subgroup_numel)
+    params = [torch.nn.Parameter(torch.randn(numel // count) * 0.01) for _ in range(count)]
 
     def make(**kwargs):
         kwargs.setdefault("mode", "mlp")
@@ -72,8 +92,13 @@ def child(case, way, directory, numel, subgroup_numel, rate):
 
     def tier_bytes(opt):
         """Bytes of this rank's records on each tier."""
-        tier_of = opt._engine.plan.tier_of_subgroup
         per = [0, 0]
+        if opt._engine is None:  # a rank without subgroups
+            return per
+        # Every record is on a tier (the planner caches all of them where
+        # the streaming buffers would hold them: too small a state).
+        assert opt._engine.plan.num_cached == 0, "too few subgroups: all cached in memory"
+        tier_of = opt._engine.plan.tier_of_subgroup
         for g in opt._owned:
             per[tier_of[opt._local[g]]] += 4 * opt._subgroups[g].numel * 3
         return per
@@ -98,6 +123,35 @@ def child(case, way, directory, numel, subgroup_numel, rate):
         assert opt.resumed_step == 1 and after != before, (opt.resumed_step, before, after)
         # That resume, then the old placement read and the new one written.
         bound = keep + (max(before) + max(after)) / rate
+    elif case == "state_dict_2_ranks":
+        # A full state_dict: every rank gets every record, from its owner.
+        opt = make()
+        train(opt)
+        per = tier_bytes(opt)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.state_dict()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        # The ceiling: the slowest rank's reads at the caps, then the
+        # broadcasts of the whole state (timed here, from each owner's
+        # share), one after the other.
+        parts = [None, None]
+        dist.all_gather_object(parts, per)
+        state = [torch.empty(3 * sum(p) // 12) for p in parts]
+        dist.barrier()
+        t1 = time.perf_counter()
+        for src, t in enumerate(state):
+            dist.broadcast(t, src=src)
+        dist.barrier()
+        bound = max(max(p) for p in parts) / rate + time.perf_counter() - t1
+        train(opt)
+        opt.close()
+        if rank == 0:
+            with open(os.path.join(os.path.dirname(directory), "result.json"), "w") as f:
+                json.dump({"seconds": seconds, "bound": bound}, f)
+        dist.destroy_process_group()
+        return
     elif case == "initialize":
         # The first step writes every record's initial state first.
         opt = make()
@@ -127,6 +181,10 @@ def child(case, way, directory, numel, subgroup_numel, rate):
     print(json.dumps({"seconds": seconds, "bound": bound}))
 
 
+def rank_main(rank, *args):
+    child(*args, rank=rank)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", required=True, help="a directory on the disk for the tiers")
@@ -141,11 +199,16 @@ def main():
                     help="a JSON line per case and way instead of the table")
     ap.add_argument("--child", nargs=2, metavar=("CASE", "WAY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    numel = 8 * (int(args.numel) // 8)
     sg = int(args.subgroup_numel)
+    if sg <= 0 or args.numel < sg:
+        ap.error("--subgroup_numel must be > 0 and at most --numel")
+    count = int(args.numel) // sg  # parameters of one subgroup each
+    numel = count * (int(args.numel) // count)
     if args.child:
         child(*args.child, args.dir, numel, sg, args.rate)
         return
+    if not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir}: no such directory")
     cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(cases) - set(CASES))
     if unknown:

@@ -743,10 +743,10 @@ class PyEngine {
   unsigned long polling_thread_ = 0;  // NOLINT(runtime/int): CPython's
 };
 
-// The buffers handed to initialize_subgroup(s) and read/write_subgroups are
-// bare addresses: the caller states how many elements each holds, and a
-// count that is not subgroup i's is refused before any is touched. (A bad
-// index is left to the engine, which names it.)
+// The buffers handed to initialize_subgroups, read_subgroups and
+// write_subgroups are bare addresses: the caller states how many elements each
+// holds, and a count that is not subgroup i's is refused before any is touched.
+// (A bad index is left to the engine, which names it.)
 void CheckNumel(const Engine& engine, absl::string_view call, int i,
                 uint64_t numel) {
   const std::vector<uint64_t>& sizes = engine.config().subgroup_numel;
@@ -1189,29 +1189,6 @@ void RegisterEngineBindings(py::module_& parent) {
                                return out;
                              })
       .def(
-          "initialize_subgroup",
-          [](PyEngine& e, int i, uintptr_t params, const std::string& dtype,
-             uint64_t numel, py::object state_init, bool commit_initial) {
-            CheckNumel(e.get(), "initialize_subgroup", i, numel);
-            DType dt = DTypeFromName(dtype);
-            OptimizerHyperparams hp;
-            const bool has_init = !state_init.is_none();
-            if (has_init) hp = HyperparamsFromDict(state_init);
-            e.WithoutGil([&](Engine& engine) {
-              return engine.InitializeSubgroup(
-                  i, reinterpret_cast<const void*>(params), dt,
-                  has_init ? &hp : nullptr, commit_initial);
-            });
-          },
-          py::arg("i"), py::arg("params"), py::arg("dtype"), py::arg("numel"),
-          py::arg("state_init") = py::none(), py::arg("commit_initial") = true,
-          "Sets subgroup i's master from `params` (a data pointer of `numel` "
-          "elements of `dtype`, which must be the subgroup's), its state to "
-          "the optimizer's initial values "
-          "(hyperparameter dict) or zeros, step 0. With commit_initial, the "
-          "call that initialises the last subgroup of a run with no commit "
-          "yet commits that initial state.")
-      .def(
           "initialize_subgroups",
           [](PyEngine& e,
              const std::vector<
@@ -1241,9 +1218,13 @@ void RegisterEngineBindings(py::module_& parent) {
           },
           py::arg("records"), py::arg("dtype"),
           py::arg("commit_initial") = true,
-          "initialize_subgroup for several subgroups, records = [(i, params, "
-          "numel, state_init or None)], each subgroup at most once, written "
-          "to every tier at once.")
+          "records = [(i, params, numel, state_init or None)], each subgroup "
+          "at most once: sets subgroup i's master from `params` (a data "
+          "pointer of `numel` elements of `dtype`, which must be the "
+          "subgroup's), its state to the optimizer's initial values "
+          "(hyperparameter dict) or zeros, step 0; written to every tier at "
+          "once. With commit_initial, the call that initialises the last "
+          "subgroup of a run with no commit yet commits that initial state.")
       .def(
           "offload_gradients",
           [](PyEngine& e, int i, const py::list& segments) {

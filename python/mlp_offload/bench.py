@@ -112,9 +112,9 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                 techniques=techniques_of(config), compute_threads=threads,
                 run_name=run_name, tier_lock_dir=_config.tier_lock_dir())
             try:
-                for i in range(n):
-                    engine.initialize_subgroup(i, model[i].data_ptr(), "bfloat16",
-                                              model[i].numel())
+                engine.initialize_subgroups(
+                    [(i, model[i].data_ptr(), model[i].numel(), None) for i in range(n)],
+                    "bfloat16")
                 times, read_wait, compute, write_wait, grad_s = [], [], [], [], []
                 last = None
                 for step in range(steps + 1):

@@ -2782,12 +2782,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _broadcast_tensor(self, tensor, g):
         """Broadcasts `tensor` from subgroup g's owner, through the group's
         collective device where the group cannot take it where it is (CPU
-        tensors with NCCL)."""
-        wire = tensor if tensor.device.type in self._comm_types \
-            else tensor.to(self._comm_device)
+        tensors with NCCL: the owner's copy goes there, the others receive
+        into a new buffer there)."""
+        if tensor.device.type in self._comm_types:
+            wire = tensor
+        elif self._owner(g) == self._rank:
+            wire = tensor.to(self._comm_device)
+        else:
+            wire = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._comm_device)
         torch.distributed.broadcast(wire, src=self._global_rank(self._owner(g)),
                                     group=self._process_group)
-        if wire is not tensor:
+        if wire is not tensor and self._owner(g) != self._rank:
             tensor.copy_(wire)
 
     # ------------------------------------------------------------- state
@@ -2840,35 +2845,50 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             size += record[g]
         return batches
 
-    def _subgroup_record(self, g):
-        """Like _read_subgroup, for any subgroup: the owner broadcasts it."""
-        sg = self._subgroups[g]
-        if self._process_group is None:
-            return self._read_subgroup(g)
+    def _records_from_owners(self):
+        """Yields (g, master, [arrays], step) of every subgroup, on every
+        rank of the process group, in rounds: each rank reads its next batch
+        of its own records (_io_batches: every tier at once, every rank at
+        once) into one tensor, then the ranks broadcast theirs in turn, a
+        record at a time (on NCCL, one record's copy on the device). A read
+        that fails on its owner raises there and, in the same round, on
+        every other rank (none waits for a batch that will not come). The
+        reads are the calling thread's: Ctrl-C interrupts them, and a signal
+        handler that uses the optimizer waits for them as for any call."""
         k = self._num_arrays
-        flat = torch.empty((1 + k) * sg.numel, dtype=torch.float32)
-        step = torch.zeros(1, dtype=torch.int64)
-        failure = None
-        owner = self._owner(g)
-        if owner == self._rank:
+        batches = self._io_batches(self._owned)
+        for turn in range(self._max_over_ranks(len(batches))[0]):
+            mine = batches[turn] if turn < len(batches) else []
+            flat = torch.empty((1 + k) * sum(self._subgroups[g].numel for g in mine),
+                               dtype=torch.float32)
+            header, failure = None, None
             try:
-                master, arrays, s = self._read_subgroup(g)
-                flat = torch.cat([master] + arrays)
-                step[0] = s
+                views = iter(flat.split([self._subgroups[g].numel for g in mine
+                                         for _ in range(1 + k)]))
+                read = self._read_subgroups(mine, alloc=lambda n: next(views))
+                header = [(g, read[g][2]) for g in mine]
             except Exception as exc:  # noqa: BLE001 - the others learn of it below
                 failure = exc
-                step[0] = -1
-        # The step first: -1 says the owner could not read, and every rank
-        # raises instead of waiting for a record that will not come.
-        self._broadcast_tensor(step, g)
-        if int(step.item()) < 0:
-            if failure is not None:
-                raise failure
-            raise OffloadError(f"rank {self._rank}: rank {owner} could not read the state "
-                               f"of subgroup {g} (its error is raised there)")
-        self._broadcast_tensor(flat, g)
-        parts = list(flat.split(sg.numel)) if k > 0 else [flat]
-        return parts[0], parts[1:1 + k], int(step.item())
+            headers = self._gather(header)
+            for rank, got in enumerate(headers):
+                if got is None:
+                    if failure is not None:
+                        raise failure
+                    raise OffloadError(
+                        f"rank {self._rank}: rank {rank} could not read the state of "
+                        f"its subgroups (its error is raised there)")
+            for rank, got in enumerate(headers):
+                wire = flat if rank == self._rank else torch.empty(
+                    (1 + k) * sum(self._subgroups[g].numel for g, _ in got),
+                    dtype=torch.float32)
+                at = 0
+                for g, step in got:
+                    n = self._subgroups[g].numel
+                    record = wire[at:at + (1 + k) * n]
+                    at += (1 + k) * n
+                    self._broadcast_tensor(record, g)
+                    parts = record.split(n)
+                    yield g, parts[0], list(parts[1:1 + k]), step
 
     def _param_state(self, sg, pid, p, off, n, arrays, step, has_state, views=False,
                      extras=None):
@@ -3031,11 +3051,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             for batch in self._io_batches(self._owned):
                 for g, record in self._read_subgroups(batch, alloc).items():
                     take(g, *record)
-            # In parameter order, as one subgroup after another gave them.
-            out = dict(sorted(out.items()))
         else:
-            for sg in self._subgroups:  # each from its owner rank
-                take(sg.index, *self._subgroup_record(sg.index))
+            for record in self._records_from_owners():
+                take(*record)
         if not sharded and self._family is None and self._process_group is not None:
             # Python-side state lives on the owner rank only.
             objs = self._gather({pid: st for pid, st in out.items()
@@ -3043,7 +3061,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             out = {}
             for part in objs:
                 out.update(part)
-        return out
+        # In parameter order, as one subgroup after another gave them.
+        return dict(sorted(out.items()))
 
     def _subgroup_of(self, pid):
         if not hasattr(self, "_pid_to_sg"):
@@ -3069,7 +3088,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # A batch at a time, every tier at once (the engine's turns).
         batches = [self._owned] if check_only else self._io_batches(self._owned, lean=lean)
         for batch in batches:
-            records, held = [], []
+            records, held, inits = [], [], []
             for g in batch:
                 sg = self._subgroups[g]
                 present = [pid in states for pid in sg.param_ids]
@@ -3086,12 +3105,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         if pid in masters:
                             master[off:off + n].copy_(masters[pid])
                 if not any(present):
-                    init = self._init_hyperparams(sg.group)
-                    # A load is committed by the next step's commit (or by the
-                    # caller), never half-way by this call.
+                    # Reset to the initial state, with the batch's writes.
                     ptr, _, numel = _fp32_buffers(master)
-                    self._engine.initialize_subgroup(self._local[g], ptr, "float32", numel, init,
-                                                     commit_initial=False)
+                    inits.append((self._local[g], ptr, numel, self._init_hyperparams(sg.group)))
+                    held.append((master, None))  # alive until written
                     for pid in sg.param_ids:
                         self._has_state[pid] = False
                         self._py_state.pop(pid, None)
@@ -3167,8 +3184,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 held.append((master, arrays))  # alive until written
             if records:
                 self._engine.write_subgroups(records)
+            if inits:
+                # A load is committed by the next step's commit (or by the
+                # caller), never half-way by this call.
+                self._engine.initialize_subgroups(inits, "float32", commit_initial=False)
             # Nothing of this batch outlives it (the next one is held alone).
-            master = arrays = records = held = None
+            master = arrays = records = held = inits = None
 
     def state_dict(self):
         """The state in torch's format (tensors on the host, fp32).
