@@ -20,7 +20,6 @@ with the wheel installed in the Python that runs it (tools/main.sh does it).
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
