@@ -55,6 +55,9 @@ namespace mlp_offload {
 namespace {
 
 constexpr uint64_t kAlign = kDirectIoAlignment;
+// Written on every tier once a commit has reached every tier
+// (recovery.has_committed_state reads it).
+constexpr char kCommittedMark[] = "COMMITTED";
 uint64_t RoundUp(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // 64-bit FNV-1a: a name that is the same in every process and build.
@@ -611,6 +614,8 @@ struct Engine::Impl {
   // The commit whose last attempt failed, if any: RetryCommit writes it
   // while the state is still that commit's (same epoch and step count).
   std::optional<CommitId> failed_commit;
+  // Whether this process has written kCommittedMark on every tier.
+  bool committed_marked = false;
   bool resumed = false;
 
   // The step in progress.
@@ -1537,6 +1542,22 @@ absl::Status Engine::Impl::WriteCommit() {
   committed = id;
   failed_commit.reset();
   commit_partial.assign(tiers.size(), false);
+  if (!committed_marked) {
+    // The commit reached every tier: say so on each, so that a resume tells
+    // a tier that lost its COMMIT since (refused) from a first commit that
+    // reached some tiers only (nothing to resume) where no COMMIT.prev does
+    // it (the run's first commit, or a re-packing's in its new directory).
+    // Best effort: the commit is whole without it, and the next one tries
+    // again.
+    bool all = true;
+    for (const auto& tier : tiers) {
+      all = WriteFileAtomically(tier.dir + "/" + kCommittedMark,
+                                "a commit of this run reached every tier\n")
+                .ok() &&
+            all;
+    }
+    committed_marked = all;
+  }
   return absl::OkStatus();
 }
 
@@ -1910,6 +1931,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     m.arrays_per_param = e.arrays();
     m.subgroup_numel = e.numel;
     m.tier_of_subgroup = e.plan.tier_of_subgroup;
+    // An old run's kCommittedMark must not be taken for this one's: every
+    // tier's goes before any commit record (a crash in between leaves an
+    // old commit on every tier, which a resume takes up).
+    for (const auto& tier : e.tiers) {
+      unlink((tier.dir + "/" + kCommittedMark).c_str());
+    }
     for (size_t t = 0; t < e.tiers.size(); ++t) {
       auto& tier = e.tiers[t];
       // A fresh run: an old commit record must not be resumed against it.

@@ -1457,6 +1457,41 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
   EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
 }
 
+TEST(EngineTest, ACommitThatReachedEveryTierMarksEachAndAFreshStartUnmarks) {
+  // recovery.has_committed_state tells a tier that lost its COMMIT from a
+  // first commit that reached some tiers only by the COMMITTED marks.
+  Model model({1000, 2000, 3000, 1500}, 26);
+  EngineConfig cfg = CommitEveryStep("committed_mark");
+  auto marked = [&cfg](int t) {
+    struct stat st;
+    return stat((RunDir(cfg, t) + "/COMMITTED").c_str(), &st) == 0;
+  };
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    // The initial state's commit reaches tier 0 only: no tier is marked.
+    const std::string blocker = CommitBlocker(cfg, 1);
+    ASSERT_EQ(mkdir(blocker.c_str(), 0700), 0);
+    absl::Status last;
+    for (int i = 0; i < e.num_subgroups(); ++i) {
+      last = e.InitializeSubgroup(i, model.init[i].data(), DType::kFloat32);
+    }
+    EXPECT_FALSE(last.ok());
+    EXPECT_FALSE(marked(0));
+    EXPECT_FALSE(marked(1));
+    ASSERT_EQ(rmdir(blocker.c_str()), 0);
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 1));
+    EXPECT_EQ(e.committed_step(), 1);
+    EXPECT_TRUE(marked(0));
+    EXPECT_TRUE(marked(1));
+  }
+  auto fresh = Engine::Create(cfg);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE(marked(0));
+  EXPECT_FALSE(marked(1));
+}
+
 TEST(EngineTest, RetryCommitWritesAFailedCommitWhileTheStateIsItsOwn) {
   // Step 3 committed, a load of step 2, a new epoch, step 3 again: its
   // commit fails on tier 1. RetryCommit writes it (before, it took the

@@ -13,6 +13,7 @@ import copy
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -741,6 +742,8 @@ def test_a_fresh_start_that_died_part_way_is_taken_up_again(tmp_path, monkeypatc
     removed = []
 
     def remove_once(path, *args, **kwargs):
+        if os.path.basename(path) != "COMMIT":  # the COMMITTED marks go first
+            return real_remove(path, *args, **kwargs)
         if removed:
             raise OSError(errno.EIO, "the process died here")
         real_remove(path, *args, **kwargs)  # (a record that is not there: not counted)
@@ -759,13 +762,57 @@ def test_a_fresh_start_that_died_part_way_is_taken_up_again(tmp_path, monkeypatc
     assert not os.path.exists(os.path.join(a, "r.r0", "DISCARDING"))
     opt.close()
     assert_equal(fresh, params_of(make_model()), "fresh")
-    # A first commit that reached one tier only (no earlier record anywhere)
-    # is nothing to resume either.
+    # A first commit that reached one tier only (no earlier record anywhere,
+    # and no tier marked COMMITTED: the engine marks them once a commit has
+    # reached all) is nothing to resume either.
     for t in (a, b):
         os.remove(os.path.join(t, "r.r0", "COMMIT.prev"))
+        os.remove(os.path.join(t, "r.r0", "COMMITTED"))
     os.remove(os.path.join(b, "r.r0", "COMMIT"))
     opt = wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="auto")
     assert opt.resumed_from is None
+    opt.close()
+
+
+@pytest.mark.parametrize("after", ["initialisation", "add_param_group"])
+def test_a_tier_that_lost_the_runs_only_commit_record_is_refused(tmp_path, after):
+    # The run's only commit (the initial state's, or the re-packed state's
+    # in its new directory after add_param_group) reached both tiers; then
+    # tier b lost its COMMIT. Before, with no COMMIT.prev anywhere, that
+    # looked like a first commit that reached one tier only, and the run
+    # started afresh over tier a's record. The COMMITTED mark tells them
+    # apart: refused, nothing changed, resumed once the record is back.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    model = make_model()
+    both = after == "add_param_group"
+    opt = groups_wrap(model, [a, b], False, run_name="r", commit_every=100)
+    backward(model, 0)
+    opt.step()  # commits the initial state only
+    if both:  # commits the re-packed state at once, in the other directory
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    run_dir, committed = opt._run_name, opt.engine.committed_step
+    opt.close()
+    assert committed == (1 if both else 0)
+    dirs = [os.path.join(t, run_dir) for t in (a, b)]
+    for d in dirs:
+        assert os.path.isfile(os.path.join(d, "COMMITTED"))
+        assert not os.path.exists(os.path.join(d, "COMMIT.prev"))
+    lost = os.path.join(dirs[1], "COMMIT")
+    record = open(lost, "rb").read()
+    os.remove(lost)
+    before = tree(a, b)
+    with pytest.raises(errors.CorruptStateError,
+                       match=r"a commit of the run reached every tier \(COMMITTED\), but "
+                             r".*/b/" + re.escape(run_dir) + r" has lost its commit record"):
+        groups_wrap(make_model(), [a, b], both, run_name="r", commit_every=100,
+                    resume="auto")
+    assert tree(a, b) == before
+    with open(lost, "wb") as f:
+        f.write(record)
+    opt = groups_wrap(make_model(), [a, b], both, run_name="r", commit_every=100,
+                      resume="require")
+    assert opt.resumed_step == committed
     opt.close()
 
 

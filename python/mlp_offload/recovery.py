@@ -99,11 +99,17 @@ def _hold_run_lock(d, held):
 # commits there.
 DISCARD_MARK = "DISCARDING"
 
+# Written by the engine on every tier once a commit of the run has reached
+# every tier (and removed with the commit records): a tier without COMMIT
+# beside it lost its record, where a first commit that reached some tiers
+# only has none.
+COMMITTED_MARK = "COMMITTED"
+
 
 def _remove_commit_records(dirs):
     """Under the run locks: marks every tier, then removes every tier's
-    COMMIT, then every COMMIT.prev (a run directory planted as a symlink:
-    nothing in what it names)."""
+    COMMITTED_MARK, COMMIT, then every COMMIT.prev (a run directory planted
+    as a symlink: nothing in what it names)."""
     real = [d for d in dirs if os.path.isdir(d) and not os.path.islink(d)]
     for d in real:
         fd = os.open(os.path.join(d, DISCARD_MARK),
@@ -114,7 +120,7 @@ def _remove_commit_records(dirs):
         finally:
             os.close(fd)
         fsync_dir(d)
-    for name in ("COMMIT", "COMMIT.prev"):
+    for name in (COMMITTED_MARK, "COMMIT", "COMMIT.prev"):
         for d in real:
             try:
                 os.remove(os.path.join(d, name))
@@ -174,10 +180,10 @@ def has_committed_state(dirs):
     StateMismatchError for a tier list that is not the run's (a tier
     added, replaced or not mounted yet: it has no manifest, or another
     run's); CorruptStateError for a tier that lost its COMMIT while the run
-    has committed more than once (a commit replaces a tier's record, it
-    never removes it).
+    has committed more than once, or once on every tier (COMMITTED_MARK: a
+    commit replaces a tier's record, it never removes it).
     """
-    names = ("MANIFEST", "COMMIT", "COMMIT.prev", DISCARD_MARK)
+    names = ("MANIFEST", "COMMIT", "COMMIT.prev", DISCARD_MARK, COMMITTED_MARK)
     has = {name: [_regular_file(os.path.join(d, name), name, d) for d in dirs]
            for name in names}
     if any(has[DISCARD_MARK]):
@@ -207,6 +213,11 @@ def has_committed_state(dirs):
         raise CorruptStateError(
             f"the run has committed more than once, but {', '.join(lacking)} has lost its "
             f"commit record (COMMIT; the other tiers hold theirs): restore it {keep}")
+    if any(has[COMMITTED_MARK]):
+        raise CorruptStateError(
+            f"a commit of the run reached every tier ({COMMITTED_MARK}), but "
+            f"{', '.join(lacking)} has lost its commit record (COMMIT; the other tiers hold "
+            f"theirs): restore it {keep}")
     return False  # its first commit reached some tiers only
 
 
