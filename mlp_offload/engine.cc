@@ -1935,7 +1935,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     // tier's goes before any commit record (a crash in between leaves an
     // old commit on every tier, which a resume takes up).
     for (const auto& tier : e.tiers) {
-      unlink((tier.dir + "/" + kCommittedMark).c_str());
+      const std::string mark = tier.dir + "/" + kCommittedMark;
+      if (unlink(mark.c_str()) != 0) {
+        if (errno != ENOENT) {
+          return ErrnoStatus(errno, "removing an earlier run's mark", mark);
+        }
+        continue;
+      }
+      MLP_RETURN_IF_ERROR(SyncDirectory(tier.dir));
     }
     for (size_t t = 0; t < e.tiers.size(); ++t) {
       auto& tier = e.tiers[t];

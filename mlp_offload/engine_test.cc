@@ -1486,6 +1486,15 @@ TEST(EngineTest, ACommitThatReachedEveryTierMarksEachAndAFreshStartUnmarks) {
     EXPECT_TRUE(marked(0));
     EXPECT_TRUE(marked(1));
   }
+  {
+    EngineConfig again = cfg;
+    again.resume = true;  // a resume keeps the marks
+    auto resumed = Engine::Create(again);
+    ASSERT_TRUE(resumed.ok()) << resumed.status();
+    EXPECT_EQ((*resumed)->step(), 1);
+    EXPECT_TRUE(marked(0));
+    EXPECT_TRUE(marked(1));
+  }
   auto fresh = Engine::Create(cfg);
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   EXPECT_FALSE(marked(0));
