@@ -1549,14 +1549,14 @@ absl::Status Engine::Impl::WriteCommit() {
     // it (the run's first commit, or a re-packing's in its new directory).
     // Best effort: the commit is whole without it, and the next one tries
     // again.
-    bool all = true;
+    committed_marked = true;
     for (const auto& tier : tiers) {
-      all = WriteFileAtomically(tier.dir + "/" + kCommittedMark,
-                                "a commit of this run reached every tier\n")
-                .ok() &&
-            all;
+      if (!WriteFileAtomically(tier.dir + "/" + kCommittedMark,
+                               "a commit of this run reached every tier\n")
+               .ok()) {
+        committed_marked = false;
+      }
     }
-    committed_marked = all;
   }
   return absl::OkStatus();
 }

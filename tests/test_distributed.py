@@ -26,6 +26,27 @@ from distributed_util import (OPTIMIZERS, STEPS, WORLD, assert_params_match,
                                save_reference, spawn, train_same_batches)
 
 
+@contextlib.contextmanager
+def reads_listed(one_record, fail_at=None):
+    """Lists the subgroups of each MLPOffloadOptimizer._read_subgroups call
+    (the engine reads of a batch), in batches of one record if `one_record`;
+    call number `fail_at` raises TierIOError instead of reading."""
+    from mlp_offload import optimizer as impl
+    real, calls = impl.MLPOffloadOptimizer._read_subgroups, []
+
+    def listed(self, gs, *args, **kwargs):
+        calls.append(list(gs))
+        if len(calls) == fail_at:
+            raise TierIOError(f"injected: read {fail_at}")
+        return real(self, gs, *args, **kwargs)
+    with mock.patch.object(impl.MLPOffloadOptimizer, "_read_subgroups", listed), \
+            mock.patch.object(impl, "_STATE_IO_BATCH_BYTES",
+                              0 if one_record else impl._STATE_IO_BATCH_BYTES), \
+            mock.patch.object(impl, "_STATE_IO_RECORDS_PER_TIER",
+                              0 if one_record else impl._STATE_IO_RECORDS_PER_TIER):
+        yield calls
+
+
 def worker(rank, tiers, name, mode):
     make = OPTIMIZERS[name]
     ref = make_model()
@@ -65,19 +86,8 @@ def worker(rank, tiers, name, mode):
     # per round of each rank's own records. In batches of one record, rank 1
     # (three subgroups) still sends its records after rank 0 has sent its
     # only one.
-    from mlp_offload import optimizer as impl
-    real = impl.MLPOffloadOptimizer._read_subgroups
     for one in (False, True):
-        calls = []
-
-        def spy(self, gs, *args, **kwargs):
-            calls.append(list(gs))
-            return real(self, gs, *args, **kwargs)
-        with mock.patch.object(impl.MLPOffloadOptimizer, "_read_subgroups", spy), \
-                mock.patch.object(impl, "_STATE_IO_BATCH_BYTES",
-                                  0 if one else impl._STATE_IO_BATCH_BYTES), \
-                mock.patch.object(impl, "_STATE_IO_RECORDS_PER_TIER",
-                                  0 if one else impl._STATE_IO_RECORDS_PER_TIER):
+        with reads_listed(one_record=one) as calls:
             got = opt.state_dict()
         assert list(got["state"]) == sorted(ref_sd["state"])
         assert_states_match(got["state"], ref_sd["state"], rank)
@@ -1563,17 +1573,7 @@ def read_failure_worker(rank, tiers, ckpt):
     assert len(opt.state_dict()["state"]) == 4
     # In batches of one record, rank 1's second read fails: every rank
     # raises in that round, and the state is whole after.
-    from mlp_offload import optimizer as impl
-    real, calls = impl.MLPOffloadOptimizer._read_subgroups, []
-
-    def failing(self, gs, *args, **kwargs):
-        calls.append(list(gs))
-        if rank == 1 and len(calls) == 2:
-            raise TierIOError("injected: the second batch's read")
-        return real(self, gs, *args, **kwargs)
-    with mock.patch.object(impl.MLPOffloadOptimizer, "_read_subgroups", failing), \
-            mock.patch.object(impl, "_STATE_IO_BATCH_BYTES", 0), \
-            mock.patch.object(impl, "_STATE_IO_RECORDS_PER_TIER", 0):
+    with reads_listed(one_record=True, fail_at=2 if rank == 1 else None) as calls:
         with pytest.raises(OffloadError) as err:
             opt.state_dict()
     if rank == 1:

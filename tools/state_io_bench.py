@@ -138,7 +138,7 @@ def child(case, way, directory, numel, subgroup_numel, rate, rank=None):
         # share), one after the other.
         parts = [None, None]
         dist.all_gather_object(parts, per)
-        state = [torch.empty(3 * sum(p) // 12) for p in parts]
+        state = [torch.empty(sum(p) // 4) for p in parts]  # fp32
         dist.barrier()
         t1 = time.perf_counter()
         for src, t in enumerate(state):

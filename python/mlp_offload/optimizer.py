@@ -89,6 +89,8 @@ def _io_batch_bytes(largest_record, tiers, lean=False):
     if lean:
         return tiers * largest_record
     return max(_STATE_IO_BATCH_BYTES, _STATE_IO_RECORDS_PER_TIER * tiers * largest_record)
+
+
 # The collective methods, as _enter_collective tells them apart.
 _COLLECTIVE_OPS = ("step", "state_dict", "load_state_dict", "save_checkpoint",
                    "load_checkpoint", "add_param_group")
@@ -2784,15 +2786,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         collective device where the group cannot take it where it is (CPU
         tensors with NCCL: the owner's copy goes there, the others receive
         into a new buffer there)."""
+        owner = self._owner(g)
         if tensor.device.type in self._comm_types:
             wire = tensor
-        elif self._owner(g) == self._rank:
+        elif owner == self._rank:
             wire = tensor.to(self._comm_device)
         else:
             wire = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._comm_device)
-        torch.distributed.broadcast(wire, src=self._global_rank(self._owner(g)),
+        torch.distributed.broadcast(wire, src=self._global_rank(owner),
                                     group=self._process_group)
-        if wire is not tensor and self._owner(g) != self._rank:
+        if wire is not tensor and owner != self._rank:
             tensor.copy_(wire)
 
     # ------------------------------------------------------------- state
@@ -2856,11 +2859,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         reads are the calling thread's: Ctrl-C interrupts them, and a signal
         handler that uses the optimizer waits for them as for any call."""
         k = self._num_arrays
+
+        def new_flat(gs):
+            """Room for the records of subgroups `gs`: each one's master and
+            arrays, one after another."""
+            return torch.empty((1 + k) * sum(self._subgroups[g].numel for g in gs),
+                               dtype=torch.float32)
+
         batches = self._io_batches(self._owned)
         for turn in range(self._max_over_ranks(len(batches))[0]):
             mine = batches[turn] if turn < len(batches) else []
-            flat = torch.empty((1 + k) * sum(self._subgroups[g].numel for g in mine),
-                               dtype=torch.float32)
+            flat = new_flat(mine)
             header, failure = None, None
             try:
                 views = iter(flat.split([self._subgroups[g].numel for g in mine
@@ -2878,16 +2887,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"rank {self._rank}: rank {rank} could not read the state of "
                         f"its subgroups (its error is raised there)")
             for rank, got in enumerate(headers):
-                wire = flat if rank == self._rank else torch.empty(
-                    (1 + k) * sum(self._subgroups[g].numel for g, _ in got),
-                    dtype=torch.float32)
-                at = 0
-                for g, step in got:
-                    n = self._subgroups[g].numel
-                    record = wire[at:at + (1 + k) * n]
-                    at += (1 + k) * n
+                gs = [g for g, _ in got]
+                wire = flat if rank == self._rank else new_flat(gs)
+                sizes = [(1 + k) * self._subgroups[g].numel for g in gs]
+                for record, (g, step) in zip(wire.split(sizes), got):
                     self._broadcast_tensor(record, g)
-                    parts = record.split(n)
+                    parts = record.split(self._subgroups[g].numel)
                     yield g, parts[0], list(parts[1:1 + k]), step
 
     def _param_state(self, sg, pid, p, off, n, arrays, step, has_state, views=False,
