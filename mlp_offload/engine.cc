@@ -614,8 +614,10 @@ struct Engine::Impl {
   // The commit whose last attempt failed, if any: RetryCommit writes it
   // while the state is still that commit's (same epoch and step count).
   std::optional<CommitId> failed_commit;
-  // Whether this process has written kCommittedMark on every tier.
+  // Whether this process has written kCommittedMark on every tier; if
+  // not, why the last try failed (OK: not tried yet, or written).
   bool committed_marked = false;
+  absl::Status mark_error;
   bool resumed = false;
 
   // The step in progress.
@@ -1550,11 +1552,18 @@ absl::Status Engine::Impl::WriteCommit() {
     // Best effort: the commit is whole without it, and the next one tries
     // again.
     committed_marked = true;
+    mark_error = absl::OkStatus();
     for (const auto& tier : tiers) {
-      if (!WriteFileAtomically(tier.dir + "/" + kCommittedMark,
-                               "a commit of this run reached every tier\n")
-               .ok()) {
+      const std::string mark = tier.dir + "/" + kCommittedMark;
+      const absl::Status written = WriteFileAtomically(
+          mark, "a commit of this run reached every tier\n");
+      if (!written.ok()) {
         committed_marked = false;
+        if (mark_error.ok()) {
+          mark_error = absl::Status(
+              written.code(),
+              absl::StrCat("writing ", mark, ": ", written.message()));
+        }
       }
     }
   }
@@ -2074,6 +2083,7 @@ bool Engine::step_incomplete() const { return impl_->step_failed; }
 bool Engine::resumed() const { return impl_->resumed; }
 int64_t Engine::committed_step() const { return impl_->committed.step; }
 int64_t Engine::committed_epoch() const { return impl_->committed.epoch; }
+absl::Status Engine::commit_mark_error() const { return impl_->mark_error; }
 int64_t Engine::epoch() const { return impl_->epoch; }
 const std::vector<CommitId>& Engine::kept_commits() const {
   return impl_->kept;

@@ -368,6 +368,13 @@ class Engine {
   int64_t committed_step() const;
   // The epoch of that commit (see CommitId in state_store.h).
   int64_t committed_epoch() const;
+  // Why the COMMITTED mark (a commit of this run reached every tier; see
+  // recovery.py) could not be written on some tier after the last commit
+  // that tried (one that reached every tier while the marks were not all
+  // written yet); OK if they were, or none tried. Without the mark, a tier
+  // that loses the run's only commit record looks like a first commit that
+  // reached some tiers only. Each later commit tries again.
+  absl::Status commit_mark_error() const;
   // The commits that every tier holds, newest first: the last one and,
   // where every tier kept it (COMMIT.prev), the one before, as of the last
   // commit or the resume. A resume may go back to either (config.

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -1481,8 +1482,20 @@ TEST(EngineTest, ACommitThatReachedEveryTierMarksEachAndAFreshStartUnmarks) {
     EXPECT_FALSE(marked(0));
     EXPECT_FALSE(marked(1));
     ASSERT_EQ(rmdir(blocker.c_str()), 0);
+    EXPECT_TRUE(e.commit_mark_error().ok());  // none tried yet
+    // Tier 1's mark cannot be written (a directory in its place): the
+    // commit holds, the mark's error names it, the next commit writes it.
+    const std::string mark = RunDir(cfg, 1) + "/COMMITTED";
+    ASSERT_EQ(mkdir(mark.c_str(), 0700), 0);
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 1));
     EXPECT_EQ(e.committed_step(), 1);
+    EXPECT_TRUE(marked(0));
+    EXPECT_TRUE(absl::StrContains(e.commit_mark_error().message(), mark))
+        << e.commit_mark_error();
+    ASSERT_EQ(rmdir(mark.c_str()), 0);
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 2, 2));
+    EXPECT_EQ(e.committed_step(), 2);
+    EXPECT_TRUE(e.commit_mark_error().ok()) << e.commit_mark_error();
     EXPECT_TRUE(marked(0));
     EXPECT_TRUE(marked(1));
   }
@@ -1491,7 +1504,7 @@ TEST(EngineTest, ACommitThatReachedEveryTierMarksEachAndAFreshStartUnmarks) {
     again.resume = true;  // a resume keeps the marks
     auto resumed = Engine::Create(again);
     ASSERT_TRUE(resumed.ok()) << resumed.status();
-    EXPECT_EQ((*resumed)->step(), 1);
+    EXPECT_EQ((*resumed)->step(), 2);
     EXPECT_TRUE(marked(0));
     EXPECT_TRUE(marked(1));
   }

@@ -774,6 +774,42 @@ def test_a_fresh_start_that_died_part_way_is_taken_up_again(tmp_path, monkeypatc
     opt.close()
 
 
+def test_a_commit_mark_that_cannot_be_written_is_logged_once_and_written_later(
+        tmp_path, caplog):
+    # The COMMITTED mark is best effort (a commit is whole without it). One
+    # that cannot be written leaves the run going; the engine says why, the
+    # optimizer logs it once (not at every step), and a later commit writes
+    # it. Before, nothing said so.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    model = make_model()
+    opt = wrap(model, [a, b], run_name="r", commit_every=1)
+    assert opt.engine.commit_mark_error == ""
+    # A directory where tier b's mark goes: the new file cannot be renamed
+    # over it.
+    block = os.path.join(b, opt._run_name, "COMMITTED")
+    os.mkdir(block)
+    with caplog.at_level("WARNING", logger="mlp_offload"):
+        for k in range(3):
+            backward(model, k)
+            opt.step()
+            opt.zero_grad()
+    warned = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert block in warned[0] and "only commit record" in warned[0]
+    assert block in opt.engine.commit_mark_error
+    assert opt.engine.committed_step == 3  # the commits themselves landed
+    assert os.path.isfile(os.path.join(a, opt._run_name, "COMMITTED"))
+    os.rmdir(block)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlp_offload"):
+        backward(model, 3)
+        opt.step()
+    assert opt.engine.commit_mark_error == "" and not caplog.records, caplog.text
+    assert os.path.isfile(block)
+    opt.close()
+
+
 @pytest.mark.parametrize("after", ["initialisation", "add_param_group"])
 def test_a_tier_that_lost_the_runs_only_commit_record_is_refused(tmp_path, after):
     # The run's only commit (the initial state's, or the re-packed state's

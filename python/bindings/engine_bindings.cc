@@ -1080,6 +1080,14 @@ void RegisterEngineBindings(py::module_& parent) {
           [](PyEngine& e) { return e.get().committed_step(); },
           "The step the state on the tiers resumes from (-1: none).")
       .def_property_readonly(
+          "commit_mark_error",
+          [](PyEngine& e) {
+            return std::string(e.get().commit_mark_error().message());
+          },
+          "Why the COMMITTED marks could not all be written after the last "
+          "commit that tried (empty: they were, or none tried yet); each "
+          "later commit tries again.")
+      .def_property_readonly(
           "committed_epoch",
           [](PyEngine& e) { return e.get().committed_epoch(); },
           "The epoch of that commit: commits are (epoch, step), ordered and "

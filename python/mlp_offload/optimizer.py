@@ -454,6 +454,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._finalizer = None
         self._closed = False
         self.last_step_stats = None
+        self._mark_warned = ""  # the COMMITTED mark's failure last logged
         self._grad_hooks = []
         self._grad_readiness = None  # layout.GradReadiness of the hooks
         self._staging = None  # device parameters: cuda_path.DeviceStaging
@@ -2071,7 +2072,22 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             stats["grad_offload_in_step_seconds"] = \
                 self._grad_offload_time["step"] + stats.get("grad_wait_seconds", 0.0)
         self.last_step_stats = stats
+        self._warn_unmarked_commit()
         return loss
+
+    def _warn_unmarked_commit(self):
+        """Logs, once per cause, that a commit reached every tier but its
+        COMMITTED mark could not be written (the engine retries at each
+        commit and says nothing itself)."""
+        error = self._engine.commit_mark_error if self._engine is not None else ""
+        if error and error != self._mark_warned:
+            _log.warning(
+                "rank %d: run %s: a commit reached every tier, but the mark that says so "
+                "could not be written (%s); until it is (each commit tries again), a tier "
+                "that loses the run's only commit record will look like a first commit "
+                "that reached some tiers only, which resume='auto' starts afresh from",
+                self._rank, self._run_name, error)
+        self._mark_warned = error
 
     def _switched_on_key(self, hp):
         """The state key that group settings `hp` use and that parameters
