@@ -1551,21 +1551,18 @@ absl::Status Engine::Impl::WriteCommit() {
     // it (the run's first commit, or a re-packing's in its new directory).
     // Best effort: the commit is whole without it, and the next one tries
     // again.
-    committed_marked = true;
     mark_error = absl::OkStatus();
     for (const auto& tier : tiers) {
       const std::string mark = tier.dir + "/" + kCommittedMark;
       const absl::Status written = WriteFileAtomically(
           mark, "a commit of this run reached every tier\n");
-      if (!written.ok()) {
-        committed_marked = false;
-        if (mark_error.ok()) {
-          mark_error = absl::Status(
-              written.code(),
-              absl::StrCat("writing ", mark, ": ", written.message()));
-        }
+      if (!written.ok() && mark_error.ok()) {
+        mark_error = absl::Status(
+            written.code(),
+            absl::StrCat("writing ", mark, ": ", written.message()));
       }
     }
+    committed_marked = mark_error.ok();
   }
   return absl::OkStatus();
 }

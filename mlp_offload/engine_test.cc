@@ -1463,9 +1463,10 @@ TEST(EngineTest, ACommitThatReachedEveryTierMarksEachAndAFreshStartUnmarks) {
   // first commit that reached some tiers only by the COMMITTED marks.
   Model model({1000, 2000, 3000, 1500}, 26);
   EngineConfig cfg = CommitEveryStep("committed_mark");
-  auto marked = [&cfg](int t) {
+  auto mark_of = [&cfg](int t) { return RunDir(cfg, t) + "/COMMITTED"; };
+  auto marked = [&mark_of](int t) {
     struct stat st;
-    return stat((RunDir(cfg, t) + "/COMMITTED").c_str(), &st) == 0;
+    return stat(mark_of(t).c_str(), &st) == 0;
   };
   {
     auto engine = Engine::Create(cfg);
@@ -1485,7 +1486,7 @@ TEST(EngineTest, ACommitThatReachedEveryTierMarksEachAndAFreshStartUnmarks) {
     EXPECT_TRUE(e.commit_mark_error().ok());  // none tried yet
     // Tier 1's mark cannot be written (a directory in its place): the
     // commit holds, the mark's error names it, the next commit writes it.
-    const std::string mark = RunDir(cfg, 1) + "/COMMITTED";
+    const std::string mark = mark_of(1);
     ASSERT_EQ(mkdir(mark.c_str(), 0700), 0);
     ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 1));
     EXPECT_EQ(e.committed_step(), 1);
