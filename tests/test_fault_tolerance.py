@@ -810,6 +810,36 @@ def test_a_commit_mark_that_cannot_be_written_is_logged_once_and_written_later(
     opt.close()
 
 
+def test_add_param_groups_commit_logs_a_mark_it_cannot_write(tmp_path, caplog, monkeypatch):
+    # add_param_group commits the re-packed state in the run's other
+    # directory itself, outside step(): a mark it cannot write there is
+    # logged by add_param_group, not left for a later step to notice.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    model = make_model()
+    opt = groups_wrap(model, [a, b], False, run_name="r", commit_every=1)
+    backward(model, 0)
+    opt.step()
+    before = opt._run_name
+    write_states = opt._write_states
+
+    def write_then_block(*args, **kwargs):
+        # The new engine made its directory and wrote the state back: a
+        # directory where tier b's mark goes blocks the commit's mark.
+        write_states(*args, **kwargs)
+        os.mkdir(os.path.join(b, opt._run_name, "COMMITTED"))
+
+    monkeypatch.setattr(opt, "_write_states", write_then_block)
+    with caplog.at_level("WARNING", logger="mlp_offload"):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    block = os.path.join(b, opt._run_name, "COMMITTED")
+    assert opt._run_name != before and os.path.isdir(block)
+    warned = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
+    assert len(warned) == 1 and block in warned[0], caplog.text
+    assert opt.engine.committed_step == 1  # the re-packed commit itself landed
+    opt.close()
+
+
 @pytest.mark.parametrize("after", ["initialisation", "add_param_group"])
 def test_a_tier_that_lost_the_runs_only_commit_record_is_refused(tmp_path, after):
     # The run's only commit (the initial state's, or the re-packed state's

@@ -1571,6 +1571,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             kept["pystate"] = self._pystate(steps)
         self._write_pystate(steps, content=kept["pystate"])
         engine.commit()
+        self._warn_unmarked_commit()
 
     def _retry_kept_commit(self, what):
         """Collective (every rank knows of it): writes again the commits
@@ -1727,6 +1728,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if self._commit_every > 0:
                 self._write_pystate(steps, repacked_from=repacked_from)
                 self._engine.commit()
+                self._warn_unmarked_commit()
                 self._prune_pystate()
 
     # ----------------------------------------------------------------- step
@@ -2078,7 +2080,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _warn_unmarked_commit(self):
         """Logs, once per cause, that a commit reached every tier but its
         COMMITTED mark could not be written (the engine retries at each
-        commit and says nothing itself)."""
+        commit and says nothing itself). Called after each of the engine's
+        commits: step()'s, add_param_group's and a kept commit's retry."""
         error = self._engine.commit_mark_error if self._engine is not None else ""
         if error and error != self._mark_warned:
             _log.warning(
