@@ -32,10 +32,14 @@ struct IoRequest {
   void* buffer = nullptr;  // likewise aligned; must outlive the request
 };
 
-// Called exactly once per request, on an engine thread: the number of bytes
-// transferred (always == length on success; a short transfer that cannot be
-// completed, e.g. a read past EOF, is an error) or the error, whose message
-// names the operation, the path and the offset.
+// Called exactly once per request: the number of bytes transferred (always ==
+// length on success; a short transfer that cannot be completed, e.g. a read
+// past EOF, is an error) or the error, whose message names the operation, the
+// path and the offset. Usually on an engine thread; on the submitting thread,
+// inside Submit/SubmitBatch, for a request finished at once (invalid, of
+// length 0, after Shutdown or on a broken ring, an injected error), and on
+// the thread that calls SetInterrupted for requests a throttle held back. So
+// a callback must not take a lock that its submitter holds while submitting.
 using IoCallback = std::function<void(absl::StatusOr<size_t>)>;
 
 // The result of one request, waitable. Copyable handle to shared state.
@@ -89,9 +93,13 @@ class IoEngine {
   // Registers host buffers (e.g. AlignedBuffers) with the engine, replacing
   // any registered before; requests whose buffer lies inside one of them may
   // then skip the per-request page pinning (io_uring fixed buffers). Purely an
-  // optimisation: engines that cannot use it return OK and ignore it. Call only
-  // while no in-flight request uses a previously registered buffer; an empty
-  // span unregisters.
+  // optimisation: engines that cannot use it return OK and ignore it, and so
+  // does io_uring for a buffer it cannot take (over 1 GiB; all of them when
+  // the kernel refuses to pin them, e.g. over RLIMIT_MEMLOCK). Call only while
+  // no request is in flight (on older kernels registration quiesces the ring,
+  // waiting for every outstanding request, the io_uring engine's own wake-up
+  // poll included: nothing in this project calls it yet); an empty span
+  // unregisters.
   virtual absl::Status RegisterBuffers(absl::Span<const iovec> buffers);
 
   // While interrupted, requests the engine holds back from the device (a

@@ -164,22 +164,35 @@ class UringEngine final : public IoEngine {
       if (rc < 0) return ErrnoStatus(-rc, "io_uring_unregister_buffers", "");
       fixed_.clear();
     }
-    if (buffers.empty()) return absl::OkStatus();
+    // The kernel takes no fixed buffer above 1 GiB (EFAULT): those stay
+    // unregistered, and requests in them are plain reads and writes.
+    std::vector<iovec> taken;
+    for (const iovec& b : buffers) {
+      if (b.iov_len <= kMaxFixedBufferBytes) taken.push_back(b);
+    }
+    if (taken.empty()) return absl::OkStatus();
     const int rc = io_uring_register_buffers(
-        &ring_, buffers.data(), static_cast<unsigned>(buffers.size()));
+        &ring_, taken.data(), static_cast<unsigned>(taken.size()));
+    if (rc == -ENOMEM || rc == -EFAULT || rc == -EPERM || rc == -EOPNOTSUPP) {
+      // Over RLIMIT_MEMLOCK, or a kernel that cannot pin these pages:
+      // registration is an optimisation, so none (the contract).
+      return absl::OkStatus();
+    }
     if (rc < 0) {
       return ErrnoStatus(-rc, "io_uring_register_buffers",
-                         absl::StrCat(buffers.size(), " buffers"));
+                         absl::StrCat(taken.size(), " buffers"));
     }
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      const auto start = reinterpret_cast<uintptr_t>(buffers[i].iov_base);
+    for (size_t i = 0; i < taken.size(); ++i) {
+      const auto start = reinterpret_cast<uintptr_t>(taken[i].iov_base);
       fixed_[start] =
-          FixedBuffer{start + buffers[i].iov_len, static_cast<int>(i)};
+          FixedBuffer{start + taken[i].iov_len, static_cast<int>(i)};
     }
     return absl::OkStatus();
   }
 
  private:
+  // The largest buffer io_uring registers (IORING_REGISTER_BUFFERS).
+  static constexpr size_t kMaxFixedBufferBytes = size_t{1} << 30;
   struct FixedBuffer {
     uintptr_t end;
     int index;

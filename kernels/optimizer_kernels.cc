@@ -235,7 +235,10 @@ class AdamUpdate {  // Adam (L2) and AdamW (decoupled): see UpdateArgs.
     hn::StoreU(v, d, v_ + i);
     V v_used = v;
     if (amsgrad_) {
-      v_used = hn::Max(hn::LoadU(d, vmax_ + i), v);
+      // torch.maximum: NaN if either is (Max alone gives either, by target).
+      const V vmax = hn::LoadU(d, vmax_ + i);
+      v_used = hn::IfThenElse(hn::Or(hn::IsNaN(vmax), hn::IsNaN(v)),
+                              hn::Add(vmax, v), hn::Max(vmax, v));
       hn::StoreU(v_used, d, vmax_ + i);
     }
     const V denom = hn::MulAdd(hn::Sqrt(v_used), inv_sqrt_bc2_, eps_);

@@ -145,7 +145,9 @@ RefResult RefUpdate(const OptimizerHyperparams& hp, double grad_scale,
       r.s[0] = m, r.mag_s[0] = mag_m;
       r.s[1] = v, r.mag_s[1] = mag_v;
       if (hp.amsgrad) {
-        v_used = std::max(s[2], v);
+        // torch.maximum: NaN if either is.
+        v_used =
+            std::isnan(s[2]) || std::isnan(v) ? s[2] + v : std::max(s[2], v);
         r.s[2] = v_used;
         r.mag_s[2] = std::max(std::fabs(s[2]), mag_v);
       }
@@ -626,6 +628,38 @@ TEST_P(KernelTargetTest, NonfiniteGradientIsFlaggedInTheFusedPass) {
         }
       }
     }
+  }
+}
+
+TEST_P(KernelTargetTest, AmsgradsMaximumKeepsNaNAsTorchsDoes) {
+  // torch.maximum propagates NaN: a NaN max_exp_avg_sq stays NaN, and a
+  // NaN gradient makes it NaN (nonfinite="ignore" steps them). x86's max
+  // returned the other operand, so a NaN max could turn finite again.
+  OptimizerHyperparams hp;
+  hp.amsgrad = true;
+  const size_t n = 37;  // a vector body and a one-lane tail on every target
+  std::vector<float> param(n, 1.0f), m(n, 0.1f), v(n, 0.2f), vmax(n, 0.3f);
+  std::vector<float> grad(n, 0.5f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const size_t nan_max[] = {3, n - 2}, nan_grad[] = {10, n - 1};
+  for (size_t i : nan_max) vmax[i] = nan;
+  for (size_t i : nan_grad) grad[i] = nan;
+  UpdateSpans spans;
+  spans.param = param.data();
+  spans.state[0] = m.data();
+  spans.state[1] = v.data();
+  spans.state[2] = vmax.data();
+  spans.grad = grad.data();
+  spans.n = n;
+  absl::StatusOr<UpdateResult> result =
+      ApplyOptimizer(hp, spans, GradTransform{}, nullptr);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->nonfinite);
+  for (size_t i = 0; i < n; ++i) {
+    const bool bad = i == nan_max[0] || i == nan_max[1] || i == nan_grad[0] ||
+                     i == nan_grad[1];
+    EXPECT_EQ(std::isnan(vmax[i]), bad) << i << ": " << vmax[i];
+    EXPECT_EQ(std::isnan(param[i]), bad) << i << ": " << param[i];
   }
 }
 

@@ -53,7 +53,10 @@ absl::Status ValidateRequest(const IoRequest& request) {
         request.length, ") and buffer address aligned to ",
         kDirectIoAlignment));
   }
-  if (request.offset > static_cast<uint64_t>(INT64_MAX) - request.length) {
+  // Both bounds: a length above INT64_MAX would wrap the subtraction (and
+  // SplitRequest's piece count) instead of being refused.
+  if (request.length > static_cast<uint64_t>(INT64_MAX) ||
+      request.offset > static_cast<uint64_t>(INT64_MAX) - request.length) {
     return absl::InvalidArgumentError(absl::StrCat(
         OpName(request.op), " ", Where(*request.file, request.offset),
         ": length ", request.length, " overflows the file offset"));
