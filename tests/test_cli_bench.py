@@ -1,12 +1,14 @@
 """`mlp-offload bench`: every configuration runs, the numbers add up, the PNG
 is written."""
 import json
+import os
 import re
+import subprocess
 import tempfile
 
 import pytest
 
-from mlp_offload import cli
+from mlp_offload import cli, recovery
 from mlp_offload.whatif import CONFIGS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -18,8 +20,19 @@ TINY = ["--params", "2e6", "--subgroup-numel", "1e5", "--fast-mbps", "400",
 def test_bench_json_and_plot(tmp_path, capsys):
     png = tmp_path / "bench.png"
     tiers = [tmp_path / "fast", tmp_path / "slow"]
+    # What a benchmark killed mid-run left (its process is gone), and a
+    # live one's run directory (pid 1 is alive): the first goes, not the
+    # second.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    boot = recovery.boot_tag()
+    live = f"bench_baseline_1_k{boot}"
     for t in tiers:
-        t.mkdir()
+        for name in (f"bench_mlp_{gone.pid}_k{boot}", live):
+            (t / name).mkdir(parents=True)
+            (t / name / "LOCK").write_text("0")
+            os.utime(t / name / "LOCK", (1e9, 1e9))  # made long ago
+            (t / name / "sg_000000.state").write_bytes(b"x" * 4096)
     code = cli.main(["bench", "--json", "--out", str(png), "--tiers", *map(str, tiers)] + TINY)
     out = capsys.readouterr().out
     assert code == 0
@@ -47,7 +60,7 @@ def test_bench_json_and_plot(tmp_path, capsys):
     # The run directories are gone from the tiers (the tier locks' files are
     # not on them).
     left = [p.name for t in tiers for p in t.iterdir()]
-    assert not left, left
+    assert left == [live] * 2, left
 
 
 def test_bench_table(tmp_path, capsys):
@@ -74,6 +87,18 @@ def test_bench_budget_too_small_is_one_line_error(capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert err.count("\n") == 1 and "host budget" in err
+
+
+def test_bench_refuses_a_configuration_the_budget_cannot_run_before_running_any(capsys):
+    # mlp fits; multipath's double buffering does not: refused before the
+    # header, naming it and the flag (before: after mlp had run, naming
+    # neither).
+    code = cli.main(["bench", "--out", "", "--params", "100K", "--subgroup-numel", "10K",
+                     "--steps", "1", "--configs", "mlp,multipath,baseline"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out
+    assert err.count("\n") == 1 and "configuration multipath cannot run" in err \
+        and "--budget-fraction" in err, err
 
 
 @pytest.mark.parametrize("bad", [["--threads", "1e12"], ["--threads", "1025"],

@@ -107,6 +107,14 @@ def test_capacity_too_small_is_one_line_error(capsys):
     assert err.count("\n") == 1 and "error:" in err and "state needs" in err
 
 
+def test_a_capacity_below_a_byte_per_rank_is_not_unlimited(capsys):
+    # 3 bytes over the 4 ranks: each rank's share is rounded up to a byte
+    # (before: down to 0, which reads as unlimited, and the plan put the
+    # whole state there).
+    code, out, err = run(capsys, "plan", "--params", "70B", "--tier", "n:/n:6:3:3B")
+    assert code == 1 and "state needs" in err and err.count("\n") == 1, err
+
+
 def test_a_configuration_that_does_not_fit_is_named_and_the_others_planned(capsys):
     # 140B on the default tiers: the baseline (one path) does not fit the
     # node-local tier; MLP-Offload spills to the second.
@@ -190,6 +198,11 @@ def test_units():
     assert units.parse_size("4096") == 4096
     assert units.parse_count("70e9") == units.parse_count("70B") == 70_000_000_000
     assert units.parse_count("2.5M") == 2_500_000
+    assert units.parse_count("1.1B") == 1_100_000_000  # the float's error is no fraction
+    assert units.parse_count("1e3") == 1000 and units.parse_count("0.000001T") == 1_000_000
+    for fraction in ("1.5", "600000000.5", "1000000000.5", "1.0000000001", "1.5e-3K"):
+        with pytest.raises(ConfigError, match="not a whole number"):
+            units.parse_count(fraction)  # before: rounded, silently
     assert units.parse_rate("6.5") == 6.5e9 and units.parse_rate("800MB/s") == 8e8
     assert whatif.shard_subgroups(250, 2, 100) == [100, 25]
     # Exact for counts beyond float precision; too large or not finite: refused.
@@ -199,3 +212,28 @@ def test_units():
             units.parse_count(bad)
     with pytest.raises(ConfigError, match="too large"):
         units.parse_size("1e7TB")
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("argv", [["plan"], ["plan", "--json"], ["plan", "--help"]])
+def test_a_reader_that_leaves_the_pipe_gets_no_error(argv, unbuffered):
+    # `mlp-offload plan | head`: the reader is gone before anything was
+    # written. Before, "error: [Errno 32] Broken pipe" (or Python's
+    # "Exception ignored" at exit) went to stderr.
+    import os
+    import subprocess
+    import sys
+    # Buffered (the default into a pipe), the write fails when Python
+    # flushes, at the end; unbuffered, at the first write.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the first write fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mlp_offload.cli"] + argv, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300, env=env)
+    finally:
+        os.close(write)
+    assert proc.stderr == ""
+    assert proc.returncode == 141, proc.returncode  # 128 + SIGPIPE, as a shell says

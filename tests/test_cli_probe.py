@@ -45,7 +45,11 @@ def test_probe_missing_path_exit_1(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", [["--queue-depth", "32768"], ["--queue-depth", "0"],
-                                 ["--ranks", "1000"], ["--bytes", "1e400"]])
+                                 ["--ranks", "1000"], ["--bytes", "1e400"],
+                                 # O_DIRECT sizes, checked by the usage (before:
+                                 # by the engine, exit 1, without the usage).
+                                 ["--bytes", "0"], ["--bytes", "1000"],
+                                 ["--block-size", "1000"], ["--block-size", "2GiB"]])
 def test_probe_bad_arguments_exit_2(tmp_path, bad):
     with pytest.raises(SystemExit) as e:
         cli.main(["probe", str(tmp_path)] + bad)

@@ -1,8 +1,12 @@
 """`mlp-offload train`: a tiny GPT trains with its state offloaded; the
 baseline and plain-torch runs follow the same loss curve; the PNG is written."""
+import errno
+import io
 import json
 import os
 import re
+import shutil
+import stat
 
 import pytest
 
@@ -184,6 +188,15 @@ def test_help_shows_defaults_of_zero(capsys):
                    "failing it (allocator_may_return_null=0)")),
     (["--tiers", "{tmp}/file", "{tmp}"], "tier directory {tmp}/file is not a directory"),
     (["--out", "{tmp}/file/sub/x.png"], "/file is not a directory"),
+    # A directory, with or without its slash (before: "{tmp}/.png" was
+    # reported and "{tmp}/.png.png" written).
+    (["--out", "{tmp}/"], "--out {tmp}/ is a directory"),
+    (["--out", "{tmp}"], "--out {tmp} is a directory"),
+    # A format matplotlib lists but cannot write here: found out before
+    # the run (before: after it).
+    pytest.param(["--out", "{tmp}/x.pgf"], "matplotlib cannot write .pgf here",
+                 marks=pytest.mark.skipif(shutil.which("xelatex") is not None,
+                                          reason="this machine writes pgf")),
 ])
 def test_train_bad_setups_are_one_line_errors_before_training(tmp_path, capsys, argv, want):
     (tmp_path / "file").write_text("")
@@ -192,12 +205,49 @@ def test_train_bad_setups_are_one_line_errors_before_training(tmp_path, capsys, 
     assert code == 1 and want.format(tmp=tmp_path) in err and err.count("\n") == 1, err
 
 
+def test_a_plot_that_cannot_be_written_leaves_the_one_there_and_names_the_file(
+        tmp_path, capsys, monkeypatch):
+    # The plot goes to a new file renamed over the old one: a full disk
+    # part-way through leaves the old plot and no partial file, and the
+    # error names the plot (before: a truncated plot, and no name).
+    import matplotlib.figure
+
+    png = tmp_path / "plot.png"
+    png.write_bytes(b"the old plot")
+    real = matplotlib.figure.Figure.savefig
+
+    def full_disk(self, fname, *args, **kwargs):
+        if isinstance(fname, io.BytesIO):  # the format's check, in memory
+            return real(self, fname, *args, **kwargs)
+        fname.write(b"\x89PNG part of it")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    code = cli.main(["train", "--no-compare", "--quiet", "--out", str(png)] + TINY)
+    err = capsys.readouterr().err
+    assert code == 1 and "No space left on device" in err and str(png) in err, err
+    assert png.read_bytes() == b"the old plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", real)
+    # Written, it replaces the old plot, keeping its permissions; through a
+    # symlink, the link's target (the link stays).
+    os.chmod(png, 0o640)
+    link = tmp_path / "latest.png"
+    link.symlink_to(png.name)
+    assert cli.main(["train", "--no-compare", "--quiet", "--out", str(link)] + TINY) == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert stat.S_IMODE(png.stat().st_mode) == 0o640 and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.png", "plot.png"]
+
+
 @pytest.mark.parametrize("bad", [["--lr", "nan"], ["--lr", "-1"], ["--lr", "0"],
                                  ["--warmup", "-1"],
                                  # The batches' seeds, seed * 1_000_003 + step,
                                  # must stay below 2**64.
                                  ["--seed", "100000000000000"], ["--seed", "4294967296"],
-                                 ["--seed", "99999999999999999999999"], ["--seed", "-1"]])
+                                 ["--seed", "99999999999999999999999"], ["--seed", "-1"],
+                                 # Counts are whole (before: rounded).
+                                 ["--steps", "1.5"], ["--batch-size", "2.5"]])
 def test_train_bad_numbers_exit_2(bad):
     with pytest.raises(SystemExit) as e:
         cli.main(["train"] + TINY + bad)

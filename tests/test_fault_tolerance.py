@@ -11,12 +11,14 @@ and planted symlinks are not followed.
 
 import copy
 import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import stat
+import subprocess
 import threading
 import time
 
@@ -24,7 +26,7 @@ import pytest
 import torch
 from conftest import tier_dirs
 
-from mlp_offload import MLPOffloadOptimizer, _C, cuda_path, errors
+from mlp_offload import MLPOffloadOptimizer, _C, cuda_path, errors, recovery
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -140,6 +142,189 @@ def test_fault_fails_the_step_whole_and_training_continues(tmp_path, monkeypatch
     for pid, st in want_sd["state"].items():
         for key, value in st.items():
             assert torch.equal(sd["state"][pid][key], value), (pid, key)
+    opt.close()
+
+
+def test_a_private_run_removes_what_a_killed_one_of_its_name_left(tmp_path, caplog):
+    # A private run's directories (no run_name persistence) carry its pid
+    # and its kernel's boot id; one killed before its clean-up (SIGKILL,
+    # the OOM killer) left a copy of its state that no run reuses. The next
+    # run of that name on this kernel removes the ones whose process is
+    # gone and whose run locks are free and not new, and leaves the rest.
+    tiers = tier_dirs(tmp_path)
+    boot = recovery.boot_tag()
+    assert re.fullmatch(r"[0-9a-f]{12}", boot), boot
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, alive = gone.pid, os.getpid()
+    old = time.time() - 3600
+
+    def leftover(name, lock=True, age=old):
+        for t in tiers:
+            d = os.path.join(t, name)
+            os.makedirs(d)
+            with open(os.path.join(d, "sg_000000.state"), "wb") as f:
+                f.write(b"x" * 4096)
+            if lock:
+                with open(os.path.join(d, "LOCK"), "w") as f:
+                    f.write(str(dead))
+                os.utime(os.path.join(d, "LOCK"), (age, age))
+        return [os.path.join(t, name) for t in tiers]
+
+    killed = leftover(f"job-{dead}-0123abcd-g1-r0-k{boot}")
+    killed_too = leftover(f"job-{dead}-89abcdef-g2-r1-k{boot}")
+    kept = {
+        "alive": leftover(f"job-{alive}-0123abcd-g1-r0-k{boot}"),  # this process's
+        "no lock": leftover(f"job-{dead}-feedf00d-g1-r0-k{boot}", lock=False),
+        "starting": leftover(f"job-{dead}-00000000-g1-r0-k{boot}", age=time.time()),
+        "another kernel": leftover(f"job-{dead}-0123abcd-g1-r0-k0123456789ab"),
+        "another run name": leftover(f"other-{dead}-0123abcd-g1-r0-k{boot}"),
+        "not a pid": leftover(f"job-9999999999-0123abcd-g1-r0-k{boot}"),
+        "persistent": leftover("job.r0"),
+        "held": leftover(f"job-{dead}-cafecafe-g1-r0-k{boot}"),  # another PID namespace's
+    }
+    fd = os.open(os.path.join(kept["held"][1], "LOCK"), os.O_RDWR)  # on one tier
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        model = make_model()
+        with caplog.at_level("INFO", logger="mlp_offload"):
+            opt = wrap(model, tiers, run_name="job")
+    finally:
+        os.close(fd)
+    for d in killed + killed_too:
+        assert not os.path.lexists(d), d
+        assert f"removed {d}" in caplog.text
+    for why, dirs in kept.items():
+        for d in dirs:
+            assert os.path.isfile(os.path.join(d, "sg_000000.state")), (why, d)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    backward(model, 0)
+    opt.step()
+    mine = [os.path.join(t, opt._run_name) for t in tiers]
+    assert all(os.path.isdir(d) for d in mine)
+    assert opt._run_name.endswith(f"-r0-k{boot}")
+    opt.close()
+    assert not any(os.path.lexists(d) for d in mine)
+
+
+class GroupCounterSGD(torch.optim.Optimizer):
+    """Momentum SGD whose step size falls with a count it keeps per param
+    group (as timm's Lamb and Adan keep group["step"])."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros_like(p)
+                state["buf"].mul_(0.9).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"] / group["step"])
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_generic_step_that_failed_part_way_counts_once_when_retried(tmp_path, op):
+    # The generic path advances what the optimizer keeps per group once per
+    # step. A step that fails after some subgroups were updated puts the
+    # counts back where the step started: the retry, which updates the
+    # rest (a read failed: some are left; a write failed: maybe none), sees
+    # what they saw, and the step counts once, as torch's.
+    make = lambda ps: GroupCounterSGD(ps, lr=0.05)  # noqa: E731
+    ref = make_model()
+    ref_opt = make(ref.parameters())
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), make=make, fault_injection=True)
+    assert len(opt.subgroups) >= 4
+    for k in range(4):
+        backward(ref, k)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        backward(model, k)
+        if k == 2:
+            opt.engine.add_fault(1, nth=-1, kind="error", op=op, error=errno.EIO)
+            with pytest.raises(errors.TierIOError):
+                opt.step()
+            assert opt.engine.step_incomplete  # some subgroups were updated
+            assert opt.param_groups[0]["step"] == 2
+            opt.engine.clear_faults(1)
+        opt.step()
+        opt.zero_grad()
+        assert opt.param_groups[0]["step"] == ref_opt.param_groups[0]["step"] == k + 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    opt.close()
+
+
+def test_a_generic_steps_count_holds_when_only_its_commit_failed(tmp_path):
+    # The step went through (the engine counted it), then its commit could
+    # not be written: its group count stays advanced, as the retry only
+    # writes the commit again (before: put back, so one step behind).
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    model = make_model()
+    opt = wrap(model, [a, b], make=lambda ps: GroupCounterSGD(ps, lr=0.05), run_name="r",
+               commit_every=1)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 1)
+    blocker = os.path.join(b, "r.r0", f"COMMIT.prev.tmp.{os.getpid()}")
+    os.mkdir(blocker)
+    with pytest.raises(errors.OffloadError):
+        opt.step()
+    assert opt.engine.steps == 2 and opt.param_groups[0]["step"] == 2
+    os.rmdir(blocker)
+    opt.step()
+    assert opt.last_step_stats.get("completed_earlier")
+    assert opt.engine.committed_step == 2 and opt.param_groups[0]["step"] == 2
+    opt.close()
+
+
+class RecordingSGD(torch.optim.Optimizer):
+    """SGD with a group count that records (lr, count) per call that steps."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+        self.seen = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            if any(p.grad is not None for p in group["params"]):
+                self.seen.append((group["lr"], group["step"]))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_change_between_a_failed_generic_step_and_its_retry_stays(tmp_path):
+    # A scheduler sets the lr after the failure: every call of the retry
+    # sees it, with the step's count (before: only the first, the others
+    # the failed attempt's lr, which the step then kept).
+    model = make_model()
+    inner = RecordingSGD(model.parameters(), lr=0.1)
+    opt = wrap(model, tier_dirs(tmp_path), make=lambda ps: inner, fault_injection=True)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 1)
+    opt.engine.add_fault(1, nth=-1, kind="error", op="read", error=errno.EIO)
+    with pytest.raises(errors.TierIOError):
+        opt.step()
+    assert opt.engine.step_incomplete and opt.param_groups[0]["step"] == 1
+    opt.engine.clear_faults(1)
+    opt.param_groups[0]["lr"] = 0.05
+    inner.seen.clear()
+    opt.step()
+    assert len(inner.seen) >= 1 and set(inner.seen) == {(0.05, 2)}, inner.seen
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["step"] == 2
     opt.close()
 
 

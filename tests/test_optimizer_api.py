@@ -947,7 +947,81 @@ def test_generic_path_fires_the_step_hooks_once_per_step(tmp_path):
     finally:
         for h in handles:
             h.remove()
-    assert sorted(calls) == [("global", "MLPOffloadOptimizer"), ("wrapper",)]
+    # The wrapped optimizer's hooks are the wrapper's: they fire once per
+    # step too, not once per subgroup.
+    assert sorted(calls) == [("global", "MLPOffloadOptimizer"), ("inner",), ("wrapper",)]
+    opt.close()
+
+
+class AdamThroughSuper(torch.optim.Adam):
+    """A generic-path optimizer whose step calls its base class's, which
+    torch's step wrapper hooks too."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def test_step_hooks_fire_once_per_step_for_a_step_that_calls_super(tmp_path):
+    # Before, the base class's hooked step ran the global hooks (and the
+    # wrapped optimizer's, now the wrapper's) once per subgroup.
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # hooks Adam.step
+    assert getattr(torch.optim.Adam.step, "hooked", False)
+    model = make_model()
+    inner = AdamThroughSuper(model.parameters(), lr=1e-2)
+    opt = wrap(inner, tmp_path, subgroup_numel=100)
+    assert len(opt.subgroups) > 2 and opt._family is None
+    calls = []
+    handles = [_optim_module.register_optimizer_step_pre_hook(
+                   lambda o, a, k: calls.append(("global_pre", type(o).__name__))),
+               _optim_module.register_optimizer_step_post_hook(
+                   lambda o, a, k: calls.append(("global_post", type(o).__name__))),
+               inner.register_step_pre_hook(lambda o, a, k: calls.append(("pre",)))]
+    try:
+        loss_of(model, 0).backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(calls) == [("global_post", "MLPOffloadOptimizer"),
+                             ("global_pre", "MLPOffloadOptimizer"), ("pre",)]
+    assert not _optim_module._global_optimizer_pre_hooks  # all put back, then removed
+    opt.close()
+
+
+@pytest.mark.parametrize("name", ["native", "generic"])
+def test_hooks_registered_on_the_wrapped_optimizer_are_the_wrappers(tmp_path, name):
+    # Registered before wrapping (a library's, say): before, its step hooks
+    # never fired and its state_dict post-hook saw an empty state.
+    model = make_model()
+    make = torch.optim.AdamW if name == "native" else torch.optim.RMSprop
+    inner = make(model.parameters(), lr=1e-2)
+    calls = []
+    inner.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o)))
+    post = inner.register_step_post_hook(lambda o, a, k: calls.append(("post", o)))
+    inner.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o)))
+    inner.register_state_dict_post_hook(
+        lambda o, sd: calls.append(("sd_post", len(sd["state"]))))
+    inner.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load_pre", o)))
+    inner.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o)))
+    opt = wrap(inner, tmp_path, subgroup_numel=100)
+    assert len(opt.subgroups) > 2
+    assert not calls  # wrapping itself (the probe, the engine's set-up) ran none
+    loss_of(model, 0).backward()
+    opt.step()
+    assert calls == [("pre", opt), ("post", opt)]
+    calls.clear()
+    sd = opt.state_dict()
+    n = len(list(model.parameters()))
+    assert len(sd["state"]) == n
+    assert calls == [("sd_pre", opt), ("sd_post", n)]
+    calls.clear()
+    opt.load_state_dict(sd)
+    assert calls == [("load_pre", opt), ("load_post", opt)]
+    calls.clear()
+    post.remove()  # a handle from the wrapped optimizer still removes its hook
+    loss_of(model, 1).backward()
+    opt.step()
+    assert calls == [("pre", opt)]
     opt.close()
 
 

@@ -40,6 +40,64 @@ class SignMomentum(torch.optim.Optimizer):
                 p.add_(state["buf"].sign(), alpha=-group["lr"] / state["count"] ** 0.5)
 
 
+class GroupCounterAdam(torch.optim.Optimizer):
+    """A user-written Adam that counts steps per param group (as timm's Lamb
+    and Adan keep group["step"]) and on itself (a warm-up by call count):
+    the wrapper runs its step once per subgroup, each count must still
+    advance once per step."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, warmup=5):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        self.warmup = warmup
+        self.calls = 0
+        self.scale = torch.tensor(0.0)  # advanced in place
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        self.scale.add_(1.0 / self.warmup).clamp_(max=1.0)
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["exp_avg"].lerp_(p.grad, 1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (state["exp_avg_sq"] / (1 - b2 ** group["step"])).sqrt_()
+                lr = group["lr"] * min(1.0, self.calls / self.warmup) * self.scale.item()
+                p.addcdiv_(state["exp_avg"], denom.add_(group["eps"]),
+                           value=-lr / (1 - b1 ** group["step"]))
+
+
+class SlowWeightsSGD(torch.optim.Optimizer):
+    """SGD with Lookahead-style slow weights, made at the first sync (every
+    k-th step): a state tensor that appears after a parameter's first
+    step."""
+
+    def __init__(self, params, lr=0.05, k=2, alpha=0.5):
+        super().__init__(params, dict(lr=lr, k=k, alpha=alpha))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"])
+                if state["n"] % group["k"] == 0:
+                    if "slow" not in state:
+                        state["slow"] = p.clone()
+                    state["slow"].lerp_(p, group["alpha"])
+                    p.copy_(state["slow"])
+
+
 OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "adam_l2_amsgrad": lambda ps: torch.optim.Adam(ps, lr=2e-3, betas=(0.8, 0.99),
@@ -60,6 +118,8 @@ OPTIMIZERS = {
     # for matrices, a full variance (offloaded) for vectors.
     "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01),
     "user_sign_momentum": lambda ps: SignMomentum(ps, lr=1e-3),
+    "user_group_counter": lambda ps: GroupCounterAdam(ps, lr=1e-3),
+    "user_slow_weights": lambda ps: SlowWeightsSGD(ps, lr=0.05, k=3),
 }
 
 # (tiers, host cache, mode): every tier count and cache level in both modes.
@@ -179,6 +239,163 @@ def test_matches_plain_optimizer(tmp_path, name, num_tiers, cache, mode):
     if num_tiers > 1 and cache != "all" and mode == "mlp":
         # Multi-path: every tier moved bytes in the last step.
         assert all(b > 0 for b in stats["bytes_read"]), stats
+    opt.close()
+
+
+def test_a_generic_state_key_made_after_the_first_step_is_offloaded_from_then_on(tmp_path):
+    # The probe finds the slow weights (its third step syncs); the run
+    # makes them at step 2. Before, that step was refused ("state keys must
+    # not change between steps"); torch keeps them from then on.
+    ref, model, ref_opt, opt = twins(tmp_path, lambda ps: SlowWeightsSGD(ps, k=2),
+                                     make_model)
+    assert opt._keys[0] == ["slow"]
+    for k, batch in enumerate(batches(4)):
+        train_both(ref, ref_opt, model, opt, [batch])
+        assert_same_state(opt, ref_opt)
+        assert all(("slow" in st) == (k >= 1) for st in opt.state_dict()["state"].values())
+    assert_params_close(model, ref)
+    opt.close()
+
+
+def test_step_values_put_back_what_a_call_changes_in_place():
+    # Lists, numpy arrays and tensors changed in place by each call are put
+    # back in place (the same objects: a scheduler may hold them); sparse
+    # and meta tensors, which cannot be compared, never fail a step; a key
+    # the first call made, in a call that then failed, goes.
+    import numpy as np
+
+    from mlp_offload.generic import StepValues
+
+    class InPlace(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1, hist=[], arr=np.zeros(2),
+                                          t=torch.zeros(2), sparse=torch.ones(2).to_sparse(),
+                                          meta=torch.empty(2, device="meta")))
+
+        def step(self, closure=None):
+            for g in self.param_groups:
+                g["hist"].append(1)
+                g["arr"] += 1
+                g["t"].add_(1)
+                g["made"] = g.get("made", 0) + 1
+
+    opt = InPlace([torch.nn.Parameter(torch.zeros(2))])
+    group = opt.param_groups[0]
+    objects = [group[k] for k in ("hist", "arr", "t")]
+    values = StepValues(opt)
+    for _ in range(3):  # one step, three subgroups
+        values.before_call()
+        opt.step()
+        values.after_call(0)
+    values.finish()
+    assert group["hist"] == [1] and group["arr"].tolist() == [1, 1]
+    assert group["t"].tolist() == [1, 1] and group["made"] == 1
+    assert [group[k] for k in ("hist", "arr", "t")] == objects  # the same objects
+    values = StepValues(opt)
+    values.before_call()
+    opt.step()  # then fails, inside its first call
+    values.abandon()
+    assert group["hist"] == [1] and group["t"].tolist() == [1, 1] and group["made"] == 1
+
+
+def test_generic_counters_per_group_and_instance_advance_once_per_step(tmp_path):
+    # Two groups over many subgroups, the second without gradients on some
+    # steps (its subgroups are skipped; torch's step still counts it).
+    # Before, every subgroup's call advanced every group's count.
+    def make(model):
+        ps = list(model.parameters())
+        return GroupCounterAdam([{"params": ps[:4]}, {"params": ps[4:], "lr": 3e-3}], lr=1e-3)
+
+    torch.manual_seed(0)
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = make(ref)
+    opt = MLPOffloadOptimizer(make(model), tiers=[str(tmp_path)],
+                              subgroup_numel=SUBGROUP_NUMEL, compute_threads=1)
+    groups = {sg.group for sg in opt.subgroups}
+    assert len(opt.subgroups) >= 8 and groups == {0, 1}
+    for k, (x, y) in enumerate(batches(6)):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad.clone()
+        if k in (2, 3):  # the second group has no gradients
+            for a, b in zip(list(model.parameters())[4:], list(ref.parameters())[4:]):
+                a.grad = b.grad = None
+        ref_opt.step()
+        opt.step()
+        assert [g["step"] for g in opt.param_groups] == [k + 1, k + 1]
+        assert opt.optimizer.calls == ref_opt.calls == k + 1
+        assert opt.optimizer.scale.item() == ref_opt.scale.item()
+    assert_params_close(model, ref)
+    assert [g["step"] for g in opt.state_dict()["param_groups"]] == [6, 6]
+    opt.close()
+
+
+class InPlaceDecay(torch.optim.Optimizer):
+    """SGD whose tensor lr the step itself halves, in place."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"].item())
+            group["lr"].mul_(0.5)
+
+
+def test_the_generic_probe_leaves_the_groups_values_alone(tmp_path):
+    # The probe's throwaway instance steps on copies of the group's values:
+    # before, it shared the group's tensor lr, which its steps halved.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = InPlaceDecay(ref.parameters(), lr=torch.tensor(0.1))
+    inner = InPlaceDecay(model.parameters(), lr=torch.tensor(0.1))
+    lr = inner.param_groups[0]["lr"]
+    opt = MLPOffloadOptimizer(inner, tiers=[str(tmp_path)], subgroup_numel=SUBGROUP_NUMEL,
+                              compute_threads=1)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.1)
+    train_both(ref, ref_opt, model, opt, batches(3))
+    assert lr.item() == ref_opt.param_groups[0]["lr"].item() == pytest.approx(0.1 / 8)
+    assert_params_close(model, ref)
+    opt.close()
+
+
+def test_a_bf16_generic_run_steps_after_loading_a_plain_optimizers_state(tmp_path):
+    # Adafactor keeps its factored moments in Python, in the parameters'
+    # dtype: loaded from a bf16 model's plain optimizer they are bf16, and
+    # the generic step runs on the fp32 master copy. They are cast to fp32
+    # on load (as torch's load casts state to its parameter's dtype); before,
+    # every later step failed on the mixed dtypes.
+    def make(ps):
+        return torch.optim.Adafactor(ps, lr=1e-2)
+
+    ref = make_model().to(torch.bfloat16)
+    ref_opt = make(ref.parameters())
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in batches(4)]
+    for x, y in data[:2]:
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    model = copy.deepcopy(ref)
+    opt = MLPOffloadOptimizer(make(model.parameters()), tiers=[str(tmp_path)],
+                              subgroup_numel=SUBGROUP_NUMEL, compute_threads=1)
+    sd = ref_opt.state_dict()
+    assert any(v.dtype == torch.bfloat16 for st in sd["state"].values()
+               for k, v in st.items() if k == "row_var")
+    opt.load_state_dict(sd)
+    train_both(ref, ref_opt, model, opt, data[2:])
+    state = opt.state_dict()["state"]
+    assert all(v.dtype == torch.float32 for st in state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+    # The plain optimizer steps bf16 parameters in bf16, the wrapper an fp32
+    # master copy: they agree to bf16's precision.
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=2e-2)
     opt.close()
 
 

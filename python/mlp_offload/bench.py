@@ -14,6 +14,7 @@ makes the same offload_gradients calls (a no-op with delayed conversion).
 
 import logging
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -23,11 +24,18 @@ import torch
 
 from mlp_offload import _C
 from mlp_offload import config as _config
-from mlp_offload.errors import ConfigError
+from mlp_offload import recovery as _recovery
+from mlp_offload.errors import ConfigError, OffloadError
 from mlp_offload.units import MAX_INT
 from mlp_offload.whatif import CONFIGS, split_into_subgroups, techniques_of
 
 _log = logging.getLogger(__name__)
+
+def _left_by_a_benchmark(boot):
+    """The run names of a benchmark's engines on this kernel
+    (run_benchmark: bench_<config>_<pid>_k<boot>, see recovery.boot_tag)."""
+    return re.compile(r"bench_(?:" + "|".join(map(re.escape, CONFIGS))
+                      + r")_(?P<pid>\d{1,10})_k" + re.escape(boot))
 
 
 def _median(values):
@@ -53,6 +61,25 @@ def host_budget(state_bytes, budget_fraction):
                           f"state is a host budget of {budget:.3g} bytes, more than "
                           f"{MAX_INT:.3g}")
     return int(budget)
+
+
+def check_plans(params, subgroup_numel, budget_fraction, configs):
+    """Plans each configuration as run_benchmark will (no I/O): one that the
+    host budget cannot run is a ConfigError naming it and --budget-fraction,
+    before any configuration runs (the planner takes milliseconds, a run
+    minutes)."""
+    sizes = subgroup_sizes(int(params), int(subgroup_numel))
+    budget = host_budget(sum(sizes) * 12, budget_fraction)
+    tiers = [{"path": f"/{name}", "name": name, "read_bytes_per_sec": 1e9,
+              "write_bytes_per_sec": 1e9} for name in ("fast", "slow")]
+    for config in configs:
+        try:
+            _C.engine.make_plan(sizes, 3, 2, tiers, max(budget, 1), techniques_of(config))
+        except OffloadError as e:
+            raise ConfigError(
+                f"configuration {config} cannot run with a host budget of {budget} bytes "
+                f"(budget_fraction {budget_fraction:g} of the state; --budget-fraction): "
+                f"{e}") from None
 
 
 def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
@@ -88,6 +115,15 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
     tiers = [os.fspath(t) for t in tiers]
     if len(tiers) != 2:
         raise ConfigError(f"the benchmark needs two tier directories, got {len(tiers)}")
+    # A benchmark killed before its clean-up left its engines' directories.
+    boot = _recovery.boot_tag()
+    removed, failed = _recovery.sweep_dead_runs(tiers, _left_by_a_benchmark(boot)) \
+        if boot else ([], [])
+    for d in removed:
+        _log.info("removed %s, left by a benchmark whose process is gone", d)
+    for dirs, e in failed:
+        _log.warning("could not remove %s, left by a benchmark whose process is gone: %s",
+                     ", ".join(dirs), e)
 
     gen = torch.Generator().manual_seed(seed)
     model = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in sizes]
@@ -105,7 +141,7 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                  "throttle_read_bytes_per_sec": caps[t],
                  "throttle_write_bytes_per_sec": caps[t]}
                 for t in range(2)]
-            run_name = f"bench_{config}_{os.getpid()}"
+            run_name = f"bench_{config}_{os.getpid()}_k{boot or 'unknown'}"
             engine = _C.engine.Engine.create(
                 tiers=tier_specs, host_budget_bytes=budget, subgroup_numel=sizes,
                 num_state_arrays=2, grad_dtype="bfloat16",

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import sys
@@ -43,6 +44,25 @@ def _arg(parse):
         except ConfigError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     convert.__name__ = parse.__name__.replace("parse_", "")
+    return convert
+
+
+def _aligned_size(hi):
+    """An argparse type: a size that is a positive multiple of 4096 bytes
+    (O_DIRECT's alignment), at most `hi`."""
+    def convert(text):
+        try:
+            value = units.parse_size(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value <= 0 or value % 4096:
+            raise argparse.ArgumentTypeError(
+                f"must be a positive multiple of 4096 bytes (O_DIRECT), got {text}")
+        if value > hi:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {units.format_bytes(hi)}, got {text}")
+        return value
+    convert.__name__ = "size"
     return convert
 
 
@@ -99,6 +119,8 @@ def _writable_out(path):
     run."""
     if not path:
         return path
+    if path.endswith(os.sep) or os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a directory: name a file (a .png) in it")
     ext = os.path.splitext(path)[1]
     if not ext:
         path += ".png"
@@ -110,6 +132,15 @@ def _writable_out(path):
                               f"writes ({', '.join(sorted(formats))})")
     if os.path.isdir(path):
         raise ConfigError(f"--out {path} is a directory")
+    if os.path.lexists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"--out {path} exists and is not writable")
+    from mlp_offload import plot
+    try:
+        plot.check_format(path)
+    except Exception as e:  # noqa: BLE001 - whatever the format's writer lacks
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"--out {path}: matplotlib cannot write {ext or '.png'} here "
+                          f"({type(e).__name__}: {why})") from e
     # Missing directories are made at the end: the nearest existing one
     # must take them.
     d = os.path.dirname(os.path.abspath(path))
@@ -363,6 +394,7 @@ def _cmd_bench(args, out):
     # Checked before the header.
     bench.subgroup_sizes(args.params, args.subgroup_numel)
     bench.host_budget(args.params * 12, args.budget_fraction)
+    bench.check_plans(args.params, args.subgroup_numel, args.budget_fraction, args.configs)
 
     def progress(config, done, total):
         bar.set_postfix_str(config)
@@ -591,10 +623,10 @@ def build_parser():
                        "of each directory alone, then of all of them at once; paths that "
                        "share a device (one bandwidth pool) are detected.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="directories to probe")
-    p.add_argument("--bytes", type=_arg(units.parse_size), default="256MiB",
-                   help="bytes written then read per path (e.g. 1GiB)")
-    p.add_argument("--block-size", type=_arg(units.parse_size), default="1MiB",
-                   help="bytes per request")
+    p.add_argument("--bytes", type=_aligned_size(units.MAX_INT), default="256MiB",
+                   help="bytes written then read per path (e.g. 1GiB; a multiple of 4 KiB)")
+    p.add_argument("--block-size", type=_aligned_size(1 << 30), default="1MiB",
+                   help="bytes per request (a multiple of 4 KiB, at most 1 GiB)")
     p.add_argument("--queue-depth", type=_bounded_int(1, 1024), default=32,
                    help="requests in flight per path (1..1024)")
     p.add_argument("--ranks", type=_bounded_int(1, 256), default=1,
@@ -736,13 +768,45 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv=None):
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return _main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            if threading.current_thread() is not threading.main_thread():
+                return _main(argv)
+            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            try:
+                return _main(argv)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        finally:
+            # What is still buffered (all of it, into a pipe): a reader
+            # that left shows here, not in Python's flush at exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _stdout_reader_gone():
+    """Whether standard output is a pipe whose reader left (a broken pipe
+    elsewhere, a socket, is an error like any other)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor
+        return False
+
+
+def _reader_gone():
+    """Standard output's reader left (`mlp-offload plan | head`): no error
+    message, as for any command in a pipe; the exit status of a command
+    SIGPIPE stopped. What Python would flush at exit goes nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor (captured output)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 def _main(argv):
@@ -767,6 +831,8 @@ def _main(argv):
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return 1
     except OSError as e:  # e.g. the PNG's directory is not writable
+        if isinstance(e, BrokenPipeError) and _stdout_reader_gone():
+            return _reader_gone()
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return 1
     except KeyboardInterrupt as e:

@@ -12,12 +12,15 @@ Which state tensors are shaped like the parameter is found once by running
 a throwaway instance of the optimizer's class on a small probe parameter.
 """
 
+import collections
 import contextlib
+import copy
 import inspect
 import logging
 import weakref
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 from mlp_offload import layout as _layout
 from mlp_offload.errors import ConfigError, OffloadError
@@ -61,8 +64,18 @@ def has_state_value(present, keys):
     return True if len(present) == len(keys) else {"offloaded": present}
 
 
+def _own_copy(value):
+    """A copy of a hyperparameter for the probe's throwaway instance, whose
+    steps may change it in place (a tensor lr decayed by the step itself):
+    the real group's must not move. What cannot be copied is shared."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - any object a user put in a group
+        return value
+
+
 def _constructor_kwargs(cls, group):
-    hp = {k: v for k, v in group.items() if k != "params"}
+    hp = {k: _own_copy(v) for k, v in group.items() if k != "params"}
     try:
         sig = inspect.signature(cls.__init__)
     except (TypeError, ValueError):
@@ -132,14 +145,264 @@ def _warn_not_offloaded(optimizer, key, pid, value):
         "every per-parameter state tensor to offload it", name, key, tuple(value.shape), pid)
 
 
+# Attributes every torch.optim.Optimizer has, which StepValues leaves
+# alone (the per-parameter state is the wrapper's; the rest is not step
+# state).
+_OPTIMIZER_ATTRIBUTES = frozenset({"state", "param_groups", "defaults"})
+
+
+def _kept(value):
+    """What StepValues keeps of a value: (the object, a copy of its
+    contents where it may change in place: a dense tensor, a list, dict,
+    set or bytearray, a numpy array; else None, kept by reference)."""
+    if isinstance(value, torch.Tensor):
+        if value.layout is torch.strided and value.device.type != "meta":
+            return value, value.detach().clone()
+        return value, None
+    if isinstance(value, (list, dict, set, bytearray)) or type(value).__name__ == "ndarray":
+        try:
+            return value, copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - what cannot be copied is kept by reference
+            return value, None
+    return value, None
+
+
+def _equal(a, b):
+    """a == b as a bool, for the values _kept copies (False where the
+    comparison itself fails, e.g. a list of tensors)."""
+    try:
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        if type(a).__name__ == "ndarray":
+            return bool((a == b).all()) and a.shape == b.shape
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - any object a user put there
+        return False
+
+
+def _same(kept, value):
+    """Whether `value` is still the value `kept` took (a value that cannot
+    be compared counts as changed: it is then put back, harmlessly)."""
+    obj, contents = kept
+    if contents is not None:
+        return value is obj and _equal(value, contents)
+    if value is obj:
+        return True
+    return type(value) is type(obj) and _equal(value, obj)
+
+
+def _put_back(holder, key, kept, setter):
+    """Sets holder[key] (or the attribute) to the kept object, with the
+    kept contents put back into it in place: a scheduler, or the user, may
+    hold that object."""
+    obj, contents = kept
+    if contents is not None:
+        if isinstance(obj, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(contents)
+        elif isinstance(obj, list):
+            obj[:] = copy.deepcopy(contents)
+        elif isinstance(obj, (dict, set)):
+            obj.clear()
+            obj.update(copy.deepcopy(contents))
+        elif isinstance(obj, bytearray):
+            obj[:] = contents
+        else:  # a numpy array
+            obj[...] = contents
+    setter(holder, key, obj)
+
+
+def _instance_values(optimizer):
+    """The optimizer's own attributes that a step may advance: numbers,
+    strings and tensors (not containers, objects or torch's bookkeeping)."""
+    return {k: _kept(v) for k, v in vars(optimizer).items()
+            if k not in _OPTIMIZER_ATTRIBUTES and not k.startswith("_optimizer_")
+            and isinstance(v, (bool, int, float, complex, str, bytes, torch.Tensor))}
+
+
+class StepValues:
+    """What one step of the optimizer's own advances besides per-parameter
+    state, kept so that stepping it once per subgroup advances it once.
+
+    Some optimizers keep a counter or running value per param group
+    (`group["step"]` in timm's Lamb and Adan, `group["k"]` in Prodigy) or
+    on the instance. The wrapper runs the optimizer's step once per
+    subgroup, and each of those calls would advance it again. So each call
+    starts from the values the step started with (before_call), the values
+    after the call that stepped a group's subgroups are that group's
+    (after_call), and finish() leaves every group (and the instance) as one
+    call left it: as one step of torch's. A group none of whose subgroups
+    stepped takes the values the first call left, as torch's one call over
+    every group would. Only the values some call changed are put back or
+    set ("touched"). Values are kept by reference (a rebound number) and,
+    where they may change in place (a tensor, a list, a numpy array), by
+    contents too, put back in place.
+
+    A step that fails part-way keeps its StepValues (abandon() puts the
+    first values back): its retry, which updates only the subgroups left,
+    goes on with it (rebase() first takes what changed in between, a
+    scheduler's new lr, as the values it starts from), so that the step
+    still counts once, also when no call is left to make.
+    """
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        groups = optimizer.param_groups
+        self._before = [self._group_values(g) for g in groups]
+        self._after = [None] * len(groups)
+        self._touched = [set() for _ in groups]
+        self._stepped = [False] * len(groups)
+        self._before_instance = _instance_values(optimizer)
+        self._after_instance = None
+        self._touched_instance = set()
+
+    def fits(self, optimizer):
+        """Whether a retry of the step this was made for can go on with it."""
+        return optimizer is self._optimizer and \
+            len(optimizer.param_groups) == len(self._before)
+
+    def rebase(self):
+        """At a retry: the values now (abandon() put back what the failed
+        attempt's calls changed; someone may have changed others, or those)
+        are the ones the retry's calls start from."""
+        self._before = [self._group_values(g) for g in self._optimizer.param_groups]
+        self._before_instance = _instance_values(self._optimizer)
+
+    @staticmethod
+    def _group_values(group):
+        return {k: _kept(v) for k, v in group.items() if k != "params"}
+
+    @staticmethod
+    def _note_changes(before, holder_items, touched):
+        now = dict(holder_items)
+        for k in set(before) | set(now):
+            if k not in before or k not in now or not _same(before[k], now[k]):
+                touched.add(k)
+
+    @staticmethod
+    def _set(holder, values, touched, setter, deleter, present):
+        for k in touched:
+            if k in values:
+                _put_back(holder, k, values[k], setter)
+            elif k in present:
+                deleter(holder, k)
+
+    def _restore_group(self, gi, values):
+        group = self._optimizer.param_groups[gi]
+        self._set(group, values, self._touched[gi], dict.__setitem__,
+                  dict.__delitem__, group)
+
+    def _restore_instance(self, values):
+        self._set(self._optimizer, values, self._touched_instance, setattr, delattr,
+                  vars(self._optimizer))
+
+    def _note_all(self):
+        for gi, group in enumerate(self._optimizer.param_groups):
+            self._note_changes(self._before[gi],
+                               ((k, v) for k, v in group.items() if k != "params"),
+                               self._touched[gi])
+        self._note_changes(self._before_instance,
+                           ((k, v[0]) for k, v in _instance_values(self._optimizer).items()),
+                           self._touched_instance)
+
+    def before_call(self):
+        """Before each call of the optimizer's step: the step's first values
+        (of what earlier calls changed)."""
+        for gi in range(len(self._before)):
+            if self._touched[gi]:
+                self._restore_group(gi, self._before[gi])
+        if self._touched_instance:
+            self._restore_instance(self._before_instance)
+
+    def after_call(self, group_index):
+        """After the call that stepped a subgroup of group `group_index`.
+        Every group is looked at after the first call; after later ones,
+        the group stepped (whose values it keeps) and the instance."""
+        first = self._after_instance is None
+        for gi, group in enumerate(self._optimizer.param_groups):
+            if not (first or gi == group_index):
+                continue
+            self._note_changes(self._before[gi],
+                               ((k, v) for k, v in group.items() if k != "params"),
+                               self._touched[gi])
+            if gi == group_index or not self._stepped[gi]:
+                self._after[gi] = self._group_values(group)
+                self._stepped[gi] = self._stepped[gi] or gi == group_index
+        now = _instance_values(self._optimizer)
+        self._note_changes(self._before_instance, ((k, v[0]) for k, v in now.items()),
+                           self._touched_instance)
+        self._after_instance = now
+
+    def finish(self):
+        """After the step's last call: one step's worth of advance."""
+        for gi, after in enumerate(self._after):
+            if after is not None:
+                self._restore_group(gi, after)
+        if self._after_instance is not None:
+            self._restore_instance(self._after_instance)
+
+    def abandon(self):
+        """A step that failed part-way, maybe inside a call: the values it
+        started with."""
+        self._note_all()
+        self.before_call()
+
+
+# torch.optim.Optimizer's per-instance hook dicts.
+HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+              "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+              "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+# torch.optim.optimizer's global step hook dicts, read by the step wrapper
+# (profile_hook_step) at each call.
+_GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+
+
+@contextlib.contextmanager
+def hooks_off(optimizer):
+    """Runs the optimizer's own methods without its hooks: the wrapper
+    shares them (they are the wrapper's, and its calls run them once)."""
+    saved = {name: getattr(optimizer, name) for name in HOOK_DICTS if hasattr(optimizer, name)}
+    try:
+        for name in saved:
+            setattr(optimizer, name, collections.OrderedDict())
+        yield optimizer
+    finally:
+        for name, hooks in saved.items():
+            hooks.update(getattr(optimizer, name))  # registered meanwhile
+            setattr(optimizer, name, hooks)
+
+
+@contextlib.contextmanager
+def _global_step_hooks_off():
+    """torch's global step hooks off, for the calls inside one subgroup's
+    step (a subclass whose step calls super().step() goes through torch's
+    hook wrapper again). Only while there are any. Process-wide: another
+    thread's optimizer stepping at that moment runs none either; a hook
+    registered meanwhile (from inside a step) fires from then on, but its
+    handle cannot remove it."""
+    module = _torch_optimizer
+    saved = {name: getattr(module, name) for name in _GLOBAL_STEP_HOOKS
+             if getattr(module, name, None)}
+    try:
+        for name in saved:
+            setattr(module, name, collections.OrderedDict())
+        yield
+    finally:
+        for name, hooks in saved.items():
+            hooks.update(getattr(module, name))  # registered meanwhile
+            setattr(module, name, hooks)
+
+
 def step_without_hooks(optimizer):
-    """optimizer.step() without torch's step hooks (global and per instance):
-    the wrapper steps it once per subgroup, and the wrapper's own step is the
-    one the hooks are for."""
+    """optimizer.step() without torch's step hooks (global and per instance),
+    also where its step calls a hooked step of a base class: the wrapper
+    steps it once per subgroup, and the wrapper's own step is the one the
+    hooks are for."""
     step = type(optimizer).step
-    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        return step.__wrapped__(optimizer)  # torch's profile_hook_step wrapper
-    return optimizer.step()
+    with hooks_off(optimizer), _global_step_hooks_off():
+        if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+            return step.__wrapped__(optimizer)  # torch's profile_hook_step wrapper
+        return optimizer.step()
 
 
 @contextlib.contextmanager
@@ -217,11 +480,9 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                 view = _layout.shaped_like(arr[off:off + n], p)
                 if value.data_ptr() != view.data_ptr():  # replaced, not updated
                     view.copy_(value)
-            if had is not None and present != had:
-                raise OffloadError(
-                    f"{type(optimizer).__name__} created state "
-                    f"{sorted(set(present) - set(had))} for parameter {pid} after its "
-                    f"first step (state keys must not change between steps)")
+            # A key made after the parameter's first step (Lookahead's slow
+            # weights, made at its first sync) went into its array above, as
+            # torch keeps it from then on; one dropped was refused.
             extra = {}
             for k, v in st.items():
                 if k in keys:

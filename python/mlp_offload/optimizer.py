@@ -183,6 +183,23 @@ def _copy_state(state):
             for k, v in state.items()}
 
 
+def _generic_py_state(state):
+    """A copy of the state a generic optimizer keeps in Python (counters,
+    factored moments) for the step it runs on the fp32 master copy: as
+    torch's load casts a floating state tensor (but 'step') to its
+    parameter's dtype and device, these go to fp32 on the CPU (a bf16
+    model's saved state is bf16; one saved on a GPU is there)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
+            out[k] = v.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.detach().to(device="cpu", copy=True)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
 def _torch_save_bytes(obj):
     buf = _io.BytesIO()
     torch.save(obj, buf)
@@ -444,6 +461,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._in_super_init = False
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
+        # The wrapped optimizer's own hooks (step, state_dict and
+        # load_state_dict ones, registered before wrapping or after) are the
+        # wrapper's: one set of dicts, so that they fire once per wrapper
+        # call (with the wrapper as their optimizer) and their handles still
+        # remove them. Its own calls run none (_inner_state_dict, generic.py).
+        for name in _generic.HOOK_DICTS:
+            setattr(self, name, getattr(optimizer, name))
         # Read-only, torch's layout (state_view.py): the state is the engine's.
         self.state = _state_view.OffloadedState(self)
         # GradScaler: unscaling happens inside the kernel (or the fp32
@@ -455,6 +479,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._closed = False
         self.last_step_stats = None
         self._mark_warned = ""  # the COMMITTED mark's failure last logged
+        # generic.StepValues of a generic step that failed part-way, for its retry.
+        self._generic_values = None
         self._grad_hooks = []
         self._grad_readiness = None  # layout.GradReadiness of the hooks
         self._staging = None  # device parameters: cuda_path.DeviceStaging
@@ -698,8 +724,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         elif self._persistent:
             engine = self._open_committed(budget, numel, agree)
         else:
+            boot = _recovery.boot_tag()
+            if self._generation == 1 and boot:
+                self._sweep_dead_private_runs(boot)
             self._run_name = (f"{self._run_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                              f"-g{self._generation}-r{self._rank}")
+                              f"-g{self._generation}-r{self._rank}-k{boot or 'unknown'}")
         if engine is None:
             engine = self._new_engine(budget, numel, resume=False)
             engine.set_epoch(self._epoch)  # a re-packed state's (see _rebuild)
@@ -712,6 +741,21 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            [] if self._persistent else run_dirs, self._pid)
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+
+    def _sweep_dead_private_runs(self, boot):
+        """Removes what private runs of this run name on this kernel (boot
+        tag `boot`), killed before their clean-up, left on the tiers
+        (recovery.sweep_dead_runs): each holds a copy of its state that
+        nothing would ever read or remove."""
+        removed, failed = _recovery.sweep_dead_runs(
+            [t["path"] for t in self._tiers],
+            _recovery.private_run_pattern(self._run_prefix, boot))
+        for d in removed:
+            _log.info("removed %s, left by a run of %r whose process is gone", d,
+                      self._run_prefix)
+        for dirs, e in failed:
+            _log.warning("could not remove %s, left by a run of %r whose process is gone: %s",
+                         ", ".join(dirs), self._run_prefix, e)
 
     def _open_committed(self, budget, numel, agree):
         """A persistent run's engine at start: the newest commit that every
@@ -2369,7 +2413,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if stepping and self._family is not None:
             has_state.update(self._keys_after_step())  # this rank's parameters only
         return {
-            "param_groups": self.optimizer.state_dict()["param_groups"],
+            "param_groups": self._inner_state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": has_state,
             "layout": self._layout_summary(),
@@ -2572,7 +2616,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # A rank without subgroups takes an owner's (the ranks'
                 # hyperparameters must agree at each step).
                 groups = next(g for g in self._gather(groups) if g is not None)
-            self.optimizer.load_state_dict({"state": {}, "param_groups": groups})
+            self._inner_load_state_dict({"state": {}, "param_groups": groups})
             self.optimizer.state.clear()
             self.param_groups = self.optimizer.param_groups
             self._refresh_hyperparams()
@@ -2671,6 +2715,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if skip_nonfinite and self._generic_grads_nonfinite():
             return {"skipped": True}
         engine = self._engine
+        # The optimizer's step runs once per subgroup: what it keeps per
+        # group or on itself (a step counter) advances once per step. The
+        # retry of a step that failed part-way goes on with its values.
+        values = self._generic_values
+        self._generic_values = None
+        if values is None or not engine.step_incomplete or not values.fits(self.optimizer):
+            values = _generic.StepValues(self.optimizer)
+        else:
+            values.rebase()
+        steps = engine.steps
         engine.begin_step(self._skip_flags())
         try:
             while True:
@@ -2685,13 +2739,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
                 keys = self._keys[sg.group]
                 grad32 = _layout.float_view(view.grad32, view.numel) if view.grad32 else None
+                values.before_call()
                 _generic.update_subgroup(self.optimizer, sg, keys, master,
                                          arrays[:len(keys)], self._py_state,
                                          self._has_state, grad_scale, grad32)
+                values.after_call(sg.group)
                 for p, _, off, n in sg.slices():
                     p.copy_(_layout.shaped_like(master[off:off + n], p))
                 del master, arrays, grad32
                 engine.done()
+            values.finish()
             if self._commits_next():
                 # Every record is final: the Python side of the step goes
                 # to disk before end_step commits the engine's.
@@ -2699,8 +2756,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return engine.end_step()
         except BaseException:
             # The engine keeps the subgroups already updated (and their
-            # parameters were refreshed): a retried step skips them.
+            # parameters were refreshed): a retried step skips them, and
+            # starts from the group values this one started from.
+            if engine.steps == steps:  # else the step went through (its commit failed)
+                values.abandon()
             engine.abort_step()
+            if engine.step_incomplete:
+                self._generic_values = values
             raise
 
     # --------------------------------------------------------- distributed
@@ -3174,7 +3236,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     else:
                         keys = self._keys[sg.group]
                         if not check_only:
-                            self._py_state[pid] = _copy_state(
+                            self._py_state[pid] = _generic_py_state(
                                 {k: v for k, v in st.items() if k not in keys})
                             self._has_state[pid] = _generic.has_state_value(
                                 [k for k in keys if st.get(k) is not None], keys)
@@ -3238,7 +3300,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if len(self.optimizer.state) > 0:
                 raise OffloadError("the wrapped optimizer has state of its own: it must "
                                    "only be stepped through the MLPOffloadOptimizer")
-        sd = self.optimizer.state_dict()  # torch's param_groups, empty state
+        sd = self._inner_state_dict()  # torch's param_groups, empty state
         sharded = self._state_dict_type == "sharded" and self._process_group is not None
         sd["state"] = self._read_all_states(sharded)
         if sharded:
@@ -3275,7 +3337,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # Hyperparameters through the wrapped optimizer (torch's own
             # rules); its param_groups list is replaced, so re-share it.
             replaced = True
-            self.optimizer.load_state_dict({"state": {}, "param_groups": saved_groups})
+            self._inner_load_state_dict({"state": {}, "param_groups": saved_groups})
             self.optimizer.state.clear()
             self.param_groups = self.optimizer.param_groups
             if self._family is not None:
@@ -3319,6 +3381,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._note_param_versions()  # the master copy was taken from them
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _inner_state_dict(self):
+        """The wrapped optimizer's state_dict (its param_groups), without
+        the hooks, which are the wrapper's."""
+        with _generic.hooks_off(self.optimizer) as inner:
+            return inner.state_dict()
+
+    def _inner_load_state_dict(self, state_dict):
+        with _generic.hooks_off(self.optimizer) as inner:
+            inner.load_state_dict(state_dict)
 
     def _restore_groups(self, previous, replaced):
         if replaced:
@@ -3542,7 +3614,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         python_state = {
             # The run's step count (commits are labelled with it).
             "engine_steps": None if self._engine is None else self._engine.steps,
-            "param_groups": self.optimizer.state_dict()["param_groups"],
+            "param_groups": self._inner_state_dict()["param_groups"],
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
         }
@@ -3848,7 +3920,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         checked its part (_check_checkpoint_files): the load itself."""
         reshard = self._resharded(manifests)
         self._load_started = True  # from here a failure leaves the state part loaded
-        self.optimizer.load_state_dict({"state": {},
+        self._inner_load_state_dict({"state": {},
                                         "param_groups": python_states[0]["param_groups"]})
         self.optimizer.state.clear()
         self.param_groups = self.optimizer.param_groups

@@ -1,6 +1,9 @@
 """PNG plots of the benchmark and of a training run (matplotlib, Agg)."""
 
+import io
 import os
+import stat
+import uuid
 
 _COLORS = {
     "read_wait": "#d62728",
@@ -24,6 +27,58 @@ def _prepare(path):
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     return path
+
+
+def _format_of(path):
+    return os.path.splitext(path)[1][1:].lower() or "png"
+
+
+def check_format(path):
+    """Renders a small figure with some text in `path`'s format, in
+    memory: a format matplotlib lists but cannot write here (pgf without
+    LaTeX, which only text needs) fails now, not after a run. Raises what
+    matplotlib raises."""
+    plt = _pyplot()
+    fig = plt.figure(figsize=(1, 1))
+    fig.text(0.5, 0.5, "1 s")
+    try:
+        fig.savefig(io.BytesIO(), format=_format_of(path))
+    finally:
+        plt.close(fig)
+
+
+def _save(fig, path, dpi):
+    """Writes the figure to a new file beside `path`, then renames it over
+    `path`: a full disk or a failed render leaves what was there (and no
+    partial file). A symlink's target is what is replaced, and a file
+    replaced keeps its permissions. An OSError names `path`."""
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    tmp = os.path.join(os.path.dirname(os.path.abspath(target)),
+                       f".{os.path.basename(target)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            try:
+                os.fchmod(f.fileno(), stat.S_IMODE(os.stat(target).st_mode))
+            except FileNotFoundError:
+                pass  # a new file: the umask's mode
+            fig.savefig(f, dpi=dpi, format=_format_of(path))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise OSError(e.errno, f"writing the plot: {e.strerror or e}", path) from e
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def plot_bench(results, path, title=None):
@@ -57,7 +112,7 @@ def plot_bench(results, path, title=None):
     ax.set_title(title or "MLP-Offload update phase: where the time goes")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -100,6 +155,6 @@ def plot_train(runs, path, title=None):
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, dpi=110)
     plt.close(fig)
     return path

@@ -34,6 +34,7 @@ import io
 import os
 import re
 import shutil
+import time
 
 import torch
 
@@ -167,6 +168,91 @@ def discard_run(dirs):
                 else:
                     shutil.rmtree(d)
     _under_run_locks(dirs, work)
+
+
+def _pid_alive(pid):
+    """Whether process `pid` exists on this host (another user's counts;
+    a number no process can have counts too: it is left alone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError, ValueError):
+        return True  # EPERM: someone else's, alive; or not a pid at all
+    return pid > 0
+
+
+def boot_tag():
+    """This kernel's boot id, shortened: processes that share it share the
+    kernel, whose flocks they all see (also across PID namespaces, on a
+    local or client-locked file system). '' where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            tag = f.read().strip().replace("-", "")[:12]
+    except OSError:
+        return ""
+    return tag if re.fullmatch(r"[0-9a-f]{12}", tag) else ""
+
+
+def private_run_pattern(prefix, boot):
+    """The names of a private (non-persistent) run's directories with run
+    name `prefix`, made on the kernel of boot tag `boot`:
+    `<prefix>-<pid>-<8 hex>-g<n>-r<rank>-k<boot>`."""
+    return re.compile(re.escape(prefix) + r"-(?P<pid>\d{1,10})-[0-9a-f]{8}-g\d+-r\d+-k"
+                      + re.escape(boot))
+
+
+# A run directory whose lock is younger may be one whose engine has not
+# taken its lock yet (it makes the directory, then the lock file, then
+# locks it): it stays.
+_SWEEP_MIN_AGE_SECONDS = 120
+
+
+def sweep_dead_runs(tier_paths, pattern):
+    """Removes the run directories under `tier_paths` that `pattern` names
+    (a regex with a `pid` group: the process that made them; it names this
+    kernel's runs only, see boot_tag) that are this user's, whose process
+    is gone and whose run locks (the engine's LOCK, on every tier the name
+    is on) exist, are at least _SWEEP_MIN_AGE_SECONDS old and are free:
+    what a run killed before its clean-up (SIGKILL, the OOM killer) left,
+    which no later run would reuse, as private runs' names are their own.
+    Anything else stays, on every tier: a live process's, one whose lock
+    is held on some tier (a live engine in another PID namespace), one
+    without a lock or with a young one (starting), a symlink, another
+    user's. Returns (removed paths, [(paths, OSError)] that could not be
+    removed)."""
+    found = {}
+    for tier in tier_paths:
+        try:
+            names = sorted(os.listdir(tier))
+        except OSError:
+            continue  # the engine's own checks name a bad tier
+        for name in names:
+            if pattern.fullmatch(name) is not None:
+                found.setdefault(name, []).append(os.path.join(tier, name))
+    removed, failed = [], []
+    now = time.time()
+    for name, dirs in found.items():
+        if _pid_alive(int(pattern.fullmatch(name)["pid"])):
+            continue
+        try:
+            if any(os.path.islink(d) or not os.path.isdir(d) or os.stat(d).st_uid != os.getuid()
+                   or now - os.stat(os.path.join(d, "LOCK")).st_mtime < _SWEEP_MIN_AGE_SECONDS
+                   for d in dirs):
+                continue
+        except OSError:  # no LOCK (yet), or gone meanwhile
+            continue
+        try:
+            discard_run(dirs)  # under every tier's run lock, or nothing
+        except TierInUseError:
+            continue
+        except FileNotFoundError:
+            pass  # removed meanwhile (its owner's clean-up)
+        except OSError as e:
+            failed.append((dirs, e))
+            continue
+        removed.extend(dirs)
+    return removed, failed
 
 
 def has_committed_state(dirs):

@@ -148,7 +148,7 @@ def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=
                 inside = t2 - t1
             parts["other"] = max(0.0, (t2 - t1) - inside)
             if step == 0:
-                first = _flat(master if master is not None else params)
+                first = _flat(params)  # in the model's dtype, as the offloaded runs'
             losses.append(float(loss.item()))
             step_seconds.append(t2 - t0)
             split.append(parts)
@@ -160,7 +160,7 @@ def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=
                     "subgroups_per_tier": [list(p.tier_of_subgroup).count(t)
                                            for t in range(len(tiers))],
                     "num_cached": p.num_cached, "techniques": p.techniques_name}
-        final = _flat(master if master is not None else params)
+        final = _flat(params)
     finally:
         if mode != "torch":
             opt.close()

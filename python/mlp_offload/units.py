@@ -7,6 +7,7 @@
 Errors are ConfigError with a message that shows an accepted form.
 """
 
+import decimal
 import math
 import re
 
@@ -56,7 +57,14 @@ def parse_count(text):
     value, unit = _split(text, "count", "70e9, 70B, 1.5M, 100000")
     if unit not in _COUNT_UNITS:
         raise ConfigError(f"bad count {text!r}: unknown suffix {unit!r} (K, M, B, T)")
-    return _to_int(value * _COUNT_UNITS[unit], text, "count")
+    value *= _COUNT_UNITS[unit]
+    # 1.5M is whole, 1.5 is not: a count is never rounded silently. Checked
+    # on the decimal text, exactly (1.1B is whole; its float is not).
+    number = re.match(_NUMBER, str(text).strip()).group(1)
+    exact = decimal.Decimal(number) * int(_COUNT_UNITS[unit])
+    if value <= MAX_INT and exact != exact.to_integral_value():
+        raise ConfigError(f"bad count {text!r}: not a whole number")
+    return _to_int(value, text, "count")
 
 
 def parse_rate(text):

@@ -143,7 +143,8 @@ def what_if(params, tiers, host_cache_bytes, ranks=1, subgroup_numel=100_000_000
     for t in tiers:
         t = dict(t)
         if t.get("capacity_bytes"):
-            t["capacity_bytes"] = t["capacity_bytes"] // ranks
+            # A share of 0 would read as unlimited: at least a byte.
+            t["capacity_bytes"] = max(1, t["capacity_bytes"] // ranks)
         t.setdefault("shared_by", 1)
         rank_tiers.append(t)
     cache_per_rank = host_cache_bytes // ranks
