@@ -30,6 +30,7 @@ ABSL_FLAG(std::string, param_out_dtype, "none,bfloat16",
 ABSL_FLAG(int, iters, 10,
           "timed updates (and probe passes) per configuration; best kept");
 ABSL_FLAG(bool, json, false, "one JSON object per line instead of text");
+ABSL_FLAG(bool, amsgrad, false, "adam/adamw: amsgrad (a third state array)");
 
 namespace mlp_offload {
 namespace {
@@ -48,6 +49,9 @@ OptimizerHyperparams BenchHyperparams(OptimizerKind kind) {
   hp.kind = kind;
   hp.weight_decay = 0.01f;
   if (kind == OptimizerKind::kSGD) hp.momentum = 0.9f;
+  if (kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW) {
+    hp.amsgrad = absl::GetFlag(FLAGS_amsgrad);
+  }
   return hp;
 }
 
