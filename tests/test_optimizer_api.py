@@ -953,6 +953,47 @@ def test_generic_path_fires_the_step_hooks_once_per_step(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("scheduler", ["before", "after"])
+def test_the_wrapped_optimizers_own_step_refuses_while_the_wrapper_is_open(tmp_path,
+                                                                         scheduler):
+    # Its own step would update the parameters with torch's math from state
+    # it does not have (the engine holds it), silently. A scheduler made on
+    # it before or after wrapping still works, without torch's warnings.
+    import warnings
+
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if scheduler == "before":
+        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = wrap(inner, tmp_path)
+    if scheduler == "after":
+        sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, 0).backward()
+    with pytest.raises(errors.OffloadError, match="call the wrapper's step"):
+        inner.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert len(inner.state) == 0
+    with pytest.raises(errors.ConfigError, match="already wrapped by an open"):
+        wrap(inner, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(3):
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            loss_of(model, k + 1).backward()
+    assert not [w for w in caught if "scheduler" in str(w.message)
+                or "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    opt.close()
+    # Closed, the wrapped optimizer is its own again (and may be wrapped).
+    inner.step()
+    assert len(inner.state) > 0
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tmp_path)
+    opt.close()
+
+
 class AdamThroughSuper(torch.optim.Adam):
     """A generic-path optimizer whose step calls its base class's, which
     torch's step wrapper hooks too."""

@@ -102,6 +102,13 @@ def test_view_matches_the_plain_optimizers_state(tmp_path, name):
     assert sorted(index[id(p)] for p in opt.state) == sorted(sd)
     for p in opt.state:
         assert list(opt.state[p]) == list(sd[index[id(p)]])
+    # get() as a defaultdict's: None (or the default) without state, never
+    # an empty state (before: an empty ParamState, so `is None` failed).
+    for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (opt.state.get(p) is None) == (ref_opt.state.get(q) is None)
+        assert (opt.state.get(p, "none") == "none") == (ref_opt.state.get(q, "none") == "none")
+        if p in opt.state:
+            assert list(opt.state.get(p)) == list(ref_opt.state.get(q))
     opt.close()
 
 

@@ -402,7 +402,8 @@ def step_without_hooks(optimizer):
     with hooks_off(optimizer), _global_step_hooks_off():
         if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
             return step.__wrapped__(optimizer)  # torch's profile_hook_step wrapper
-        return optimizer.step()
+        # The class's: the instance's own step is the wrapper's guard.
+        return type(optimizer).step(optimizer)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import time
+import types
 import uuid
 import weakref
 import zlib
@@ -163,6 +164,23 @@ def _remove_entries(directory, names):
                 os.remove(path)
             except FileNotFoundError:
                 pass
+
+
+# The attribute that marks a wrapped optimizer's guarded step (its value: a
+# weak reference to the wrapper).
+_STEP_GUARD = "_mlp_offload_wrapper"
+
+
+def _unguard_step(optimizer, previous):
+    """Puts back the wrapped optimizer's step as it was before wrapping
+    (`previous`: its instance attribute then, or None) if the guard is
+    still there."""
+    if getattr(optimizer.__dict__.get("step"), _STEP_GUARD, None) is None:
+        return
+    if previous is None:
+        del optimizer.step
+    else:
+        optimizer.step = previous
 
 
 def _close_engine(engine, run_dirs, pid):
@@ -323,6 +341,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
+        holder = getattr(optimizer.__dict__.get("step"), _STEP_GUARD, None)
+        if holder is not None and holder() is not None and not holder()._closed:
+            raise ConfigError(
+                f"this {type(optimizer).__name__} is already wrapped by an open "
+                f"MLPOffloadOptimizer, which holds its state: use that one, or close() it "
+                f"first")
         self._pid = os.getpid()  # a fork's child may not use it (_check_open)
         # The placement settings the engine's records were placed under
         # (_placement_settings; None: not known, a resume of an older commit).
@@ -508,6 +532,32 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # now (a retry in this process may open the run at once).
                 self.close()
                 raise
+        self._guard_inner_step()
+
+    def _guard_inner_step(self):
+        """The wrapped optimizer's own step() refuses while this wrapper is
+        open: it would update the parameters with torch's math from state
+        it does not have (the engine holds it), silently. A scheduler made
+        on it, before or after, still sees its step as tracked (the
+        wrapper's step marks it called). close() puts back what was there."""
+        inner = self.optimizer
+        previous = inner.__dict__.get("step")  # a scheduler's wrapper, or none
+        holder = weakref.ref(self)
+
+        def step(opt, *args, **kwargs):
+            wrapper = holder()
+            if wrapper is not None and not wrapper._closed:
+                raise OffloadError(
+                    f"this {type(opt).__name__} is wrapped by an MLPOffloadOptimizer, which "
+                    f"holds its state: call the wrapper's step(), not the wrapped "
+                    f"optimizer's")
+            _unguard_step(opt, previous)  # the wrapper is gone: as before it
+            return opt.step(*args, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # torch's LRScheduler leaves it alone
+        setattr(step, _STEP_GUARD, holder)
+        inner.step = types.MethodType(step, inner)
+        self._inner_step_before = previous
 
     # ----------------------------------------------------------------- setup
 
@@ -1428,6 +1478,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "running (a step of another thread, or the step whose wait ran "
                 "this signal handler): close it after the step returns")
         self._closed = True
+        _unguard_step(self.optimizer, getattr(self, "_inner_step_before", None))
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
@@ -2011,6 +2062,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _step(self, closure):
         self._check_open()
+        # A scheduler made on the wrapped optimizer checks that its step
+        # was called (torch's "lr_scheduler.step() before optimizer.step()").
+        self.optimizer._opt_called = True
         self._check_state_whole()
         if self._process_group is not None:
             self._enter_collective("step", repr([self._settings_text(g)

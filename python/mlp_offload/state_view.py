@@ -136,6 +136,11 @@ class OffloadedState(_ReadOnly, collections.abc.Mapping):
         entry = self._optimizer()._state_view_entry(param)
         return entry is not None and entry[2] is not None
 
+    def get(self, param, default=None):
+        """As torch's defaultdict: the state of a parameter that has some,
+        else `default` (state[param] gives an empty one; get does not)."""
+        return self[param] if param in self else default
+
     def iter_items(self):
         """(param, ParamState) with each subgroup's values read once."""
         entries = [e for e in self._entries() if e[3] is not None]
