@@ -931,6 +931,16 @@ def test_a_refused_state_dict_changes_nothing(tmp_path):
     opt.close()
 
 
+def one_step_then_remove(model, opt, handles):
+    """One step of `opt`, then the hooks `handles` go (also if it raised)."""
+    try:
+        loss_of(model, 0).backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_generic_path_fires_the_step_hooks_once_per_step(tmp_path):
     model = make_model()
     inner = torch.optim.RMSprop(model.parameters(), lr=1e-2)
@@ -941,12 +951,7 @@ def test_generic_path_fires_the_step_hooks_once_per_step(tmp_path):
                    lambda o, a, k: calls.append(("global", type(o).__name__))),
                opt.register_step_post_hook(lambda o, a, k: calls.append(("wrapper",))),
                inner.register_step_post_hook(lambda o, a, k: calls.append(("inner",)))]
-    try:
-        loss_of(model, 0).backward()
-        opt.step()
-    finally:
-        for h in handles:
-            h.remove()
+    one_step_then_remove(model, opt, handles)
     # The wrapped optimizer's hooks are the wrapper's: they fire once per
     # step too, not once per subgroup.
     assert sorted(calls) == [("global", "MLPOffloadOptimizer"), ("inner",), ("wrapper",)]
@@ -1017,12 +1022,7 @@ def test_step_hooks_fire_once_per_step_for_a_step_that_calls_super(tmp_path):
                _optim_module.register_optimizer_step_post_hook(
                    lambda o, a, k: calls.append(("global_post", type(o).__name__))),
                inner.register_step_pre_hook(lambda o, a, k: calls.append(("pre",)))]
-    try:
-        loss_of(model, 0).backward()
-        opt.step()
-    finally:
-        for h in handles:
-            h.remove()
+    one_step_then_remove(model, opt, handles)
     assert sorted(calls) == [("global_post", "MLPOffloadOptimizer"),
                              ("global_pre", "MLPOffloadOptimizer"), ("pre",)]
     assert not _optim_module._global_optimizer_pre_hooks  # all put back, then removed
