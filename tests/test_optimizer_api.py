@@ -999,6 +999,66 @@ def test_the_wrapped_optimizers_own_step_refuses_while_the_wrapper_is_open(tmp_p
     opt.close()
 
 
+def test_a_closed_wrapper_never_lifts_another_wrappers_guard(tmp_path):
+    # A closes, B wraps the same optimizer: A's close() again, or A's guard
+    # captured before (a bound step kept somewhere), leaves B's in place
+    # (before: either removed it, and torch's math then ran on empty state
+    # while B was open). A patch made over the guard after wrapping stays
+    # at close(), and calls through to the step as before (before: it
+    # recursed forever).
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = wrap(inner, tmp_path / "a")
+    captured = inner.step
+    a.close()
+    b = wrap(inner, tmp_path / "b")
+    a.close()
+    loss_of(model, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    for call in (inner.step, captured):
+        with pytest.raises(errors.OffloadError, match="call the wrapper's step"):
+            call()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with pytest.raises(errors.ConfigError, match="already wrapped by an open"):
+        wrap(inner, tmp_path / "c")
+    guarded = inner.step
+    calls = []
+
+    def patched(*args, **kwargs):  # an accelerate-style patch over the guard
+        calls.append(1)
+        return guarded(*args, **kwargs)
+
+    inner.step = patched
+    b.close()
+    assert inner.step is patched
+    inner.step()  # through the patch to SGD's own step, once
+    assert calls == [1] and not all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_wrapper_dropped_without_close_frees_the_wrapped_optimizer(tmp_path):
+    # The guard holds the wrapped optimizer weakly: dropping both frees the
+    # parameters at once, as torch's own scheduler patch does (no cycle
+    # left for the collector).
+    import gc
+    import weakref
+
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = wrap(inner, tmp_path)
+    loss_of(model, 0).backward()
+    opt.step()
+    gone = weakref.ref(inner)
+    gc.disable()
+    try:
+        del opt, inner
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 class AdamThroughSuper(torch.optim.Adam):
     """A generic-path optimizer whose step calls its base class's, which
     torch's step wrapper hooks too."""

@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import time
-import types
 import uuid
 import weakref
 import zlib
@@ -171,11 +170,19 @@ def _remove_entries(directory, names):
 _STEP_GUARD = "_mlp_offload_wrapper"
 
 
-def _unguard_step(optimizer, previous):
+def _open_wrapper(holder):
+    """The open MLPOffloadOptimizer that `holder` (a weak reference, or
+    None) names, else None."""
+    wrapper = holder() if holder is not None else None
+    return wrapper if wrapper is not None and not wrapper._closed else None
+
+
+def _unguard_step(optimizer, guard, previous):
     """Puts back the wrapped optimizer's step as it was before wrapping
-    (`previous`: its instance attribute then, or None) if the guard is
-    still there."""
-    if getattr(optimizer.__dict__.get("step"), _STEP_GUARD, None) is None:
+    (`previous`: its instance attribute then, or None) where `guard`, this
+    wrapper's own, is still its step (not another wrapper's, nor a patch
+    made over it since)."""
+    if optimizer is None or optimizer.__dict__.get("step") is not guard:
         return
     if previous is None:
         del optimizer.step
@@ -341,8 +348,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, MLPOffloadOptimizer):
             raise ConfigError("the optimizer is already an MLPOffloadOptimizer")
-        holder = getattr(optimizer.__dict__.get("step"), _STEP_GUARD, None)
-        if holder is not None and holder() is not None and not holder()._closed:
+        if _open_wrapper(getattr(optimizer.__dict__.get("step"), _STEP_GUARD, None)):
             raise ConfigError(
                 f"this {type(optimizer).__name__} is already wrapped by an open "
                 f"MLPOffloadOptimizer, which holds its state: use that one, or close() it "
@@ -539,25 +545,36 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         open: it would update the parameters with torch's math from state
         it does not have (the engine holds it), silently. A scheduler made
         on it, before or after, still sees its step as tracked (the
-        wrapper's step marks it called). close() puts back what was there."""
+        wrapper's step marks it called). close() puts back what was there.
+        The guard holds the optimizer and the wrapper weakly (no cycle
+        keeps the parameters alive)."""
         inner = self.optimizer
         previous = inner.__dict__.get("step")  # a scheduler's wrapper, or none
         holder = weakref.ref(self)
+        inner_ref = weakref.ref(inner)
+        kind = type(inner).__name__
 
-        def step(opt, *args, **kwargs):
-            wrapper = holder()
-            if wrapper is not None and not wrapper._closed:
+        def guard(*args, **kwargs):
+            if _open_wrapper(holder) is not None:
                 raise OffloadError(
-                    f"this {type(opt).__name__} is wrapped by an MLPOffloadOptimizer, which "
-                    f"holds its state: call the wrapper's step(), not the wrapped "
-                    f"optimizer's")
-            _unguard_step(opt, previous)  # the wrapper is gone: as before it
-            return opt.step(*args, **kwargs)
+                    f"this {kind} is wrapped by an MLPOffloadOptimizer, which holds its "
+                    f"state: call the wrapper's step(), not the wrapped optimizer's")
+            opt = inner_ref()
+            current = opt.__dict__.get("step")
+            if current is not guard and \
+                    _open_wrapper(getattr(current, _STEP_GUARD, None)) is not None:
+                return current(*args, **kwargs)  # another open wrapper's guard: it refuses
+            # This wrapper is gone: the step as before it (a patch made
+            # over the guard since, which called it, stays).
+            _unguard_step(opt, guard, previous)
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(opt).step(opt, *args, **kwargs)
 
-        step._wrapped_by_lr_sched = True  # torch's LRScheduler leaves it alone
-        setattr(step, _STEP_GUARD, holder)
-        inner.step = types.MethodType(step, inner)
-        self._inner_step_before = previous
+        guard._wrapped_by_lr_sched = True  # torch's LRScheduler leaves it alone
+        setattr(guard, _STEP_GUARD, holder)
+        inner.step = guard
+        self._inner_step_guard = (guard, previous)
 
     # ----------------------------------------------------------------- setup
 
@@ -1478,7 +1495,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "running (a step of another thread, or the step whose wait ran "
                 "this signal handler): close it after the step returns")
         self._closed = True
-        _unguard_step(self.optimizer, getattr(self, "_inner_step_before", None))
+        guard = getattr(self, "_inner_step_guard", None)
+        if guard is not None:
+            _unguard_step(self.optimizer, *guard)
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
