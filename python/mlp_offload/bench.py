@@ -117,13 +117,8 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
         raise ConfigError(f"the benchmark needs two tier directories, got {len(tiers)}")
     # A benchmark killed before its clean-up left its engines' directories.
     boot = _recovery.boot_tag()
-    removed, failed = _recovery.sweep_dead_runs(tiers, _left_by_a_benchmark(boot)) \
-        if boot else ([], [])
-    for d in removed:
-        _log.info("removed %s, left by a benchmark whose process is gone", d)
-    for dirs, e in failed:
-        _log.warning("could not remove %s, left by a benchmark whose process is gone: %s",
-                     ", ".join(dirs), e)
+    if boot:
+        _recovery.sweep_dead_runs(tiers, _left_by_a_benchmark(boot), "a benchmark")
 
     gen = torch.Generator().manual_seed(seed)
     model = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in sizes]

@@ -50,11 +50,10 @@ def _arg(parse):
 def _aligned_size(hi):
     """An argparse type: a size that is a positive multiple of 4096 bytes
     (O_DIRECT's alignment), at most `hi`."""
+    parse = _arg(units.parse_size)
+
     def convert(text):
-        try:
-            value = units.parse_size(text)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        value = parse(text)
         if value <= 0 or value % 4096:
             raise argparse.ArgumentTypeError(
                 f"must be a positive multiple of 4096 bytes (O_DIRECT), got {text}")

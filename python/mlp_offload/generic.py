@@ -273,10 +273,11 @@ class StepValues:
         return {k: _kept(v) for k, v in group.items() if k != "params"}
 
     @staticmethod
-    def _note_changes(before, holder_items, touched):
-        now = dict(holder_items)
+    def _note_changes(before, now, touched):
+        """Adds to `touched` the keys whose values differ between the kept
+        values `before` and `now`."""
         for k in set(before) | set(now):
-            if k not in before or k not in now or not _same(before[k], now[k]):
+            if k not in before or k not in now or not _same(before[k], now[k][0]):
                 touched.add(k)
 
     @staticmethod
@@ -296,14 +297,16 @@ class StepValues:
         self._set(self._optimizer, values, self._touched_instance, setattr, delattr,
                   vars(self._optimizer))
 
-    def _note_all(self):
-        for gi, group in enumerate(self._optimizer.param_groups):
-            self._note_changes(self._before[gi],
-                               ((k, v) for k, v in group.items() if k != "params"),
-                               self._touched[gi])
-        self._note_changes(self._before_instance,
-                           ((k, v[0]) for k, v in _instance_values(self._optimizer).items()),
-                           self._touched_instance)
+    def _note_group(self, gi):
+        """Notes what the calls changed in group gi; returns its values."""
+        now = self._group_values(self._optimizer.param_groups[gi])
+        self._note_changes(self._before[gi], now, self._touched[gi])
+        return now
+
+    def _note_instance(self):
+        now = _instance_values(self._optimizer)
+        self._note_changes(self._before_instance, now, self._touched_instance)
+        return now
 
     def before_call(self):
         """Before each call of the optimizer's step: the step's first values
@@ -319,19 +322,14 @@ class StepValues:
         Every group is looked at after the first call; after later ones,
         the group stepped (whose values it keeps) and the instance."""
         first = self._after_instance is None
-        for gi, group in enumerate(self._optimizer.param_groups):
+        for gi in range(len(self._before)):
             if not (first or gi == group_index):
                 continue
-            self._note_changes(self._before[gi],
-                               ((k, v) for k, v in group.items() if k != "params"),
-                               self._touched[gi])
+            now = self._note_group(gi)
             if gi == group_index or not self._stepped[gi]:
-                self._after[gi] = self._group_values(group)
+                self._after[gi] = now
                 self._stepped[gi] = self._stepped[gi] or gi == group_index
-        now = _instance_values(self._optimizer)
-        self._note_changes(self._before_instance, ((k, v[0]) for k, v in now.items()),
-                           self._touched_instance)
-        self._after_instance = now
+        self._after_instance = self._note_instance()
 
     def finish(self):
         """After the step's last call: one step's worth of advance."""
@@ -344,7 +342,9 @@ class StepValues:
     def abandon(self):
         """A step that failed part-way, maybe inside a call: the values it
         started with."""
-        self._note_all()
+        for gi in range(len(self._before)):
+            self._note_group(gi)
+        self._note_instance()
         self.before_call()
 
 
@@ -358,39 +358,34 @@ _GLOBAL_STEP_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hoo
 
 
 @contextlib.contextmanager
+def _emptied(holder, names):
+    """`holder`'s hook dicts `names` swapped for empty ones for the block; a hook
+    registered meanwhile lands in the dict put back (it fires from then on,
+    but its handle, which names the empty dict, cannot remove it)."""
+    saved = {name: getattr(holder, name) for name in names}
+    try:
+        for name in saved:
+            setattr(holder, name, collections.OrderedDict())
+        yield holder
+    finally:
+        for name, hooks in saved.items():
+            hooks.update(getattr(holder, name))
+            setattr(holder, name, hooks)
+
+
 def hooks_off(optimizer):
     """Runs the optimizer's own methods without its hooks: the wrapper
     shares them (they are the wrapper's, and its calls run them once)."""
-    saved = {name: getattr(optimizer, name) for name in HOOK_DICTS if hasattr(optimizer, name)}
-    try:
-        for name in saved:
-            setattr(optimizer, name, collections.OrderedDict())
-        yield optimizer
-    finally:
-        for name, hooks in saved.items():
-            hooks.update(getattr(optimizer, name))  # registered meanwhile
-            setattr(optimizer, name, hooks)
+    return _emptied(optimizer, [n for n in HOOK_DICTS if hasattr(optimizer, n)])
 
 
-@contextlib.contextmanager
 def _global_step_hooks_off():
     """torch's global step hooks off, for the calls inside one subgroup's
     step (a subclass whose step calls super().step() goes through torch's
     hook wrapper again). Only while there are any. Process-wide: another
-    thread's optimizer stepping at that moment runs none either; a hook
-    registered meanwhile (from inside a step) fires from then on, but its
-    handle cannot remove it."""
-    module = _torch_optimizer
-    saved = {name: getattr(module, name) for name in _GLOBAL_STEP_HOOKS
-             if getattr(module, name, None)}
-    try:
-        for name in saved:
-            setattr(module, name, collections.OrderedDict())
-        yield
-    finally:
-        for name, hooks in saved.items():
-            hooks.update(getattr(module, name))  # registered meanwhile
-            setattr(module, name, hooks)
+    thread's optimizer stepping at that moment runs none either."""
+    return _emptied(_torch_optimizer,
+                    [n for n in _GLOBAL_STEP_HOOKS if getattr(_torch_optimizer, n, None)])
 
 
 def step_without_hooks(optimizer):
@@ -398,10 +393,7 @@ def step_without_hooks(optimizer):
     also where its step calls a hooked step of a base class: the wrapper
     steps it once per subgroup, and the wrapper's own step is the one the
     hooks are for."""
-    step = type(optimizer).step
     with hooks_off(optimizer), _global_step_hooks_off():
-        if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-            return step.__wrapped__(optimizer)  # torch's profile_hook_step wrapper
         # The class's: the instance's own step is the wrapper's guard.
         return type(optimizer).step(optimizer)
 

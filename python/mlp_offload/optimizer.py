@@ -814,15 +814,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         tag `boot`), killed before their clean-up, left on the tiers
         (recovery.sweep_dead_runs): each holds a copy of its state that
         nothing would ever read or remove."""
-        removed, failed = _recovery.sweep_dead_runs(
-            [t["path"] for t in self._tiers],
-            _recovery.private_run_pattern(self._run_prefix, boot))
-        for d in removed:
-            _log.info("removed %s, left by a run of %r whose process is gone", d,
-                      self._run_prefix)
-        for dirs, e in failed:
-            _log.warning("could not remove %s, left by a run of %r whose process is gone: %s",
-                         ", ".join(dirs), self._run_prefix, e)
+        _recovery.sweep_dead_runs([t["path"] for t in self._tiers],
+                                  _recovery.private_run_pattern(self._run_prefix, boot),
+                                  f"a run of {self._run_prefix!r}")
 
     def _open_committed(self, budget, numel, agree):
         """A persistent run's engine at start: the newest commit that every

@@ -31,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import io
+import logging
 import os
 import re
 import shutil
@@ -46,6 +47,7 @@ _PYSTATE_RE = re.compile(r"^pystate-(\d{12,19})\.pt$")
 _PYSTATE_FORMAT = "mlp_offload.pystate"
 _DIGEST_BYTES = 64  # hex sha256, then a newline, then the torch.save payload
 RESUME_MODES = ("never", "auto", "require")
+_log = logging.getLogger(__name__)
 
 
 def run_dir_name(run_name, rank):
@@ -208,7 +210,7 @@ def private_run_pattern(prefix, boot):
 _SWEEP_MIN_AGE_SECONDS = 120
 
 
-def sweep_dead_runs(tier_paths, pattern):
+def sweep_dead_runs(tier_paths, pattern, what):
     """Removes the run directories under `tier_paths` that `pattern` names
     (a regex with a `pid` group: the process that made them; it names this
     kernel's runs only, see boot_tag) that are this user's, whose process
@@ -219,21 +221,22 @@ def sweep_dead_runs(tier_paths, pattern):
     Anything else stays, on every tier: a live process's, one whose lock
     is held on some tier (a live engine in another PID namespace), one
     without a lock or with a young one (starting), a symlink, another
-    user's. Returns (removed paths, [(paths, OSError)] that could not be
-    removed)."""
-    found = {}
+    user's. Each removal (and each failure to remove) is logged, naming
+    `what` left it (e.g. "a run of 'job'"). Returns the paths removed."""
+    found = {}  # name: (pid, its paths)
     for tier in tier_paths:
         try:
             names = sorted(os.listdir(tier))
         except OSError:
             continue  # the engine's own checks name a bad tier
         for name in names:
-            if pattern.fullmatch(name) is not None:
-                found.setdefault(name, []).append(os.path.join(tier, name))
-    removed, failed = [], []
+            m = pattern.fullmatch(name)
+            if m is not None:
+                found.setdefault(name, (int(m["pid"]), []))[1].append(os.path.join(tier, name))
+    removed = []
     now = time.time()
-    for name, dirs in found.items():
-        if _pid_alive(int(pattern.fullmatch(name)["pid"])):
+    for pid, dirs in found.values():
+        if _pid_alive(pid):
             continue
         try:
             if any(os.path.islink(d) or not os.path.isdir(d) or os.stat(d).st_uid != os.getuid()
@@ -249,10 +252,13 @@ def sweep_dead_runs(tier_paths, pattern):
         except FileNotFoundError:
             pass  # removed meanwhile (its owner's clean-up)
         except OSError as e:
-            failed.append((dirs, e))
+            _log.warning("could not remove %s, left by %s whose process is gone: %s",
+                         ", ".join(dirs), what, e)
             continue
+        for d in dirs:
+            _log.info("removed %s, left by %s whose process is gone", d, what)
         removed.extend(dirs)
-    return removed, failed
+    return removed
 
 
 def has_committed_state(dirs):

@@ -34,7 +34,7 @@ def _split(text, what, example):
     value = float(m.group(1))
     if not math.isfinite(value):
         raise ConfigError(f"bad {what} {text!r}: too large")
-    return value, m.group(2).lower()
+    return m.group(1), value, m.group(2).lower()
 
 
 def _to_int(value, text, what):
@@ -45,7 +45,7 @@ def _to_int(value, text, what):
 
 def parse_size(text):
     """Bytes from '200GiB', '1.5TB', '512MB', '4096', '1e9' (int)."""
-    value, unit = _split(text, "size", "200GiB, 1.5TB, 512MB, 4096")
+    _, value, unit = _split(text, "size", "200GiB, 1.5TB, 512MB, 4096")
     if unit not in _SIZE_UNITS:
         raise ConfigError(f"bad size {text!r}: unknown unit {unit!r} "
                           f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
@@ -54,22 +54,21 @@ def parse_size(text):
 
 def parse_count(text):
     """A count from '70e9', '70B', '1.5M', '100000' (int)."""
-    value, unit = _split(text, "count", "70e9, 70B, 1.5M, 100000")
+    number, value, unit = _split(text, "count", "70e9, 70B, 1.5M, 100000")
     if unit not in _COUNT_UNITS:
         raise ConfigError(f"bad count {text!r}: unknown suffix {unit!r} (K, M, B, T)")
-    value *= _COUNT_UNITS[unit]
+    scale = int(_COUNT_UNITS[unit])
     # 1.5M is whole, 1.5 is not: a count is never rounded silently. Checked
     # on the decimal text, exactly (1.1B is whole; its float is not).
-    number = re.match(_NUMBER, str(text).strip()).group(1)
-    exact = decimal.Decimal(number) * int(_COUNT_UNITS[unit])
-    if value <= MAX_INT and exact != exact.to_integral_value():
+    exact = decimal.Decimal(number) * scale
+    if exact != exact.to_integral_value():
         raise ConfigError(f"bad count {text!r}: not a whole number")
-    return _to_int(value, text, "count")
+    return _to_int(value * scale, text, "count")
 
 
 def parse_rate(text):
     """Bytes/s from '6.5' (GB/s), '6.5GB/s', '800MB/s', '2GiB/s'."""
-    value, unit = _split(text, "bandwidth", "6.5 (GB/s), 800MB/s")
+    _, value, unit = _split(text, "bandwidth", "6.5 (GB/s), 800MB/s")
     if unit.endswith("/s"):
         unit = unit[:-2]
     if unit == "":
