@@ -180,6 +180,7 @@ def test_a_private_run_removes_what_a_killed_one_of_its_name_left(tmp_path, capl
         "another kernel": leftover(f"job-{dead}-0123abcd-g1-r0-k0123456789ab"),
         "another run name": leftover(f"other-{dead}-0123abcd-g1-r0-k{boot}"),
         "not a pid": leftover(f"job-9999999999-0123abcd-g1-r0-k{boot}"),
+        "pid 0": leftover(f"job-0-0123abcd-g1-r0-k{boot}"),  # a process group to kill()
         "persistent": leftover("job.r0"),
         "held": leftover(f"job-{dead}-cafecafe-g1-r0-k{boot}"),  # another PID namespace's
     }

@@ -175,13 +175,15 @@ def discard_run(dirs):
 def _pid_alive(pid):
     """Whether process `pid` exists on this host (another user's counts;
     a number no process can have counts too: it is left alone)."""
+    if pid <= 0:
+        return True  # 0 names a process group to os.kill, not a process
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (OSError, OverflowError, ValueError):
         return True  # EPERM: someone else's, alive; or not a pid at all
-    return pid > 0
+    return True
 
 
 def boot_tag():
