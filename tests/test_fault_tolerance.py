@@ -25,6 +25,7 @@ import time
 import pytest
 import torch
 from conftest import tier_dirs
+from user_optimizers import GroupCounterSGD, RecordingSGD
 
 from mlp_offload import MLPOffloadOptimizer, _C, cuda_path, errors, recovery
 
@@ -208,27 +209,6 @@ def test_a_private_run_removes_what_a_killed_one_of_its_name_left(tmp_path, capl
     assert not any(os.path.lexists(d) for d in mine)
 
 
-class GroupCounterSGD(torch.optim.Optimizer):
-    """Momentum SGD whose step size falls with a count it keeps per param
-    group (as timm's Lamb and Adan keep group["step"])."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["buf"] = torch.zeros_like(p)
-                state["buf"].mul_(0.9).add_(p.grad)
-                p.add_(state["buf"], alpha=-group["lr"] / group["step"])
-
-
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_a_generic_step_that_failed_part_way_counts_once_when_retried(tmp_path, op):
     # The generic path advances what the optimizer keeps per group once per
@@ -285,24 +265,6 @@ def test_a_generic_steps_count_holds_when_only_its_commit_failed(tmp_path):
     assert opt.last_step_stats.get("completed_earlier")
     assert opt.engine.committed_step == 2 and opt.param_groups[0]["step"] == 2
     opt.close()
-
-
-class RecordingSGD(torch.optim.Optimizer):
-    """SGD with a group count that records (lr, count) per call that steps."""
-
-    def __init__(self, params, lr):
-        super().__init__(params, dict(lr=lr))
-        self.seen = []
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            if any(p.grad is not None for p in group["params"]):
-                self.seen.append((group["lr"], group["step"]))
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
 
 
 def test_a_change_between_a_failed_generic_step_and_its_retry_stays(tmp_path):

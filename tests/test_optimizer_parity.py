@@ -1,8 +1,9 @@
 """MLPOffloadOptimizer matches the plain torch optimizer it wraps.
 
 20 steps of a small transformer block, fp32, for every native optimizer and
-three generic ones (two of torch's, one user-written class), over 1, 2 and
-3 tiers, host caches from nothing to everything, in both modes.
+six generic ones (three of torch's, three user-written classes from
+user_optimizers.py), over 1, 2 and 3 tiers, host caches from nothing to
+everything, in both modes.
 """
 
 import copy
@@ -12,91 +13,13 @@ import torch
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
+from user_optimizers import GroupCounterAdam, InPlaceDecay, SignMomentum, SlowWeightsSGD
+
 from mlp_offload import MLPOffloadOptimizer
 
 STEPS = 20
 SUBGROUP_NUMEL = 512  # the block has ~8.6k parameters: 8 subgroups
 RTOL = 1e-6
-
-
-class SignMomentum(torch.optim.Optimizer):
-    """A user-written optimizer: a momentum buffer and a Python int counter."""
-
-    def __init__(self, params, lr=1e-2, beta=0.9):
-        super().__init__(params, dict(lr=lr, beta=beta))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["buf"] = torch.zeros_like(p)
-                    state["count"] = 0
-                state["buf"].mul_(group["beta"]).add_(p.grad)
-                state["count"] += 1
-                p.add_(state["buf"].sign(), alpha=-group["lr"] / state["count"] ** 0.5)
-
-
-class GroupCounterAdam(torch.optim.Optimizer):
-    """A user-written Adam that counts steps per param group (as timm's Lamb
-    and Adan keep group["step"]) and on itself (a warm-up by call count):
-    the wrapper runs its step once per subgroup, each count must still
-    advance once per step."""
-
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, warmup=5):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
-        self.warmup = warmup
-        self.calls = 0
-        self.scale = torch.tensor(0.0)  # advanced in place
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.calls += 1
-        self.scale.add_(1.0 / self.warmup).clamp_(max=1.0)
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["exp_avg"].lerp_(p.grad, 1 - b1)
-                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                denom = (state["exp_avg_sq"] / (1 - b2 ** group["step"])).sqrt_()
-                lr = group["lr"] * min(1.0, self.calls / self.warmup) * self.scale.item()
-                p.addcdiv_(state["exp_avg"], denom.add_(group["eps"]),
-                           value=-lr / (1 - b1 ** group["step"]))
-
-
-class SlowWeightsSGD(torch.optim.Optimizer):
-    """SGD with Lookahead-style slow weights, made at the first sync (every
-    k-th step): a state tensor that appears after a parameter's first
-    step."""
-
-    def __init__(self, params, lr=0.05, k=2, alpha=0.5):
-        super().__init__(params, dict(lr=lr, k=k, alpha=alpha))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["n"] = state.get("n", 0) + 1
-                p.add_(p.grad, alpha=-group["lr"])
-                if state["n"] % group["k"] == 0:
-                    if "slow" not in state:
-                        state["slow"] = p.clone()
-                    state["slow"].lerp_(p, group["alpha"])
-                    p.copy_(state["slow"])
-
 
 OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
@@ -331,21 +254,6 @@ def test_generic_counters_per_group_and_instance_advance_once_per_step(tmp_path)
     assert_params_close(model, ref)
     assert [g["step"] for g in opt.state_dict()["param_groups"]] == [6, 6]
     opt.close()
-
-
-class InPlaceDecay(torch.optim.Optimizer):
-    """SGD whose tensor lr the step itself halves, in place."""
-
-    def __init__(self, params, lr):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"].item())
-            group["lr"].mul_(0.5)
 
 
 def test_the_generic_probe_leaves_the_groups_values_alone(tmp_path):
