@@ -1429,6 +1429,19 @@ struct Engine::Impl {
   // directory (`manifests`; the others are read here).
   absl::Status LoadRecords(const std::vector<CheckpointRecord>& records,
                            std::map<std::string, Manifest> manifests);
+  // The checks of a load, which change nothing: every source's manifest
+  // and every record's file and header agree with this engine's subgroup
+  // (size, state layout), and each file is whole. Returns the records'
+  // directories, resolved (ResolveCheckpointDir); `manifests` caches the
+  // manifests read, by directory.
+  absl::StatusOr<std::vector<std::string>> CheckRecords(
+      const std::vector<CheckpointRecord>& records,
+      std::map<std::string, Manifest>& manifests) const;
+  // The records of this engine's own checkpoint in `dir` (saved with its
+  // subgroups), with its manifest checked against this engine's.
+  absl::Status OwnCheckpoint(const std::string& dir,
+                             std::vector<CheckpointRecord>* records,
+                             std::map<std::string, Manifest>* manifests) const;
 };
 
 absl::Status Engine::Impl::CheckManifestUnchanged(size_t t) const {
@@ -2878,21 +2891,36 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
   return SyncDirectory(parent);
 }
 
-absl::Status Engine::LoadCheckpoint(const std::string& dir_in) {
-  Impl& e = *impl_;
-  if (e.in_step)
-    return absl::FailedPreconditionError("LoadCheckpoint during a step");
+absl::Status Engine::Impl::OwnCheckpoint(
+    const std::string& dir_in, std::vector<CheckpointRecord>* records,
+    std::map<std::string, Manifest>* manifests) const {
   const std::string dir = ResolveCheckpointDir(dir_in);
   MLP_ASSIGN_OR_RETURN(Manifest m, ReadCheckpointManifest(dir));
   Manifest expected;
-  expected.arrays_per_param = e.arrays();
-  expected.subgroup_numel = e.numel;
+  expected.arrays_per_param = arrays();
+  expected.subgroup_numel = numel;
   MLP_RETURN_IF_ERROR(CheckManifestMatches(expected, m, dir));
-  std::vector<CheckpointRecord> records(e.n());
-  for (int i = 0; i < e.n(); ++i) records[i] = {dir, i};
+  records->resize(n());
+  for (int i = 0; i < n(); ++i) (*records)[i] = {dir, i};
+  manifests->emplace(dir, std::move(m));
+  return absl::OkStatus();
+}
+
+absl::Status Engine::LoadCheckpoint(const std::string& dir) {
+  Impl& e = *impl_;
+  if (e.in_step)
+    return absl::FailedPreconditionError("LoadCheckpoint during a step");
+  std::vector<CheckpointRecord> records;
   std::map<std::string, Manifest> manifests;
-  manifests.emplace(dir, std::move(m));
+  MLP_RETURN_IF_ERROR(e.OwnCheckpoint(dir, &records, &manifests));
   return e.LoadRecords(records, std::move(manifests));
+}
+
+absl::Status Engine::CheckCheckpoint(const std::string& dir) const {
+  std::vector<CheckpointRecord> records;
+  std::map<std::string, Manifest> manifests;
+  MLP_RETURN_IF_ERROR(impl_->OwnCheckpoint(dir, &records, &manifests));
+  return impl_->CheckRecords(records, manifests).status();
 }
 
 absl::Status Engine::LoadCheckpointRecords(
@@ -2902,13 +2930,16 @@ absl::Status Engine::LoadCheckpointRecords(
   return impl_->LoadRecords(records, {});
 }
 
-absl::Status Engine::Impl::LoadRecords(
+absl::Status Engine::CheckCheckpointRecords(
+    const std::vector<CheckpointRecord>& records) const {
+  std::map<std::string, Manifest> manifests;
+  return impl_->CheckRecords(records, manifests).status();
+}
+
+absl::StatusOr<std::vector<std::string>> Engine::Impl::CheckRecords(
     const std::vector<CheckpointRecord>& records,
-    std::map<std::string, Manifest> manifests) {
-  Impl& e = *this;
-  // From here the state may change, even if the load fails: a commit that
-  // failed before is not the state's any more (RetryCommit writes nothing).
-  e.failed_commit.reset();
+    std::map<std::string, Manifest>& manifests) const {
+  const Impl& e = *this;
   if (records.size() != static_cast<size_t>(e.n())) {
     return absl::InvalidArgumentError(
         absl::StrCat("LoadCheckpointRecords: ", records.size(), " records for ",
@@ -2939,6 +2970,44 @@ absl::Status Engine::Impl::LoadRecords(
                        " parameters (subgroup ", i, " here; another model?)"));
     }
   }
+  // Then every record's file: there, whole, and its header saying what the
+  // manifest does (a record missing or cut short is found before the load
+  // changed anything; a payload whose checksum fails, only as it is read).
+  std::vector<char> page(kRecordHeaderBytes);
+  for (int i = 0; i < e.n(); ++i) {
+    const int j = records[i].subgroup;
+    const std::string path = absl::StrCat(dirs[i], "/sg_", j, ".ckpt");
+    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus(errno, "open", path);
+    struct stat st;
+    absl::Status s = fstat(fd, &st) == 0 ? absl::OkStatus()
+                                         : ErrnoStatus(errno, "fstat", path);
+    const uint64_t need = kRecordHeaderBytes + e.payload_bytes[i];
+    if (s.ok() && static_cast<uint64_t>(st.st_size) < need) {
+      s = absl::DataLossError(absl::StrCat(path, ": ", st.st_size,
+                                           " bytes, its record needs ", need,
+                                           " (cut short)"));
+    }
+    if (s.ok()) s = ReadFileAt(fd, page.data(), page.size(), 0, path);
+    close(fd);
+    MLP_RETURN_IF_ERROR(s);
+    MLP_ASSIGN_OR_RETURN(RecordHeader h,
+                         DecodeRecordHeader(page.data(), page.size(), path));
+    MLP_RETURN_IF_ERROR(CheckCheckpointRecordHeader(
+        h, j, e.numel[i], static_cast<uint32_t>(e.arrays()), path));
+  }
+  return dirs;
+}
+
+absl::Status Engine::Impl::LoadRecords(
+    const std::vector<CheckpointRecord>& records,
+    std::map<std::string, Manifest> manifests) {
+  Impl& e = *this;
+  MLP_ASSIGN_OR_RETURN(std::vector<std::string> dirs,
+                       e.CheckRecords(records, manifests));
+  // From here the state may change, even if the load fails: a commit that
+  // failed before is not the state's any more (RetryCommit writes nothing).
+  e.failed_commit.reset();
   MutexLock l(&e.mu);
   // The record read last goes to its tier while the next one is read from
   // the checkpoint (one write in flight).

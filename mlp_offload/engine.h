@@ -361,6 +361,14 @@ class Engine {
   // matches; FailedPrecondition / DataLoss naming the file otherwise.
   absl::Status LoadCheckpointRecords(
       const std::vector<CheckpointRecord>& records);
+  // The checks that LoadCheckpoint / LoadCheckpointRecords make before
+  // they change anything, alone: the manifests, and every record's file
+  // (there, as long as its record, with a header that agrees). A load that
+  // passed them can still fail part-way (a payload whose checksum fails, an
+  // I/O error), leaving the state part loaded.
+  absl::Status CheckCheckpoint(const std::string& dir) const;
+  absl::Status CheckCheckpointRecords(
+      const std::vector<CheckpointRecord>& records) const;
 
   // Per-tier fault injectors (config.fault_injection), else nullptr.
   FaultInjectingEngine* fault_injector(int tier) const;

@@ -849,6 +849,62 @@ TEST(EngineTest, CheckpointRoundTripAndRefusesAnotherModel) {
       << s;
 }
 
+TEST(EngineTest, AMissingOrShortRecordFailsALoadBeforeItChangesAnything) {
+  // Subgroup 1's record gone, then cut short: CheckCheckpoint says so, and
+  // LoadCheckpoint fails the same way before subgroup 0 was loaded (it used
+  // to load subgroup 0 first, then fail).
+  EngineConfig cfg = SmallConfig(2);
+  auto saver = Engine::Create(cfg);
+  ASSERT_TRUE(saver.ok()) << saver.status();
+  Initialized(*saver, cfg, 5);
+  const std::string ckpt = TempDir("ckpt_short") + "/c";
+  ASSERT_TRUE((*saver)->SaveCheckpoint(ckpt).ok());
+  EngineConfig cfg2 = SmallConfig(1);
+  auto engine = Engine::Create(cfg2);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg2, 9);
+  std::vector<float> own(1000), got(1000), m(1000), v(1000);
+  ASSERT_TRUE(
+      e.ReadSubgroup(0, own.data(), {m.data(), v.data()}, nullptr).ok());
+  const std::string record = ckpt + "/sg_1.ckpt";
+  const std::string kept = record + ".kept";
+  ASSERT_EQ(rename(record.c_str(), kept.c_str()), 0);
+  for (bool check : {true, false}) {
+    absl::Status s = check ? e.CheckCheckpoint(ckpt) : e.LoadCheckpoint(ckpt);
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+    EXPECT_NE(s.message().find("sg_1.ckpt"), std::string::npos) << s;
+  }
+  {
+    std::vector<char> head(kRecordHeaderBytes + 100);
+    const int in = open(kept.c_str(), O_RDONLY);
+    const int out = open(record.c_str(), O_WRONLY | O_CREAT, 0600);
+    ASSERT_GE(in, 0);
+    ASSERT_GE(out, 0);
+    ASSERT_EQ(pread(in, head.data(), head.size(), 0),
+              static_cast<ssize_t>(head.size()));
+    ASSERT_EQ(pwrite(out, head.data(), head.size(), 0),
+              static_cast<ssize_t>(head.size()));
+    close(in);
+    close(out);
+  }
+  for (bool check : {true, false}) {
+    absl::Status s = check ? e.CheckCheckpoint(ckpt) : e.LoadCheckpoint(ckpt);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("sg_1.ckpt: 4196 bytes, its record needs"),
+              std::string::npos)
+        << s;
+  }
+  ASSERT_TRUE(
+      e.ReadSubgroup(0, got.data(), {m.data(), v.data()}, nullptr).ok());
+  EXPECT_EQ(got, own) << "a load that failed its checks changed subgroup 0";
+  ASSERT_EQ(rename(kept.c_str(), record.c_str()), 0);
+  ASSERT_TRUE(e.CheckCheckpoint(ckpt).ok());
+  ASSERT_TRUE(e.LoadCheckpoint(ckpt).ok());
+  ASSERT_TRUE(
+      e.ReadSubgroup(0, got.data(), {m.data(), v.data()}, nullptr).ok());
+  EXPECT_NE(got, own);
+}
+
 TEST(EngineTest, LoadsRecordsOfCheckpointsThatOtherEnginesWrote) {
   // Two "ranks" of a 4-subgroup model (subgroups 0, 2 and 1, 3) save; one
   // engine holding all four loads its subgroups from their checkpoints.

@@ -64,6 +64,16 @@ def assert_equal(a, b, what):
         assert torch.equal(x, y), f"{what}: parameter {i} differs"
 
 
+def assert_states_equal(a, b):
+    """Two state dicts hold the same state and hyperparameters."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid, st in a["state"].items():
+        assert st.keys() == b["state"][pid].keys(), pid
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][pid][k])), (pid, k)
+
+
 def reference(tmp_path, steps, make=None):
     model = make_model()
     opt = wrap(model, tier_dirs(tmp_path, prefix="ref"), make=make)
@@ -2014,24 +2024,95 @@ def test_a_checkpoint_saved_epochs_after_the_commit_is_taken_once(tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("damage", ["python_state", "record"])
+def damage_file(path, how):
+    """Damages `path` ("flip": its last byte, in a record's payload; "truncate":
+    cut to 100 bytes; "remove"); returns its bytes as they were."""
+    with open(path, "rb") as f:
+        good = f.read()
+    if how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(len(good) - 1)
+            f.write(bytes([good[-1] ^ 0xFF]))
+    elif how == "truncate":
+        os.truncate(path, 100)
+    else:
+        os.remove(path)
+    return good
+
+
+# Where a save is damaged, and how: the first ones the load finds before it
+# changes anything; a record's payload, only as it reads it.
+SAVE_DAMAGE = {
+    "python_state": lambda ckpt, m: (os.path.join(ckpt, m["python_state"]), "flip"),
+    "engine_manifest": lambda ckpt, m: (os.path.join(ckpt, m["engine_dir"], "MANIFEST"),
+                                        "remove"),
+    "record_removed": lambda ckpt, m: (os.path.join(ckpt, m["engine_dir"], "sg_1.ckpt"),
+                                       "remove"),
+    "record_truncated": lambda ckpt, m: (os.path.join(ckpt, m["engine_dir"], "sg_1.ckpt"),
+                                         "truncate"),
+    "record_payload": lambda ckpt, m: (os.path.join(ckpt, m["engine_dir"], "sg_1.ckpt"),
+                                       "flip"),
+}
+FOUND_BEFORE_ANY_CHANGE = ["python_state", "engine_manifest", "record_removed",
+                           "record_truncated"]
+
+
+@pytest.mark.parametrize("damage", sorted(SAVE_DAMAGE))
+def test_a_damaged_checkpoint_changes_nothing_until_the_load_reads_records(tmp_path, damage):
+    """load_checkpoint of a damaged save: what the checks before the load
+    find (the Python-side state, the engine's manifest, a record missing or
+    cut short) leaves the optimizer as it was, hyperparameters included,
+    and it steps on; a record whose payload fails its checksum is found as
+    it is read, part-way, and the optimizer refuses to go on until a state
+    is loaded."""
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path, 2))
+    for k in range(2):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    ckpt = str(tmp_path / "ckpt")
+    opt.save_checkpoint(ckpt)
+    manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
+    path, how = SAVE_DAMAGE[damage](ckpt, manifest)
+    good = damage_file(path, how)
+    opt.param_groups[0]["lr"] = 0.123
+    before = opt.state_dict()
+    with pytest.raises(errors.OffloadError) as info:
+        opt.load_checkpoint(ckpt)
+    assert os.path.basename(path) in str(info.value) or damage == "python_state", info.value
+    if damage in FOUND_BEFORE_ANY_CHANGE:
+        assert opt.param_groups[0]["lr"] == 0.123
+        assert_states_equal(opt.state_dict(), before)
+        backward(model, 2)
+        opt.step()
+    else:
+        with pytest.raises(errors.StateMismatchError, match="failed part-way"):
+            opt.step()
+    with open(path, "wb") as f:
+        f.write(good)
+    opt.load_checkpoint(ckpt)
+    backward(model, 2)
+    opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("damage", ["python_state", "engine_manifest", "record_truncated",
+                                    "record_payload"])
 def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
     """A save newer than the last commit (two epochs newer) that cannot be
     loaded: damaged where the load finds it before changing anything (the
-    Python-side state), the resume takes the commit and says why, and the
-    commits after it stay newer than the save once it is mended; found
-    part-way (a record), the resume raises saying the commit is intact and
-    how to resume it, and leaves the run free for that at once."""
+    Python-side state, the engine's manifest, a record cut short), the
+    resume takes the commit and says why, and the commits after it stay
+    newer than the save once it is mended; found part-way (a record's
+    payload), the resume raises saying the commit is intact and how to
+    resume it, and leaves the run free for that at once."""
     tiers, kwargs, at_commit = saved_two_epochs_after_a_commit(tmp_path)
     ckpt = kwargs["checkpoint_dir"]
     manifest = json.load(open(os.path.join(ckpt, "manifest.rank0.json")))
-    if damage == "python_state":
-        path = os.path.join(ckpt, manifest["python_state"])
-        with open(path, "rb") as f:
-            good = f.read()
-        with open(path, "r+b") as f:
-            f.seek(100)
-            f.write(bytes([good[100] ^ 0xFF]))
+    path, how = SAVE_DAMAGE[damage](ckpt, manifest)
+    if damage in FOUND_BEFORE_ANY_CHANGE:
+        good = damage_file(path, how)
         model = make_model()
         with caplog.at_level("WARNING", logger="mlp_offload"):
             opt = wrap(model, tiers, resume="auto", **kwargs)
@@ -2052,11 +2133,9 @@ def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
         assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 4)
         opt.close()
         return
-    engine_dir = os.path.join(ckpt, manifest["engine_dir"])
-    record = sorted(n for n in os.listdir(engine_dir) if n.startswith("sg_"))[0]
-    os.truncate(os.path.join(engine_dir, record), 100)
+    damage_file(path, how)
     with pytest.raises(errors.CorruptStateError,
-                       match=r"truncated.*last commit, of step 2 \(epoch 0\), is intact on its "
+                       match=r"checksum.*last commit, of step 2 \(epoch 0\), is intact on its "
                              r"tiers: construct the optimizer without checkpoint_dir"):
         wrap(make_model(), tiers, resume="auto", **kwargs)
     model = make_model()

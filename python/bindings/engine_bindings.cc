@@ -469,6 +469,16 @@ std::vector<std::string> FilePrefixes(const EngineConfig& config) {
   return prefixes;
 }
 
+// (engine checkpoint directory, subgroup index there) pairs from Python.
+std::vector<Engine::CheckpointRecord> CheckpointRecords(
+    const std::vector<std::pair<std::string, int>>& records) {
+  std::vector<Engine::CheckpointRecord> sources;
+  sources.reserve(records.size());
+  for (const auto& [dir, subgroup] : records)
+    sources.push_back({dir, subgroup});
+  return sources;
+}
+
 // The Python-side handle: owns the engine so that close() can destroy it
 // (flushing its I/O, releasing its tiers) without waiting for the GC.
 class PyEngine {
@@ -1417,11 +1427,8 @@ void RegisterEngineBindings(py::module_& parent) {
           "load_checkpoint_records",
           [](PyEngine& e,
              const std::vector<std::pair<std::string, int>>& records) {
-            std::vector<Engine::CheckpointRecord> sources;
-            sources.reserve(records.size());
-            for (const auto& [dir, subgroup] : records) {
-              sources.push_back({dir, subgroup});
-            }
+            const std::vector<Engine::CheckpointRecord> sources =
+                CheckpointRecords(records);
             e.WithoutGil([&](Engine& engine) {
               return engine.LoadCheckpointRecords(sources);
             });
@@ -1429,7 +1436,29 @@ void RegisterEngineBindings(py::module_& parent) {
           py::arg("records"),
           "Loads subgroup i from records[i] = (engine checkpoint dir, that "
           "checkpoint's subgroup index): a checkpoint saved by another rank "
-          "count.");
+          "count.")
+      .def(
+          "check_checkpoint",
+          [](PyEngine& e, const std::string& dir) {
+            e.WithoutGil(
+                [&](Engine& engine) { return engine.CheckCheckpoint(dir); });
+          },
+          py::arg("dir"),
+          "The checks load_checkpoint makes before it changes anything "
+          "(manifest, every record's file and header), alone.")
+      .def(
+          "check_checkpoint_records",
+          [](PyEngine& e,
+             const std::vector<std::pair<std::string, int>>& records) {
+            const std::vector<Engine::CheckpointRecord> sources =
+                CheckpointRecords(records);
+            e.WithoutGil([&](Engine& engine) {
+              return engine.CheckCheckpointRecords(sources);
+            });
+          },
+          py::arg("records"),
+          "The checks load_checkpoint_records makes before it changes "
+          "anything, alone.");
 }
 
 }  // namespace python

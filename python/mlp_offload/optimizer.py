@@ -3980,7 +3980,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"e.g. channels_last): convert the model to the format it was saved "
                     f"with (model.to(memory_format=...)) before creating the optimizer, "
                     f"or move the state through state_dict(), which holds no layout")
-        return [self._read_python_state(directory, m) for m in manifests]
+        python_states = [self._read_python_state(directory, m) for m in manifests]
+        if self._engine is not None:
+            # The engine's own checks (its manifests, every record's file
+            # there, whole, with a header that agrees): a checkpoint they
+            # refuse changes nothing, hyperparameters included.
+            if not reshard:
+                self._engine.check_checkpoint(
+                    os.path.join(directory, manifests[0]["engine_dir"]))
+            else:
+                sources = _ckpt.record_sources(directory, manifests)
+                self._engine.check_checkpoint_records([sources[g] for g in self._owned])
+        return python_states
 
     def _apply_checkpoint_files(self, directory, manifests, python_states):
         """The second part of load_checkpoint on this rank, once every rank
