@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -1352,6 +1353,12 @@ struct Engine::Impl {
   bool AnyGradientNonfinite(const std::vector<SubgroupStepInput>& inputs,
                             float grad_scale);
 
+  // The baseline's offloaded gradients are used (a step ended) or dropped.
+  void ClearOffloadedGradients() {
+    std::fill(grad_offloaded.begin(), grad_offloaded.end(), false);
+    std::fill(grad_nonfinite.begin(), grad_nonfinite.end(), false);
+  }
+
   void ResetStats() {
     stats = StepStats();
     stats.bytes_read.assign(tiers.size(), 0);
@@ -2164,6 +2171,14 @@ absl::Status Engine::InitializeSubgroups(const std::vector<SubgroupInit>& inits,
 
 namespace {
 
+// A step's gradient scale, checked before the step changes anything (the
+// kernels check it too, but only once the step has begun).
+absl::Status CheckGradScale(float grad_scale) {
+  if (std::isfinite(grad_scale)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("grad_scale must be finite, got ", grad_scale));
+}
+
 // OK if `segments` cover the `numel` elements of subgroup `i` once each
 // (in any order, without overlaps or gaps), with gradients where
 // `need_grads`; `what` names the caller in the error.
@@ -2233,6 +2248,10 @@ absl::Status Engine::OffloadGradients(int i,
   Impl& e = *impl_;
   if (i < 0 || i >= e.n())
     return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
+  if (e.in_step) {
+    return absl::FailedPreconditionError(
+        "OffloadGradients during a step (offload before BeginStep)");
+  }
   MLP_RETURN_IF_ERROR(
       CheckSegments("OffloadGradients", i, e.numel[i], segments));
   if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
@@ -2327,19 +2346,24 @@ absl::Status Engine::BeginStep(const std::vector<bool>& skip) {
   if (!e.grad_error.ok()) {
     absl::Status s = e.grad_error;
     e.grad_error = absl::OkStatus();
-    std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+    e.ClearOffloadedGradients();
     return Annotate(s,
                     "baseline gradient offload (offload the gradients again)");
   }
   if (e.step_failed) {
     // Retrying a step that failed part-way: records it already updated are
     // not updated again; write back the ones held in memory (failed writes)
-    // so the buffers are free for streaming.
+    // so the buffers are free for streaming. One whose write landed (a kept
+    // record's commit write) is on its tier already: written again, a write
+    // that failed part-way would tear the slot that holds it, while the
+    // engine still counted it there.
     for (size_t b = 0; b < e.buffers.size(); ++b) {
       int i = e.buffers[b].subgroup;
       if (e.buffers[b].state == BufState::kCached && i >= 0 &&
           e.done_in_step[i]) {
-        MLP_RETURN_IF_ERROR(e.WriteNow(i, static_cast<int>(b)));
+        if (!e.OnDisk(i)) {
+          MLP_RETURN_IF_ERROR(e.WriteNow(i, static_cast<int>(b)));
+        }
         e.Free(static_cast<int>(b));
       }
     }
@@ -2517,7 +2541,7 @@ absl::StatusOr<StepStats> Engine::EndStep() {
   std::fill(e.done_in_step.begin(), e.done_in_step.end(), false);
   std::fill(e.untouched_in_step.begin(), e.untouched_in_step.end(),
             Impl::kUpdated);
-  std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+  e.ClearOffloadedGradients();
   if (e.config.commit_every > 0 && e.steps_done % e.config.commit_every == 0) {
     MutexLock l(&e.mu);
     const absl::Status committed = e.WriteCommit();
@@ -2600,11 +2624,13 @@ bool Engine::Impl::AnyGradientNonfinite(
     const std::vector<SubgroupStepInput>& inputs, float grad_scale) {
   Impl& e = *this;
   for (int i = 0; i < e.n(); ++i) {
+    // A subgroup without a gradient this step has none to check (in the
+    // baseline, its flag is an earlier step's).
+    if (inputs[i].skip) continue;
     if (e.eager_grads()) {
-      if (e.grad_nonfinite[i]) return true;
+      if (e.grad_offloaded[i] && e.grad_nonfinite[i]) return true;
       continue;
     }
-    if (inputs[i].skip) continue;
     for (const Segment& seg : inputs[i].segments) {
       if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel, grad_scale,
                            &e.pool)
@@ -2619,15 +2645,27 @@ bool Engine::Impl::AnyGradientNonfinite(
 absl::StatusOr<bool> Engine::GradientsNonfinite(
     const std::vector<SubgroupStepInput>& inputs, float grad_scale) {
   MLP_RETURN_IF_ERROR(impl_->ValidateStepInputs(inputs));
+  MLP_RETURN_IF_ERROR(CheckGradScale(grad_scale));
   return impl_->AnyGradientNonfinite(inputs, grad_scale);
 }
 
 StepStats Engine::SkipStep() {
   Impl& e = *impl_;
+  MutexLock l(&e.mu);
+  // The skipped step's gradient writes (the baseline's) land first: the
+  // I/O threads count their bytes into the stats copied and reset here,
+  // and they count in this step's, not the next one's.
+  auto grads_landed = [&e]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(e.mu) {
+    return e.grad_writes == 0;
+  };
+  e.mu.Await(grads_landed);
+  // A gradient write of this step that failed is moot: the next step
+  // offloads its own gradients.
+  e.grad_error = absl::OkStatus();
   StepStats skipped = e.stats;
   skipped.step = e.steps_done;
   skipped.skipped = true;
-  std::fill(e.grad_offloaded.begin(), e.grad_offloaded.end(), false);
+  e.ClearOffloadedGradients();
   e.ResetStats();
   return skipped;
 }
@@ -2636,6 +2674,7 @@ absl::StatusOr<StepStats> Engine::Step(
     const std::vector<SubgroupStepInput>& inputs, const StepOptions& options) {
   Impl& e = *impl_;
   MLP_RETURN_IF_ERROR(e.ValidateStepInputs(inputs));
+  MLP_RETURN_IF_ERROR(CheckGradScale(options.grad_scale));
   const int s_arrays = e.config.num_state_arrays;
   // Gradient check before anything is touched (GradScaler semantics).
   if (options.skip_if_nonfinite &&

@@ -2863,6 +2863,65 @@ void TwoEagerSteps(int fault_nth, std::vector<int64_t>* steps,
   }
 }
 
+TEST(EngineTest, ANonFiniteGradScaleIsRefusedBeforeTheStepBegins) {
+  // The kernels refuse it too, but only once the step had begun: the step
+  // was left failed part-way (commits and loads refused until a retry).
+  EngineConfig cfg = SmallConfig(1);
+  Model model(cfg.subgroup_numel, 8);
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  for (float bad : {std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    StepOptions opts;
+    opts.grad_scale = bad;
+    opts.skip_if_nonfinite = false;
+    absl::StatusOr<StepStats> stats = e.Step(in, opts);
+    EXPECT_EQ(stats.status().code(), absl::StatusCode::kInvalidArgument)
+        << stats.status();
+    EXPECT_NE(stats.status().message().find("grad_scale must be finite"),
+              std::string::npos)
+        << stats.status();
+    EXPECT_EQ(e.GradientsNonfinite(in, bad).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_FALSE(e.step_incomplete());
+  }
+  ASSERT_TRUE(e.Step(in, StepOptions()).ok());
+  EXPECT_EQ(e.step(), 1);
+}
+
+TEST(EngineTest, ASkippedStepCountsItsGradientWritesAndLeavesNoneRunning) {
+  // The baseline writes each gradient as it is offloaded; a step skipped
+  // at once (a NaN elsewhere) waits for those writes: their bytes are the
+  // skipped step's, and no completion is left to count into the stats
+  // SkipStep resets (before: a data race on the stats' vectors).
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques = Techniques::Baseline();
+  cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(3000, 4));
+  cfg.tiers[0].throttle_write_bytes_per_sec = 100e3;  // 30 KB: 0.3 s
+  Model model(cfg.subgroup_numel, 9);
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
+  std::vector<SubgroupStepInput> in = AdamWInputs(model);
+  uint64_t grad_bytes = 0;
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    ASSERT_TRUE(e.OffloadGradients(i, in[i].segments).ok());
+    grad_bytes += cfg.subgroup_numel[i] * 4;
+  }
+  const StepStats skipped = e.SkipStep();
+  EXPECT_TRUE(skipped.skipped);
+  ASSERT_EQ(skipped.bytes_written.size(), 1u);
+  EXPECT_GE(skipped.bytes_written[0], grad_bytes);
+  for (int i = 0; i < e.num_subgroups(); ++i) {
+    ASSERT_TRUE(e.OffloadGradients(i, in[i].segments).ok());
+  }
+  absl::StatusOr<StepStats> stats = e.Step(in, StepOptions());
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(e.step(), 1);
+}
+
 TEST(EngineTest, AGradientReadErrorOnACacheHitLosesNoUpdate) {
   // A failed gradient read must not drop the record it was read for: on a
   // cache hit that record is the only copy of its latest version.

@@ -1957,8 +1957,10 @@ def test_a_record_rewritten_in_memory_survives_a_load_that_failed(tmp_path, how)
     cached = e.plan.order(0)[-1]  # kept in the cache after step 1
     new, zeros = torch.full((numel,), 100.0), torch.zeros(numel)
     e.write_subgroups([(cached, new.data_ptr(), [zeros.data_ptr()] * 2, 1, numel)])
-    os.truncate(str(tmp_path / "ckpt" / f"sg_{cached}.ckpt"), 1000)
-    with pytest.raises(errors.CorruptStateError, match="truncated"):
+    # A payload that fails its checksum: found as the load reads it (a
+    # record missing or cut short is found before the load changes anything).
+    damage_file(str(tmp_path / "ckpt" / f"sg_{cached}.ckpt"), "flip")
+    with pytest.raises(errors.CorruptStateError, match="checksum"):
         e.load_checkpoint(str(tmp_path / "ckpt"))
     step_count, got = read(e, cached)
     assert step_count == 1 and torch.equal(got, new)

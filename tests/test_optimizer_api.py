@@ -469,6 +469,33 @@ def test_nonfinite_gradient_without_scaler_raises_and_updates_nothing(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_nonfinite_gradient_is_judged_in_its_own_step_only(tmp_path, mode, nonfinite):
+    # A NaN in one group's gradient fails its step; the next steps, where
+    # that group has no gradient, update the other group as torch would.
+    # (The baseline judged them by the NaN group's flag from the failed
+    # step, which nothing cleared: every later step was skipped or raised.)
+    main, aux = (torch.nn.Parameter(torch.ones(8)) for _ in range(2))
+    inner = torch.optim.SGD([{"params": [main]}, {"params": [aux]}], lr=0.1)
+    opt = MLPOffloadOptimizer(inner, tiers=[str(tmp_path)], mode=mode, nonfinite=nonfinite,
+                              compute_threads=1)
+    main.grad, aux.grad = torch.ones(8), torch.full((8,), float("nan"))
+    if nonfinite == "skip":
+        opt.step()
+    else:
+        with pytest.raises(errors.NonFiniteGradientError):
+            opt.step()
+    assert main[0].item() == 1.0
+    for k in range(2):
+        opt.zero_grad(set_to_none=True)
+        main.grad = torch.ones(8)
+        opt.step()
+        assert main[0].item() == pytest.approx(0.9 - 0.1 * k)
+    assert aux[0].item() == 1.0
+    opt.close()
+
+
 @pytest.mark.parametrize("option", ["fused", "capturable", "differentiable"])
 def test_unsupported_options_are_named(tmp_path, option):
     model = make_model()

@@ -1302,7 +1302,12 @@ void RegisterEngineBindings(py::module_& parent) {
           "is NaN/Inf. Touches no state.")
       .def(
           "skip_step",
-          [](PyEngine& e) { return StatsToDict(e.get().SkipStep()); },
+          [](PyEngine& e) {
+            // It waits for the baseline's gradient writes: without the GIL.
+            return StatsToDict(e.WithoutGil([](Engine& engine) {
+              return absl::StatusOr<StepStats>(engine.SkipStep());
+            }));
+          },
           "Skips the step as step() does on a non-finite gradient (another "
           "rank's); returns its stats dict.")
       .def(
