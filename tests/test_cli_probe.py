@@ -56,6 +56,13 @@ def test_probe_bad_arguments_exit_2(tmp_path, bad):
     assert e.value.code == 2
 
 
+def test_probe_names_the_block_size_limit_in_its_own_units(tmp_path, capsys):
+    # (before: "at most 1.1 GB" for the 1 GiB the help text gives)
+    with pytest.raises(SystemExit):
+        cli.main(["probe", str(tmp_path), "--block-size", "2GiB"])
+    assert "--block-size: must be at most 1 GiB, got 2GiB" in capsys.readouterr().err
+
+
 def test_probe_refuses_a_path_given_twice(tmp_path, capsys):
     (tmp_path / "d").mkdir()
     code = cli.main(["probe", str(tmp_path / "d"), str(tmp_path / "." / "d")])

@@ -841,7 +841,11 @@ def test_parameters_changed_after_wrapping_are_refused(tmp_path, mode):
             (lambda m, o: m.to(torch.bfloat16), r"now a torch.bfloat16"),
             (lambda m, o: o.param_groups[0]["params"].append(
                 torch.nn.Parameter(torch.randn(4))), r"param_groups changed.*\[4\], now "
-                                                     r"\[5\].*add_param_group")):
+                                                     r"\[5\]; group 0's parameter 4 is "
+                                                     r"new\).*add_param_group"),
+            (lambda m, o: o.param_groups[0]["params"].__setitem__(
+                1, torch.nn.Parameter(torch.randn(4))), r"\[4\], now \[4\]; group 0's "
+                                                        r"parameter 1 is another tensor")):
         model, opt = fresh()
         step(model, opt)
         change(model, opt)

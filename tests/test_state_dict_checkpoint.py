@@ -455,3 +455,87 @@ def test_state_io_bench_times_both_ways_of_each_transfer(request, tmp_path):
         share = 0.25 if case == "state_dict_2_ranks" else 0.5
         assert row["ceiling"][0] >= share * 1.92e6 / 100e6
     assert os.listdir(tmp_path) == []  # its directories are removed
+
+
+def test_a_numpy_learning_rate_goes_into_commits_and_checkpoints_as_a_number(tmp_path):
+    # A schedule computed with numpy leaves an np.float64 lr in the group:
+    # commits and saves hold it as a Python float (torch.load with
+    # weights_only=True, which reads them, refuses numpy objects: before,
+    # every resume called the commit corrupt, and load_checkpoint raised an
+    # untyped UnpicklingError).
+    import numpy as np
+
+    tiers, ckpt = tier_dirs(tmp_path, 2), tmp_path / "ckpt"
+    kwargs = dict(run_name="np", commit_every=1, checkpoint_dir=str(ckpt))
+    model = make_model()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), tiers, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: np.minimum(1.0, (s + 1) / 10))
+    for k in range(3):
+        run(model, opt, [k])
+        sched.step()
+    assert isinstance(opt.param_groups[0]["lr"], np.floating)
+    opt.save_checkpoint()
+    lr = float(opt.param_groups[0]["lr"])
+    opt.close()
+    again = wrap(torch.optim.AdamW(make_model().parameters(), lr=1.0), tiers,
+                 resume="require", **kwargs)
+    assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
+    got = again.param_groups[0]["lr"]
+    assert type(got) is float and got == pytest.approx(1e-2 * 0.3)  # step 3's
+    again.close()
+    other = wrap(torch.optim.AdamW(make_model().parameters(), lr=1.0), tier_dirs(tmp_path, 1, "o"))
+    other.load_checkpoint(ckpt)
+    got = other.param_groups[0]["lr"]
+    assert type(got) is float and got == pytest.approx(lr)
+    other.close()
+
+
+def test_a_group_value_a_checkpoint_cannot_hold_is_named_when_saved(tmp_path):
+    # Anything else that a weights-only load refuses is a ConfigError at the
+    # save, naming where it is; the optimizer goes on.
+    import numpy as np
+
+    model = make_model()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), tier_dirs(tmp_path, 1))
+    run(model, opt, [0])
+    opt.param_groups[0]["mask"] = np.ones(3)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(errors.ConfigError, match=r"\['param_groups'\]\[0\]\['mask'\] is a "
+                                                 r"numpy.ndarray"):
+        opt.save_checkpoint(ckpt)
+    assert not os.path.exists(ckpt) or not os.listdir(ckpt)
+    del opt.param_groups[0]["mask"]
+    run(model, opt, [1])
+    opt.save_checkpoint(ckpt)
+    opt.close()
+
+
+def test_a_checkpoint_of_other_frozen_parameters_names_the_subgroups(tmp_path):
+    # Parameters frozen when the optimizer is made are packed apart: a save
+    # with the backbone frozen does not load into an optimizer made with it
+    # trainable, and the error says why and what to do (before: "subgroup_numel
+    # differs", which it did not); made with the same ones frozen, it loads.
+    def make(frozen):
+        model = make_model()
+        for p in model[0].parameters():
+            p.requires_grad_(not frozen)
+        return model, wrap(torch.optim.Adam(model.parameters(), lr=1e-2),
+                           tier_dirs(tmp_path, 1, f"t{frozen}{len(os.listdir(tmp_path))}"),
+                           subgroup_numel=1 << 20)
+
+    model, opt = make(frozen=True)
+    run(model, opt, range(2))
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.close()
+    model, opt = make(frozen=False)
+    with pytest.raises(errors.StateMismatchError,
+                       match=r"its subgroup 0 holds parameters \[0, 1\], here \[0, 1, 2, 3\] "
+                             r"\(another subgroup_numel, or other parameters frozen"):
+        opt.load_checkpoint(tmp_path / "ckpt")
+    opt.close()
+    model, opt = make(frozen=True)
+    opt.load_checkpoint(tmp_path / "ckpt")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    run(model, opt, [2])
+    opt.close()

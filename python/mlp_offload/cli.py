@@ -58,8 +58,8 @@ def _aligned_size(hi):
             raise argparse.ArgumentTypeError(
                 f"must be a positive multiple of 4096 bytes (O_DIRECT), got {text}")
         if value > hi:
-            raise argparse.ArgumentTypeError(
-                f"must be at most {units.format_bytes(hi)}, got {text}")
+            limit = f"{hi >> 30} GiB" if hi % (1 << 30) == 0 else units.format_bytes(hi)
+            raise argparse.ArgumentTypeError(f"must be at most {limit}, got {text}")
         return value
     convert.__name__ = "size"
     return convert

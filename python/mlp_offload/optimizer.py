@@ -24,7 +24,6 @@ import collections.abc
 import contextlib
 import copy
 import functools
-import io as _io
 import itertools
 import json
 import logging
@@ -225,12 +224,6 @@ def _generic_py_state(state):
     return out
 
 
-def _torch_save_bytes(obj):
-    buf = _io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def _loaded_step(value, pid):
     """A loaded state's 'step' as an int: a whole, finite count >= 0."""
     try:
@@ -249,8 +242,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer`; offloads its state to host memory and storage tiers.
 
     Args:
-      optimizer: a torch.optim.Optimizer over CPU parameters (fp32, bf16 or
-        fp16, all of one dtype, contiguous).
+      optimizer: a torch.optim.Optimizer over CPU or CUDA parameters (fp32,
+        bf16 or fp16, all of one dtype; any dense layout on the CPU,
+        row-major on a GPU).
       tiers: storage paths (str) or TierSpec dicts (path, name,
         read/write_bytes_per_sec, capacity_bytes, throttle_*...), any number.
       host_cache_bytes: host memory for subgroup records kept cached between
@@ -296,12 +290,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         last committed step. Needs run_name.
       resume: "never" (start fresh), "auto" (resume the committed state of
         run `run_name` on these tiers if there is one, else load
-        checkpoint_dir if it holds a checkpoint, else start fresh) or
+        checkpoint_dir if it holds a checkpoint, else start fresh; a
+        checkpoint this run saved after its last commit is taken over the
+        commit) or
         "require" (like auto, but raise StateMismatchError rather than start
         fresh). `resumed_from` ("committed_step", "checkpoint" or None) and
         `resumed_step` say what happened; the model's parameters are set
         from the resumed master copy.
-      checkpoint_dir: where save_checkpoint() writes, read by resume.
+      checkpoint_dir: where save_checkpoint() writes and load_checkpoint()
+        reads by default, read by resume.
       resume_placement: where a resumed run's records go when this
         configuration places them otherwise than the run wrote them (the
         multipath switch, or the tiers' bandwidths or capacities, changed):
@@ -1990,10 +1987,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 len(g["params"]) != len(ids) or any(id(p) != i for p, i in zip(g["params"], ids))
                 for g, ids in zip(groups, self._group_param_ids)):
             now = [len(g["params"]) for g in groups]
+            where = ""
+            for gi, (g, ids) in enumerate(zip(groups, self._group_param_ids)):
+                now_ids = [id(p) for p in g["params"]]
+                if now_ids != ids:
+                    k = next((k for k, (a, b) in enumerate(zip(now_ids, ids)) if a != b),
+                             min(len(now_ids), len(ids)))
+                    what = ("is new" if k >= len(ids) else "is gone" if k >= len(now_ids)
+                            else "is another tensor")
+                    where = f"; group {gi}'s parameter {k} {what}"
+                    break
             raise ConfigError(
                 f"param_groups changed after the optimizer was built (parameters per group: "
-                f"{[len(ids) for ids in self._group_param_ids]}, now {now}): add parameters "
-                f"with add_param_group")
+                f"{[len(ids) for ids in self._group_param_ids]}, now {now}{where}): add "
+                f"parameters with add_param_group")
         for sg in self._subgroups:
             for p, pid in zip(sg.params, sg.param_ids):
                 if p.dtype != self._dtype or p.device != self._device \
@@ -3686,7 +3693,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
         }
         buf_path = os.path.join(directory, python_file)
-        _recovery.write_file_atomically(buf_path, _torch_save_bytes(python_state))
+        _recovery.write_file_atomically(buf_path, _recovery.saved_bytes(
+            python_state, "the checkpoint's Python-side state (param_groups and "
+                          "the state kept in Python)"))
         manifest = {
             "format": _ckpt.CHECKPOINT_FORMAT,
             "version": _ckpt.CHECKPOINT_VERSION,
@@ -3968,9 +3977,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"checkpoint in {directory} is for another model: "
                 f"{len(got['param_shapes'])} parameters there, {len(want['param_shapes'])} here")
         if want["subgroups"] != got["subgroups"]:
+            k = next((k for k, (a, b) in enumerate(zip(want["subgroups"], got["subgroups"]))
+                      if a != b), min(len(want["subgroups"]), len(got["subgroups"])))
+            theirs = got["subgroups"][k] if k < len(got["subgroups"]) else "nothing"
+            ours = want["subgroups"][k] if k < len(want["subgroups"]) else "nothing"
             raise StateMismatchError(
-                f"checkpoint in {directory} packs parameters into other subgroups "
-                f"(subgroup_numel differs)")
+                f"checkpoint in {directory} packs parameters into other subgroups: its "
+                f"subgroup {k} holds parameters {theirs}, here {ours} (another "
+                f"subgroup_numel, or other parameters frozen when the optimizer was made, "
+                f"which are packed apart: make it with the same ones frozen, load, then "
+                f"unfreeze)")
         for pid, (a, b) in enumerate(zip(self._strides_list(), _ckpt.param_strides_of(got))):
             if a != b:
                 raise StateMismatchError(
@@ -4035,3 +4051,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         except OSError as e:
             raise _recovery.os_error_to_tier_error(
                 e, "reading the checkpoint's Python-side state", python_path) from e
+        except OffloadError:
+            raise
+        except Exception as e:  # a valid checksum over an unreadable file
+            raise CorruptStateError(f"checkpoint file {python_path} is unreadable "
+                                    f"({_recovery.load_error(e)})") from e

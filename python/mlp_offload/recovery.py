@@ -27,6 +27,7 @@ of an engine error to the tier it happened on, so that every error raised
 by a step names the tier, its path and the operation.
 """
 
+import copy
 import errno
 import fcntl
 import hashlib
@@ -35,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 
 import torch
@@ -292,8 +294,9 @@ def has_committed_state(dirs):
         foreign = [d for d, m in zip(dirs, has["MANIFEST"]) if not m]
         raise StateMismatchError(
             f"the run's committed state is on {', '.join(committed)}, but "
-            f"{', '.join(foreign)} holds none of it: give the tiers the run used, in its "
-            f"order {keep}")
+            f"{', '.join(foreign)} holds none of it: a tier the run did not use (give "
+            f"the tiers the run used, in its order), or one that lost the run's files "
+            f"(deleted, or a file system not mounted there) {keep}")
     manifests = [_read_small(os.path.join(d, "MANIFEST"), d) for d in dirs]
     lacking = [d for d, c in zip(dirs, has["COMMIT"]) if not c]
     ref = manifests[dirs.index(committed[0])]
@@ -383,12 +386,80 @@ def pystate_path(run_dir, key):
     return os.path.join(run_dir, f"pystate-{int(key):012d}.pt")
 
 
+def _plain_numbers(obj):
+    """`obj` with the numpy scalars in its dicts, lists and tuples as Python
+    numbers (an lr that a schedule computed with numpy is an np.float64),
+    which torch.load(weights_only=True) reads back; the rest as it is."""
+    if type(obj) is dict:
+        return {k: _plain_numbers(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_plain_numbers(v) for v in obj)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.generic):
+        return obj.item()
+    return obj
+
+
+def _skeleton(obj):
+    """`obj` without its tensors' data: what decides whether a weights-only
+    load reads it back."""
+    if isinstance(obj, torch.Tensor):
+        return None
+    if isinstance(obj, dict):  # of its own type (an OrderedDict reads back)
+        out = {} if type(obj) is dict else copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _skeleton(v)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_skeleton(v) for v in obj)
+    return obj
+
+
+def _reads_back(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # its own errors are the save's
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - any failure: it does not read back
+        return False
+    return True
+
+
+def _unreadable_part(obj, where):
+    """Where in `obj` (a path like "['param_groups'][0]['lr']") the first
+    value is that a weights-only load refuses, and that value."""
+    children = (obj.items() if type(obj) is dict else
+                enumerate(obj) if type(obj) in (list, tuple) else ())
+    for k, v in children:
+        if not _reads_back(_skeleton(v)):
+            return _unreadable_part(v, f"{where}[{k!r}]")
+    return where, obj
+
+
+def saved_bytes(obj, what):
+    """torch.save's bytes of `obj`, which its readers load with
+    torch.load(weights_only=True): numpy scalars go as Python numbers; any
+    other value that such a load refuses is a ConfigError naming where it is
+    and `what` holds it (before, the save went through and every later load
+    of it failed)."""
+    obj = _plain_numbers(obj)
+    if not _reads_back(_skeleton(obj)):
+        where, value = _unreadable_part(obj, "")
+        raise ConfigError(
+            f"{what}: {where or 'it'} is a {type(value).__module__}.{type(value).__qualname__}, "
+            f"which a checkpoint cannot hold (torch.load(weights_only=True), which reads "
+            f"it back, refuses it): use Python numbers, strings, lists, dicts or tensors")
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def write_pystate(run_dir, epoch, step, state, tier_label="tier 0"):
     """Writes `state` (torch.save-able) for the commit (epoch, step),
     atomically, 0600."""
-    buf = io.BytesIO()
-    torch.save(dict(state, format=_PYSTATE_FORMAT, step=int(step), epoch=int(epoch)), buf)
-    payload = buf.getvalue()
+    payload = saved_bytes(
+        dict(state, format=_PYSTATE_FORMAT, step=int(step), epoch=int(epoch)),
+        f"the Python-side state (param_groups) of the commit of step {step}")
     data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
     path = pystate_path(run_dir, commit_key(epoch, step))
     try:
@@ -396,6 +467,17 @@ def write_pystate(run_dir, epoch, step, state, tier_label="tier 0"):
     except OSError as e:
         raise os_error_to_tier_error(e, "writing the Python-side state of step "
                                         f"{step} to", path, tier=tier_label) from e
+
+
+def load_error(e):
+    """What a failed torch.load says, without its advice on weights_only
+    (torch's message for a refused global is a page long; its last lines
+    name the global)."""
+    text = str(e)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        text = text[text.index(marker) + len(marker):].split(". Please use")[0]
+    return text
 
 
 def read_pystate(run_dir, key):
@@ -420,7 +502,7 @@ def read_pystate(run_dir, key):
     try:
         state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # a valid checksum over an unreadable payload
-        raise CorruptStateError(f"{path}: unreadable ({e})") from e
+        raise CorruptStateError(f"{path}: unreadable ({load_error(e)})") from e
     # Files written before epochs have none: epoch 0.
     if not isinstance(state, dict) or state.get("format") != _PYSTATE_FORMAT \
             or not isinstance(state.get("step"), int) \
