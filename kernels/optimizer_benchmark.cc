@@ -31,6 +31,9 @@ ABSL_FLAG(int, iters, 10,
           "timed updates (and probe passes) per configuration; best kept");
 ABSL_FLAG(bool, json, false, "one JSON object per line instead of text");
 ABSL_FLAG(bool, amsgrad, false, "adam/adamw: amsgrad (a third state array)");
+ABSL_FLAG(bool, grad_checks, false,
+          "instead of updates: the gradient passes (AnyNonfinite, "
+          "ComputeGradStats) against a read-only probe of the gradient");
 
 namespace mlp_offload {
 namespace {
@@ -53,6 +56,76 @@ OptimizerHyperparams BenchHyperparams(OptimizerKind kind) {
     hp.amsgrad = absl::GetFlag(FLAGS_amsgrad);
   }
   return hp;
+}
+
+// Seconds `pass` takes.
+template <typename Pass>
+double Timed(Pass pass) {
+  const auto start = std::chrono::steady_clock::now();
+  pass();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+// --grad_checks: the read-only passes over a gradient (the non-finite flag
+// alone, and with the sum of squares), each against a read-only probe of
+// the same buffer, interleaved.
+int GradChecks(size_t n, int iters, bool json,
+               const std::vector<int>& thread_counts,
+               const std::vector<DType>& grad_dtypes, const float* grad_f32,
+               void* grad) {
+  if (!json) {
+    std::printf("SIMD target %s, n=%zu, best of %d passes\n",
+                SimdTargetName().c_str(), n, iters);
+  }
+  volatile bool sink = false;
+  for (int threads : thread_counts) {
+    ThreadPool pool(threads);
+    if (!pool.start_status().ok()) return Fail(pool.start_status());
+    for (DType dtype : grad_dtypes) {
+      ConvertFromFloat32(grad_f32, grad, dtype, n, &pool);
+      StreamPattern pattern;
+      pattern.update_streams = 0;
+      pattern.read_bytes = DTypeSize(dtype);
+      float* const none[4] = {nullptr, nullptr, nullptr, nullptr};
+      // The three alternate (pass 0 warms up); the best of each is kept.
+      double flag = 0.0, stats = 0.0, probe = 0.0;
+      auto keep_best = [](double& best, double seconds) {
+        if (best == 0.0 || seconds < best) best = seconds;
+      };
+      for (int it = 0; it <= iters; ++it) {
+        const double f = Timed(
+            [&] { sink = sink ^ AnyNonfinite(grad, dtype, n, 1.0f, &pool); });
+        const double g = Timed([&] {
+          sink = sink ^ ComputeGradStats(grad, dtype, n, 1.0f, &pool).nonfinite;
+        });
+        const double p = Timed(
+            [&] { RunStreamPattern(pattern, none, grad, nullptr, n, &pool); });
+        if (it == 0) continue;
+        keep_best(flag, f);
+        keep_best(stats, g);
+        keep_best(probe, p);
+      }
+      const double bytes = static_cast<double>(n) * DTypeSize(dtype);
+      if (json) {
+        std::printf(
+            "{\"pass\": \"grad_checks\", \"grad_dtype\": \"%s\", "
+            "\"threads\": %d, \"params\": %zu, \"any_nonfinite_gb_per_s\": "
+            "%.2f, \"grad_stats_gb_per_s\": %.2f, \"probe_gb_per_s\": %.2f, "
+            "\"simd_target\": \"%s\"}\n",
+            DTypeName(dtype), threads, n, bytes / flag / 1e9,
+            bytes / stats / 1e9, bytes / probe / 1e9, SimdTargetName().c_str());
+      } else {
+        std::printf(
+            "grad=%-8s threads=%d  AnyNonfinite %6.2f GB/s  ComputeGradStats "
+            "%6.2f GB/s  read probe %6.2f GB/s\n",
+            DTypeName(dtype), threads, bytes / flag / 1e9, bytes / stats / 1e9,
+            bytes / probe / 1e9);
+      }
+      std::fflush(stdout);
+    }
+  }
+  return 0;
 }
 
 int Run() {
@@ -105,6 +178,10 @@ int Run() {
     param_out[i] = 0.0f;
   }
 
+  if (absl::GetFlag(FLAGS_grad_checks)) {
+    return GradChecks(n, iters, json, thread_counts, grad_dtypes,
+                      grad_f32.get(), grad.get());
+  }
   if (!json) {
     std::printf("SIMD target %s, n=%zu, best of %d updates\n",
                 SimdTargetName().c_str(), n, iters);

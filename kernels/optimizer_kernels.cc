@@ -446,6 +446,9 @@ bool UpdateChunk(const UpdateArgs& a, size_t begin, size_t end) {
 // ----------------------------------------------------------------------------
 // Gradient-only passes.
 
+// x * 0 is 0 for a finite scaled gradient element x and NaN for an
+// infinite or NaN one; summed into `nonfinite`, NaN stays. Four independent
+// sums: one would chain every vector through the FMA's latency.
 template <DType kGrad, class D>
 HWY_INLINE size_t NonfiniteRange(D d, const void* HWY_RESTRICT grad,
                                  float grad_scale, size_t i, size_t end,
@@ -453,10 +456,18 @@ HWY_INLINE size_t NonfiniteRange(D d, const void* HWY_RESTRICT grad,
   const auto scale = hn::Set(d, grad_scale);
   const auto zero = hn::Zero(d);
   const size_t N = hn::Lanes(d);
-  for (; i + N <= end; i += N) {
-    nonfinite = hn::MulAdd(hn::Mul(LoadAsF32<kGrad>(d, grad, i), scale), zero,
-                           nonfinite);
+  auto flag = [&](size_t at, hn::Vec<D> acc) {
+    return hn::MulAdd(hn::Mul(LoadAsF32<kGrad>(d, grad, at), scale), zero, acc);
+  };
+  auto a0 = nonfinite, a1 = zero, a2 = zero, a3 = zero;
+  for (; i + 4 * N <= end; i += 4 * N) {
+    a0 = flag(i, a0);
+    a1 = flag(i + N, a1);
+    a2 = flag(i + 2 * N, a2);
+    a3 = flag(i + 3 * N, a3);
   }
+  for (; i + N <= end; i += N) a0 = flag(i, a0);
+  nonfinite = hn::Add(hn::Add(a0, a1), hn::Add(a2, a3));
   return i;
 }
 
@@ -627,20 +638,6 @@ namespace {
 bool IsValidDType(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kBFloat16 ||
          dtype == DType::kFloat16;
-}
-
-// Whether any scaled gradient element is NaN/Inf (read-only pre-check).
-bool AnyNonfinite(const void* grad, DType dtype, size_t n, float grad_scale,
-                  ThreadPool* pool) {
-  std::vector<uint8_t> flags(NumChunks(n), 0);
-  ForEachChunk(n, pool, [&](size_t c) {
-    flags[c] = HWY_DYNAMIC_DISPATCH(NonfiniteChunk)(
-        grad, dtype, grad_scale, ChunkBegin(c), ChunkEnd(c, n));
-  });
-  for (uint8_t f : flags) {
-    if (f) return true;
-  }
-  return false;
 }
 
 absl::Status InvalidField(absl::string_view field, absl::string_view why) {
@@ -914,8 +911,8 @@ absl::StatusOr<UpdateResult> ApplyOptimizer(const OptimizerHyperparams& hp,
   }
 
   if (transform.skip_if_nonfinite &&
-      internal_kernels::AnyNonfinite(spans.grad, spans.grad_dtype, n,
-                                     transform.grad_scale, pool)) {
+      AnyNonfinite(spans.grad, spans.grad_dtype, n, transform.grad_scale,
+                   pool)) {
     result.nonfinite = true;
     result.skipped = true;
     return result;
@@ -930,6 +927,19 @@ absl::StatusOr<UpdateResult> ApplyOptimizer(const OptimizerHyperparams& hp,
   });
   for (uint8_t f : flags) result.nonfinite |= (f != 0);
   return result;
+}
+
+bool AnyNonfinite(const void* grad, DType dtype, size_t n, float grad_scale,
+                  ThreadPool* pool) {
+  std::vector<uint8_t> flags(NumChunks(n), 0);
+  ForEachChunk(n, pool, [&](size_t c) {
+    flags[c] = HWY_DYNAMIC_DISPATCH(internal_kernels::NonfiniteChunk)(
+        grad, dtype, grad_scale, ChunkBegin(c), ChunkEnd(c, n));
+  });
+  for (uint8_t f : flags) {
+    if (f) return true;
+  }
+  return false;
 }
 
 GradStats ComputeGradStats(const void* grad, DType dtype, size_t n,

@@ -132,6 +132,13 @@ struct GradStats {
 GradStats ComputeGradStats(const void* grad, DType dtype, size_t n,
                            float grad_scale, ThreadPool* pool);
 
+// One read-only pass over a gradient: whether any element, scaled, is NaN or
+// infinite (ComputeGradStats's flag without the sum of squares, which costs
+// a double-precision pass: the pre-check of a step that skips on non-finite
+// gradients).
+bool AnyNonfinite(const void* grad, DType dtype, size_t n, float grad_scale,
+                  ThreadPool* pool);
+
 // Elementwise dtype conversions (round-to-nearest-even when narrowing), used
 // by the baseline's eager gradient conversion and by checkpoints.
 void ConvertToFloat32(const void* src, DType src_dtype, float* dst, size_t n,

@@ -757,6 +757,60 @@ TEST_P(KernelTargetTest, GradStatsMatchFloat64Reference) {
   EXPECT_TRUE(std::isnan(stats.sum_squares));
 }
 
+// AnyNonfinite is ComputeGradStats's flag in a cheaper pass: the same answer
+// for finite gradients, one NaN or infinity anywhere (the vector loop, its
+// four-way unrolled part, the tail), and a scale that overflows finite
+// values to infinity.
+TEST_P(KernelTargetTest, AnyNonfiniteAgreesWithGradStats) {
+  uint64_t seed;
+  std::mt19937_64 rng = FreshRng(&seed);
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  ThreadPool pool(2);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{63}, size_t{64},
+                   size_t{65}, size_t{200003}}) {
+    std::vector<float> g(n);
+    for (float& x : g) x = std::uniform_real_distribution<float>(-4, 4)(rng);
+    std::vector<size_t> where = {0, n / 2, n - 1};
+    for (int k = 0; k < 4 && n > 0; ++k) {
+      where.push_back(std::uniform_int_distribution<size_t>(0, n - 1)(rng));
+    }
+    for (DType dtype : kAllDTypes) {
+      std::vector<uint16_t> half(n);
+      auto as = [&](const std::vector<float>& v) -> const void* {
+        if (dtype == DType::kFloat32) return v.data();
+        for (size_t i = 0; i < n; ++i) {
+          half[i] = dtype == DType::kBFloat16 ? RefF32ToBF16(v[i])
+                                              : RefF32ToF16(v[i]);
+        }
+        return half.data();
+      };
+      auto check = [&](const std::vector<float>& v, float scale, bool want) {
+        const void* grad = as(v);
+        for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+          EXPECT_EQ(AnyNonfinite(grad, dtype, n, scale, p), want);
+          EXPECT_EQ(ComputeGradStats(grad, dtype, n, scale, p).nonfinite, want);
+        }
+      };
+      SCOPED_TRACE(absl::StrCat("n=", n, " ", DTypeName(dtype)));
+      check(g, 0.5f, false);
+      if (n == 0) continue;
+      for (size_t at : where) {
+        std::vector<float> v = g;
+        v[at] = 3.0f;  // scaled by the largest float: infinite
+        check(v, std::numeric_limits<float>::max(), true);
+        for (float bad : {inf, -inf, nan}) {
+          SCOPED_TRACE(absl::StrCat("element ", at, " = ", bad));
+          v = g;
+          v[at] = bad;
+          check(v, 1.0f, true);
+        }
+      }
+    }
+  }
+}
+
 // Values that exercise rounding: every tie between neighbouring bf16 and fp16
 // values and the floats right next to it, subnormals of both formats, the
 // overflow threshold, signed zeros, infinities and NaNs (quiet and

@@ -2289,9 +2289,8 @@ absl::Status Engine::OffloadGradients(int i,
   for (const Segment& s : segments) {
     ConvertToFloat32(s.grad, e.config.grad_dtype, g32 + s.offset, s.numel,
                      &e.pool);
-    nonfinite |= ComputeGradStats(g32 + s.offset, DType::kFloat32, s.numel,
-                                  1.0f, &e.pool)
-                     .nonfinite;
+    nonfinite |=
+        AnyNonfinite(g32 + s.offset, DType::kFloat32, s.numel, 1.0f, &e.pool);
   }
   const int t = e.plan.tier_of_subgroup[i];
   IoRequest req;
@@ -2632,9 +2631,8 @@ bool Engine::Impl::AnyGradientNonfinite(
       continue;
     }
     for (const Segment& seg : inputs[i].segments) {
-      if (ComputeGradStats(seg.grad, e.config.grad_dtype, seg.numel, grad_scale,
-                           &e.pool)
-              .nonfinite) {
+      if (AnyNonfinite(seg.grad, e.config.grad_dtype, seg.numel, grad_scale,
+                       &e.pool)) {
         return true;
       }
     }

@@ -263,6 +263,21 @@ void RegisterKernelBindings(pybind11::module_& m) {
       "(nonfinite, sum of squares of the scaled gradient).");
 
   k.def(
+      "any_nonfinite",
+      [](uint64_t grad, const std::string& dtype, uint64_t n, float grad_scale,
+         int num_threads) {
+        const DType parsed = ValueOrThrow(ParseDType(dtype));
+        RequireAddress("any_nonfinite: grad", grad, n);
+        ThreadPool* const pool = PoolFor(num_threads);
+        py::gil_scoped_release release;
+        return AnyNonfinite(AsPointer(grad), parsed, n, grad_scale, pool);
+      },
+      py::arg("grad"), py::arg("dtype"), py::arg("n"),
+      py::arg("grad_scale") = 1.0f, py::arg("num_threads") = 1,
+      "Whether any element of the scaled gradient is NaN or infinite "
+      "(grad_stats's flag, in a cheaper pass).");
+
+  k.def(
       "convert_to_float32",
       [](uint64_t src, const std::string& src_dtype, uint64_t dst, uint64_t n,
          int num_threads) {
