@@ -202,6 +202,70 @@ def test_staged_clip_uses_the_statistics_and_leaves_grads_alone(tmp_path):
         _run_parity(tmp_path, "cpu", torch.float32, ADAMW, clip=0.05)
 
 
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_retried_step_clips_by_the_same_coefficient(tmp_path, nth):
+    # A step that fails part-way (a read error after `nth` records) is
+    # retried on the same gradients: the subgroups the retry updates are
+    # clipped as the first attempt's were (before, the clip was consumed by
+    # the failed attempt and the retry updated them unclipped).
+    def run(fail):
+        torch.manual_seed(0)  # more subgroups than the streaming buffers hold
+        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(8)]).to(
+            torch.bfloat16)
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()),
+                                  tiers=tier_dirs(tmp_path, 2, prefix=f"t{fail}{nth}"),
+                                  subgroup_numel=300, compute_threads=1, fault_injection=True,
+                                  host_cache_bytes=0)
+        assert len(opt.subgroups) >= 4
+        for k, x in enumerate(_batches(3, "cpu", torch.bfloat16, width=48)):
+            _loss(model, x).backward()
+            opt.clip_grad_norm_(1e-3)
+            if fail and k == 1:
+                tier = opt.engine.plan.tier_of_subgroup[0]
+                opt.engine.add_fault(tier, nth=nth, kind="error", op="read", error=errno.EIO)
+                with pytest.raises(TierIOError):
+                    opt.step()
+                opt.engine.clear_faults(tier)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return params
+
+    with _staged_cpu():
+        want, got = run(False), run(True)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_a_clip_goes_with_the_step_it_was_made_for(tmp_path):
+    # A step skipped (a GradScaler found an inf) takes its clip with it: the
+    # next step, which was not clipped, is not.
+    def run(skip):
+        model = _model(torch.float32, "cpu")
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(
+            tmp_path, prefix=f"c{skip}"), subgroup_numel=4096, compute_threads=1)
+        x, y = _batches(2, "cpu", torch.float32)
+        if skip:  # as GradScaler.step sets them for an inf
+            _loss(model, x).backward()
+            opt.clip_grad_norm_(1e-3)
+            opt.found_inf, opt.grad_scale = torch.ones(()), torch.ones(())
+            opt.step()
+            assert opt.last_step_stats.get("skipped")
+            del opt.found_inf, opt.grad_scale
+            opt.zero_grad(set_to_none=True)
+        _loss(model, y).backward()
+        opt.step()
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return params
+
+    with _staged_cpu():
+        want, got = run(False), run(True)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
 def test_gradients_changed_after_their_copy_are_copied_again(tmp_path):
     def halve(model):
         with torch.no_grad():
@@ -332,13 +396,27 @@ def test_matches_torch_on_cuda_baseline_mode_and_clipping(tmp_path):
     _run_parity(tmp_path, "cuda", torch.bfloat16, ADAMW, mode="baseline", clip=0.05)
 
 
+def _extension_runtime_works():
+    """Whether the extension's own CUDA runtime sees the devices torch sees
+    (a runtime newer than the driver sees none: pinning then falls back to
+    torch's, and its kernels cannot run). Skips with the reason if not."""
+    if not _C.cuda.compiled:
+        return False
+    count, why = _C.cuda.device_count()
+    if count == 0:
+        pytest.skip(f"the extension's CUDA runtime sees no device while torch sees "
+                    f"{torch.cuda.device_count()}: {why} (build it with an nvcc the "
+                    f"driver supports)")
+    return True
+
+
 @gpu
 def test_staging_buffers_are_pinned(tmp_path):
     model = _model(torch.bfloat16, "cuda")
     opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, prefix="tier"),
                               subgroup_numel=4096)
     st = opt._staging
-    if _C.cuda.compiled:
+    if _extension_runtime_works():
         assert st.pinning == "cudaHostRegister", st._alloc.reason
         assert st.grad_stats == "cuda-kernel"
     for t in list(st._grad_host.values()) + st._ring:
@@ -350,6 +428,7 @@ def test_staging_buffers_are_pinned(tmp_path):
 def test_device_grad_stats_match_torch():
     if not _C.cuda.compiled:
         pytest.skip("the extension was built without --config=cuda (torch ops are used)")
+    _extension_runtime_works()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         g = torch.randn(1_000_003, device="cuda").to(dtype)
         acc = torch.zeros(1, device="cuda")

@@ -85,10 +85,13 @@ def _release(handles, streams, pid):
     """Finalizer: no copy may still use the buffers about to be freed. In
     a fork of process `pid` (CUDA does not work in a fork, and the copies
     are the parent's), the streams are left alone."""
-    if os.getpid() == pid:
-        for s in streams:
-            s.synchronize()
-    _remove_handles(handles)
+    try:
+        if os.getpid() == pid:
+            for s in streams:
+                s.synchronize()
+    finally:
+        # Also after a sticky CUDA error: the hooks never outlive the staging.
+        _remove_handles(handles)
 
 
 class _Allocator:
@@ -240,24 +243,32 @@ class DeviceStaging:
         if self.cuda:
             producer = torch.cuda.current_stream(self.device)
             self._d2h.wait_stream(producer)
+            for t in grads:
+                # The allocator must not reuse them before what the copy
+                # stream reads of them has run (recorded first: also when
+                # queuing that work raises part-way).
+                t.record_stream(self._d2h)
             with torch.cuda.stream(self._d2h):
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
-                self._grad_stats(g, grads)
+                # The fingerprint first: a change that no version counter
+                # shows (unscale_, an all_reduce through .data) made on
+                # another stream while these run and finished after the
+                # statistics read the gradients is then seen by the next
+                # refresh() as new content, and staged again.
                 self._content[g] = _fingerprint(grads)
+                self._grad_stats(g, grads)
                 if g in self._owned:
                     host = self._grad_host[g]
                     for p, _, off, n in sg.slices():
                         host[off:off + n].copy_(p.grad.view(-1), non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record()
-            for t in grads:
-                t.record_stream(self._d2h)  # the allocator must not reuse them early
             self._d2h_done[g] = done
             self._d2h_timing.append((start, done))
         else:
-            self._grad_stats(g, grads)
             self._content[g] = _fingerprint(grads)
+            self._grad_stats(g, grads)
             if g in self._owned:
                 host = self._grad_host[g]
                 for p, _, off, n in sg.slices():
@@ -357,8 +368,10 @@ class DeviceStaging:
     # ----------------------------------------------------------------- step
 
     def skip_step(self):
-        """A step skipped for a NaN/Inf found before it: stats of the skip."""
+        """A step skipped for a NaN/Inf found before it: stats of the skip
+        (the clip recorded for it goes with it)."""
         self._d2h_timing = []
+        self._clip = None
         return {"pinning": self.pinning, "grad_stats": self.grad_stats, "skipped": True}
 
     def step(self, grad_scale, skip_nonfinite):
@@ -367,7 +380,10 @@ class DeviceStaging:
         the staged gradients to the updated parameters on the device)."""
         opt = self._opt()
         t_start = time.perf_counter()
-        clip, self._clip = self._clip, None
+        # The clip stays recorded until the step completes or is skipped: a
+        # retry of a step that failed part-way clips by the same coefficient
+        # (before, it updated the rest of the subgroups unclipped).
+        clip = self._clip
         extra = {"pinning": self.pinning, "grad_stats": self.grad_stats}
         t = time.perf_counter()
         bad = skip_nonfinite and self.grads_nonfinite()
@@ -461,6 +477,7 @@ class DeviceStaging:
         stats["transfer_wait_seconds"] = d2h_wait + h2d_wait + tail
         stats["seconds"] = time.perf_counter() - t_start
         self._d2h_timing = []
+        self._clip = None
         return stats
 
     def _native_update(self, opt, sg, view, out, grad_scale, threads):

@@ -1492,15 +1492,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        if self._finalizer is not None:
-            self._finalizer()
-        self._engine = None
-        # Nor does it hold the process group: destroy_process_group then
-        # frees it while the optimizer object lives on.
-        self._process_group = None
+        try:
+            if self._staging is not None:
+                staging, self._staging = self._staging, None
+                staging.close()
+        finally:
+            # The engine is closed (its tiers' locks and files let go) also
+            # when the staging's close raised (a sticky CUDA error).
+            if self._finalizer is not None:
+                self._finalizer()
+            self._engine = None
+            # Nor does it hold the process group: destroy_process_group then
+            # frees it while the optimizer object lives on.
+            self._process_group = None
 
     def clip_grad_norm_(self, max_norm):
         """Clips the gradients' global L2 norm to max_norm; returns the norm.
@@ -2110,6 +2114,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (A plain 0 when no gradient was unscaled: GradScaler sums no flags.)
         amp_inf = amp and float(found_inf) > 0
         if amp_inf and self._process_group is None:
+            if self._staging is not None:
+                self._staging.skip_step()  # a clip recorded for it goes with it
             self.last_step_stats = {"skipped": True}
             return loss
         # In a process group an inf found by this rank's GradScaler goes
