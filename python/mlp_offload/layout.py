@@ -271,19 +271,42 @@ def flat_fp32(params):
                           for p in params])
 
 
+def _copy_all(dst, src):
+    """dst[i].copy_(src[i]) for every i, in one call where torch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def backup_storage(params):
+    """Tensors to keep ParamValues of `params` in, step after step: each
+    like its parameter (dtype, device, memory format), so the copies are
+    plain memory copies and no step allocates (and faults in) fresh pages."""
+    return [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
+
+
 class ParamValues:
     """Saved values of some parameters (in their dtype, on `device`, by
-    default where they are), which restore() puts back."""
+    default where they are), which restore() puts back. With `storage`
+    (backup_storage of the same parameters) they are copied into it: the
+    caller keeps it for the next save, once this one is no longer needed."""
 
-    def __init__(self, params, device=None):
+    def __init__(self, params, device=None, storage=None):
+        params = list(params)
         with torch.no_grad():
-            self._saved = [(p, p.detach().to(device=device or p.device, copy=True))
-                           for p in params]
+            if storage is None:
+                self._copies = [p.detach().to(device=device or p.device, copy=True)
+                                for p in params]
+            else:
+                self._copies = storage
+                _copy_all(storage, [p.detach() for p in params])
+        self._params = params
 
     def restore(self):
         with torch.no_grad():
-            for p, v in self._saved:
-                p.copy_(v)
+            _copy_all(self._params, self._copies)
 
 
 class GradReadiness:

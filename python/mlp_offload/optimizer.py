@@ -732,6 +732,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._has_state = {pid: False for pid in range(len(params))}
         self._initialized = False
         self._grad_fingerprint = {}
+        # (ids of the parameters, storage) atomic_step saves them in.
+        self._backup = None
         # Baseline: wall seconds of the eager gradient offload since the last
         # step, during backward (the hooks) and inside step() (gradients
         # changed since backward).
@@ -1486,6 +1488,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "running (a step of another thread, or the step whose wait ran "
                 "this signal handler): close it after the step returns")
         self._closed = True
+        self._backup = None
         guard = getattr(self, "_inner_step_guard", None)
         if guard is not None:
             _unguard_step(self.optimizer, *guard)
@@ -2015,6 +2018,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"{self._dtype} {tuple(self._param_shapes[pid])} on {self._device}: "
                         f"convert the model (model.to(...)) before creating the optimizer, "
                         f"or create it again")
+                # Row-major, as built: is_contiguous() says so at C++ speed.
+                if p.is_contiguous() and pid not in self._param_strides:
+                    continue
                 now = _layout.layout_of(p)
                 if now != self._param_strides.get(pid):
                     raise ConfigError(
@@ -2439,7 +2445,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the device (no device memory)."""
         if self._staging is not None:
             return self._staging.values_before_step()
-        return _layout.ParamValues(self._owned_params())
+        # Into storage kept from step to step (a save made for a step that
+        # failed is the retry's own, not made again: the storage is free
+        # whenever a new one is made).
+        params = self._owned_params()
+        key = [id(p) for p in params]
+        if self._backup is None or self._backup[0] != key:
+            self._backup = (key, _layout.backup_storage(params))
+        return _layout.ParamValues(params, storage=self._backup[1])
 
     def _hold_back(self, before, completed):
         """Keeps a step that raised (or that another rank failed) for the
