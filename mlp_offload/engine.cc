@@ -2219,6 +2219,25 @@ absl::Status CheckSegments(const char* what, int i, uint64_t numel,
 
 }  // namespace
 
+namespace {
+
+// A subgroup's gradient fingerprint from its segments' (offset, checksum),
+// in subgroup order.
+uint64_t CombineSegmentHashes(
+    std::vector<std::pair<uint64_t, uint64_t>> hashes) {
+  std::sort(hashes.begin(), hashes.end());
+  std::vector<uint64_t> parts;
+  parts.reserve(2 * hashes.size());
+  for (const auto& [offset, hash] : hashes) {
+    parts.push_back(offset);
+    parts.push_back(hash);
+  }
+  return PayloadChecksum(parts.data(), parts.size() * sizeof(uint64_t),
+                         nullptr);
+}
+
+}  // namespace
+
 absl::StatusOr<uint64_t> Engine::GradientFingerprint(
     int i, const std::vector<Segment>& segments) {
   Impl& e = *impl_;
@@ -2233,18 +2252,18 @@ absl::StatusOr<uint64_t> Engine::GradientFingerprint(
     return a->offset < b->offset;
   });
   const size_t bytes = DTypeSize(e.config.grad_dtype);
-  std::vector<uint64_t> parts;
-  parts.reserve(2 * order.size());
+  std::vector<std::pair<uint64_t, uint64_t>> hashes;
+  hashes.reserve(order.size());
   for (const Segment* s : order) {
-    parts.push_back(s->offset);
-    parts.push_back(PayloadChecksum(s->grad, s->numel * bytes, &e.pool));
+    hashes.push_back(
+        {s->offset, PayloadChecksum(s->grad, s->numel * bytes, &e.pool)});
   }
-  return PayloadChecksum(parts.data(), parts.size() * sizeof(uint64_t),
-                         nullptr);
+  return CombineSegmentHashes(std::move(hashes));
 }
 
 absl::Status Engine::OffloadGradients(int i,
-                                      const std::vector<Segment>& segments) {
+                                      const std::vector<Segment>& segments,
+                                      uint64_t* fingerprint) {
   Impl& e = *impl_;
   if (i < 0 || i >= e.n())
     return absl::OutOfRangeError(absl::StrCat("no subgroup ", i));
@@ -2254,7 +2273,11 @@ absl::Status Engine::OffloadGradients(int i,
   }
   MLP_RETURN_IF_ERROR(
       CheckSegments("OffloadGradients", i, e.numel[i], segments));
-  if (!e.eager_grads()) return absl::OkStatus();  // delayed: stays where it is
+  if (!e.eager_grads()) {  // delayed: the gradient stays where it is
+    if (fingerprint == nullptr) return absl::OkStatus();
+    MLP_ASSIGN_OR_RETURN(*fingerprint, GradientFingerprint(i, segments));
+    return absl::OkStatus();
+  }
   MonoTime start = MonoNow();
   // The baseline converts to fp32 at once and swaps the result out, as
   // ZeRO-Infinity does during backward: the write is asynchronous (the next
@@ -2285,13 +2308,35 @@ absl::Status Engine::OffloadGradients(int i,
   }
   float* g32 = reinterpret_cast<float*>(
       reinterpret_cast<char*>(e.PayloadUnlocked(b)) + e.record_bytes[i]);
-  bool nonfinite = false;
+  // One pass over the gradients: each 1 MiB chunk converted, checked and
+  // (for the fingerprint) hashed while it is in cache.
+  const DType dtype = e.config.grad_dtype;
+  const size_t bytes = DTypeSize(dtype);
+  std::atomic<bool> nonfinite{false};
+  std::vector<std::pair<uint64_t, uint64_t>> hashes;
   for (const Segment& s : segments) {
-    ConvertToFloat32(s.grad, e.config.grad_dtype, g32 + s.offset, s.numel,
-                     &e.pool);
-    nonfinite |=
-        AnyNonfinite(g32 + s.offset, DType::kFloat32, s.numel, 1.0f, &e.pool);
+    float* const out = g32 + s.offset;
+    auto convert = [&](size_t begin, size_t length) {
+      const size_t first = begin / bytes, n = length / bytes;
+      ConvertToFloat32(static_cast<const char*>(s.grad) + begin, dtype,
+                       out + first, n, nullptr);
+      if (AnyNonfinite(out + first, DType::kFloat32, n, 1.0f, nullptr)) {
+        nonfinite.store(true, std::memory_order_relaxed);
+      }
+    };
+    if (fingerprint != nullptr) {
+      hashes.push_back(
+          {s.offset,
+           PayloadChecksumVisiting(s.grad, s.numel * bytes, &e.pool, convert)});
+    } else {
+      // The same chunks, without the hash.
+      const size_t total = s.numel * bytes, chunk = size_t{1} << 20;
+      e.pool.ParallelFor((total + chunk - 1) / chunk, [&](size_t c) {
+        convert(c * chunk, std::min(chunk, total - c * chunk));
+      });
+    }
   }
+  if (fingerprint != nullptr) *fingerprint = CombineSegmentHashes(hashes);
   const int t = e.plan.tier_of_subgroup[i];
   IoRequest req;
   req.op = IoOp::kWrite;
@@ -2305,7 +2350,7 @@ absl::Status Engine::OffloadGradients(int i,
   e.tiers[t].channel->Submit(req, [&e, b, len, t](absl::StatusOr<size_t> r) {
     e.OnIoDone(b, len, t, false, std::move(r));
   });
-  e.grad_nonfinite[i] = nonfinite;
+  e.grad_nonfinite[i] = nonfinite.load();
   e.grad_offloaded[i] = true;
   e.stats.grad_offload_seconds += SecondsSince(start);
   return absl::OkStatus();

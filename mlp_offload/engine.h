@@ -231,8 +231,11 @@ class Engine {
   // Baseline (delayed_grad_conversion off): called as gradients become final
   // during backward; converts them to fp32 and writes them to the subgroup's
   // tier, as ZeRO-Infinity does. With delayed conversion on, it only checks
-  // its arguments (the gradient stays where it is until Step).
-  absl::Status OffloadGradients(int i, const std::vector<Segment>& segments);
+  // its arguments (the gradient stays where it is until Step). With
+  // `fingerprint`, it also gets GradientFingerprint(i, segments), taken in
+  // the conversion's pass over the gradients (one read of them, not two).
+  absl::Status OffloadGradients(int i, const std::vector<Segment>& segments,
+                                uint64_t* fingerprint = nullptr);
 
   // A 64-bit hash of subgroup `i`'s gradients as `segments` point to them
   // (their bytes in the training dtype, in subgroup order). The baseline

@@ -2863,6 +2863,56 @@ void TwoEagerSteps(int fault_nth, std::vector<int64_t>* steps,
   }
 }
 
+TEST(EngineTest, TheOffloadTakesTheGradientFingerprintInItsOwnPass) {
+  // The baseline's offload converts, checks and hashes each chunk of the
+  // gradients in one pass: its fingerprint is GradientFingerprint's (segments
+  // in any order, several chunks), and a NaN in any chunk is still seen.
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques = Techniques::Baseline();
+  cfg.subgroup_numel = {1500000, 3000};  // 3 MB of bf16: three 1 MiB chunks
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(1500000, 4));
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine& e = Initialized(*engine, cfg, 4);
+  ASSERT_EQ(cfg.grad_dtype, DType::kBFloat16);
+  auto bf16 = [](float f) {  // truncated: any bf16 value will do
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return static_cast<uint16_t>(bits >> 16);
+  };
+  std::mt19937 rng(7);
+  for (int i = 0; i < 2; ++i) {
+    const uint64_t n = cfg.subgroup_numel[i];
+    std::vector<uint16_t> grad(n);
+    for (uint16_t& g : grad) {
+      g = bf16(std::uniform_real_distribution<float>(-1, 1)(rng));
+    }
+    // Three segments, the last first.
+    const uint64_t a = n / 3, b = 2 * n / 3;
+    std::vector<Segment> segs = {{b, n - b, grad.data() + b, nullptr},
+                                 {0, a, grad.data(), nullptr},
+                                 {a, b - a, grad.data() + a, nullptr}};
+    uint64_t fingerprint = 0;
+    ASSERT_TRUE(e.OffloadGradients(i, segs, &fingerprint).ok());
+    absl::StatusOr<uint64_t> want = e.GradientFingerprint(i, segs);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(fingerprint, *want) << "subgroup " << i;
+    grad[n - 1] ^= 1;  // the last element's lowest bit
+    absl::StatusOr<uint64_t> changed = e.GradientFingerprint(i, segs);
+    ASSERT_TRUE(changed.ok());
+    EXPECT_NE(*changed, *want);
+    grad[n - 1] = bf16(std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(e.OffloadGradients(i, segs).ok());
+    std::vector<SubgroupStepInput> in(2);
+    for (int j = 0; j < 2; ++j) in[j].skip = j != i;
+    in[i].segments = segs;
+    absl::StatusOr<bool> bad = e.GradientsNonfinite(in, 1.0f);
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    EXPECT_TRUE(*bad) << "subgroup " << i;
+    e.SkipStep();
+  }
+}
+
 TEST(EngineTest, ANonFiniteGradScaleIsRefusedBeforeTheStepBegins) {
   // The kernels refuse it too, but only once the step had begun: the step
   // was left failed part-way (commits and loads refused until a retry).

@@ -94,11 +94,18 @@ uint64_t CombineChunkHashes(const std::vector<uint64_t>& parts, uint64_t n) {
 }  // namespace
 
 uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool) {
+  return PayloadChecksumVisiting(data, n, pool, nullptr);
+}
+
+uint64_t PayloadChecksumVisiting(
+    const void* data, size_t n, ThreadPool* pool,
+    const std::function<void(size_t begin, size_t length)>& visit) {
   const size_t chunks = (n + kChecksumChunk - 1) / kChecksumChunk;
   std::vector<uint64_t> parts(chunks);
   auto body = [&](size_t c) {
     size_t begin = c * kChecksumChunk,
            len = std::min(kChecksumChunk, n - begin);
+    if (visit) visit(begin, len);
     parts[c] = ChunkHash(static_cast<const char*>(data) + begin, len, c);
   };
   if (pool != nullptr) {

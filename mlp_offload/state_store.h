@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,12 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
 // A fast 64-bit checksum of `n` bytes, computed over fixed 1 MiB chunks in
 // parallel and combined in order (the same value for any thread count).
 uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool);
+// PayloadChecksum, calling visit(begin, length) on each chunk's byte range
+// just before the same thread hashes it: a pass of the caller's over the
+// same bytes (a conversion) reads them while they are in cache.
+uint64_t PayloadChecksumVisiting(
+    const void* data, size_t n, ThreadPool* pool,
+    const std::function<void(size_t begin, size_t length)>& visit);
 
 struct Manifest {
   uint32_t format_version = kStateFormatVersion;

@@ -1245,15 +1245,21 @@ void RegisterEngineBindings(py::module_& parent) {
           "subgroup of a run with no commit yet commits that initial state.")
       .def(
           "offload_gradients",
-          [](PyEngine& e, int i, const py::list& segments) {
+          [](PyEngine& e, int i, const py::list& segments,
+             bool fingerprint) -> py::object {
             std::vector<Segment> segs = SegmentsFromList(segments);
+            uint64_t value = 0;
             e.WithoutGil([&](Engine& engine) {
-              return engine.OffloadGradients(i, segs);
+              return engine.OffloadGradients(i, segs,
+                                             fingerprint ? &value : nullptr);
             });
+            if (!fingerprint) return py::none();
+            return py::int_(value);
           },
-          py::arg("i"), py::arg("segments"),
+          py::arg("i"), py::arg("segments"), py::arg("fingerprint") = false,
           "Baseline: converts subgroup i's gradients to fp32 and writes them "
-          "out now.")
+          "out now. With fingerprint, returns their gradient_fingerprint, "
+          "taken in the same pass (else None).")
       .def(
           "gradient_fingerprint",
           [](PyEngine& e, int i, const py::list& segments) {

@@ -1370,10 +1370,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _offload_grads(self, g):
         segs = self._segments(self._subgroups[g])
-        self._engine.offload_gradients(self._local[g], segs)
-        # What was offloaded, by content: version counters miss in-place
-        # changes through .data and GradScaler.unscale_ (it bumps none).
-        self._grad_fingerprint[g] = self._engine.gradient_fingerprint(self._local[g], segs)
+        # What was offloaded, by content (taken in the offload's own pass):
+        # version counters miss in-place changes through .data and
+        # GradScaler.unscale_ (it bumps none).
+        self._grad_fingerprint[g] = self._engine.offload_gradients(self._local[g], segs,
+                                                                   fingerprint=True)
 
     def _check_open(self):
         if os.getpid() != self._pid:
