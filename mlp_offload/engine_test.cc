@@ -2864,12 +2864,13 @@ void TwoEagerSteps(int fault_nth, std::vector<int64_t>* steps,
 }
 
 TEST(EngineTest, TheOffloadTakesTheGradientFingerprintInItsOwnPass) {
-  // The baseline's offload converts, checks and hashes each chunk of the
-  // gradients in one pass: its fingerprint is GradientFingerprint's (segments
-  // in any order, several chunks), and a NaN in any chunk is still seen.
+  // The baseline's offload converts, checks and hashes each 1 MiB chunk of
+  // the gradients in one pass: its fingerprint is GradientFingerprint's
+  // (segments given in any order, each of several chunks), and a NaN in a
+  // later chunk is seen with or without the fingerprint.
   EngineConfig cfg = SmallConfig(1);
   cfg.techniques = Techniques::Baseline();
-  cfg.subgroup_numel = {1500000, 3000};  // 3 MB of bf16: three 1 MiB chunks
+  cfg.subgroup_numel = {1500000, 3000};  // segments of 1.5 MB of bf16
   cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(1500000, 4));
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
@@ -2887,29 +2888,41 @@ TEST(EngineTest, TheOffloadTakesTheGradientFingerprintInItsOwnPass) {
     for (uint16_t& g : grad) {
       g = bf16(std::uniform_real_distribution<float>(-1, 1)(rng));
     }
-    // Three segments, the last first.
-    const uint64_t a = n / 3, b = 2 * n / 3;
-    std::vector<Segment> segs = {{b, n - b, grad.data() + b, nullptr},
-                                 {0, a, grad.data(), nullptr},
-                                 {a, b - a, grad.data() + a, nullptr}};
+    // Two segments, the second first.
+    const uint64_t half = n / 2;
+    std::vector<Segment> segs = {{half, n - half, grad.data() + half, nullptr},
+                                 {0, half, grad.data(), nullptr}};
     uint64_t fingerprint = 0;
     ASSERT_TRUE(e.OffloadGradients(i, segs, &fingerprint).ok());
     absl::StatusOr<uint64_t> want = e.GradientFingerprint(i, segs);
     ASSERT_TRUE(want.ok()) << want.status();
     EXPECT_EQ(fingerprint, *want) << "subgroup " << i;
+    const uint16_t last = grad[n - 1];
     grad[n - 1] ^= 1;  // the last element's lowest bit
     absl::StatusOr<uint64_t> changed = e.GradientFingerprint(i, segs);
     ASSERT_TRUE(changed.ok());
     EXPECT_NE(*changed, *want);
-    grad[n - 1] = bf16(std::numeric_limits<float>::quiet_NaN());
-    ASSERT_TRUE(e.OffloadGradients(i, segs).ok());
-    std::vector<SubgroupStepInput> in(2);
-    for (int j = 0; j < 2; ++j) in[j].skip = j != i;
-    in[i].segments = segs;
-    absl::StatusOr<bool> bad = e.GradientsNonfinite(in, 1.0f);
-    ASSERT_TRUE(bad.ok()) << bad.status();
-    EXPECT_TRUE(*bad) << "subgroup " << i;
+    grad[n - 1] = last;
     e.SkipStep();
+    for (bool with_fingerprint : {true, false}) {
+      SCOPED_TRACE(with_fingerprint ? "with the fingerprint" : "without");
+      // The second chunk of a segment, where there is one.
+      const uint64_t at =
+          with_fingerprint ? n - 1 : std::min(n - 1, half + 600000);
+      const uint16_t kept = grad[at];
+      grad[at] = bf16(std::numeric_limits<float>::quiet_NaN());
+      ASSERT_TRUE(
+          e.OffloadGradients(i, segs, with_fingerprint ? &fingerprint : nullptr)
+              .ok());
+      std::vector<SubgroupStepInput> in(2);
+      for (int j = 0; j < 2; ++j) in[j].skip = j != i;
+      in[i].segments = segs;
+      absl::StatusOr<bool> bad = e.GradientsNonfinite(in, 1.0f);
+      ASSERT_TRUE(bad.ok()) << bad.status();
+      EXPECT_TRUE(*bad) << "subgroup " << i << ", element " << at;
+      e.SkipStep();
+      grad[at] = kept;
+    }
   }
 }
 

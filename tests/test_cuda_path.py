@@ -202,12 +202,13 @@ def test_staged_clip_uses_the_statistics_and_leaves_grads_alone(tmp_path):
         _run_parity(tmp_path, "cpu", torch.float32, ADAMW, clip=0.05)
 
 
-@pytest.mark.parametrize("nth", [1, 2])
+@pytest.mark.parametrize("nth", [0, 1, 2])
 def test_a_retried_step_clips_by_the_same_coefficient(tmp_path, nth):
-    # A step that fails part-way (a read error after `nth` records) is
-    # retried on the same gradients: the subgroups the retry updates are
-    # clipped as the first attempt's were (before, the clip was consumed by
-    # the failed attempt and the retry updated them unclipped).
+    # A step that fails part-way (a read error after `nth` records; 0:
+    # before any was updated) is retried on the same gradients: the
+    # subgroups the retry updates are clipped as the first attempt's were
+    # (before, the clip was consumed by the failed attempt and the retry
+    # updated them unclipped).
     def run(fail):
         torch.manual_seed(0)  # more subgroups than the streaming buffers hold
         model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(8)]).to(
@@ -228,6 +229,41 @@ def test_a_retried_step_clips_by_the_same_coefficient(tmp_path, nth):
                 opt.engine.clear_faults(tier)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+        return params
+
+    with _staged_cpu():
+        want, got = run(False), run(True)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_steps_clip_goes_when_a_load_replaces_it(tmp_path):
+    # Clipped, failed part-way, then abandoned for a checkpoint: the next
+    # step, on new gradients that were not clipped, is not clipped.
+    def run(fail):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(8)])
+        opt = MLPOffloadOptimizer(ADAMW(model.parameters()),
+                                  tiers=tier_dirs(tmp_path, 2, prefix=f"l{fail}"),
+                                  subgroup_numel=300, compute_threads=1, fault_injection=True,
+                                  host_cache_bytes=0)
+        x, y = _batches(2, "cpu", torch.float32, width=48)
+        ckpt = tmp_path / f"ckpt{fail}"
+        opt.save_checkpoint(ckpt)
+        if fail:
+            _loss(model, x).backward()
+            opt.clip_grad_norm_(1e-3)
+            tier = opt.engine.plan.tier_of_subgroup[0]
+            opt.engine.add_fault(tier, nth=2, kind="error", op="read", error=errno.EIO)
+            with pytest.raises(TierIOError):
+                opt.step()
+            opt.engine.clear_faults(tier)
+            opt.load_checkpoint(ckpt)
+            opt.zero_grad(set_to_none=True)
+        _loss(model, y).backward()
+        opt.step()
         params = [p.detach().clone() for p in model.parameters()]
         opt.close()
         return params

@@ -474,6 +474,9 @@ def test_a_numpy_learning_rate_goes_into_commits_and_checkpoints_as_a_number(tmp
         run(model, opt, [k])
         sched.step()
     assert isinstance(opt.param_groups[0]["lr"], np.floating)
+    # In a dict of another type too (a weights-only load reads OrderedDicts).
+    opt.param_groups[0]["extra"] = collections.OrderedDict(w=np.float32(0.5),
+                                                           span=(np.int64(1), 2))
     opt.save_checkpoint()
     lr = float(opt.param_groups[0]["lr"])
     opt.close()
@@ -487,6 +490,9 @@ def test_a_numpy_learning_rate_goes_into_commits_and_checkpoints_as_a_number(tmp
     other.load_checkpoint(ckpt)
     got = other.param_groups[0]["lr"]
     assert type(got) is float and got == pytest.approx(lr)
+    extra = other.param_groups[0]["extra"]
+    assert type(extra) is collections.OrderedDict and type(extra["w"]) is float
+    assert extra["span"] == (1, 2) and type(extra["span"][0]) is int
     other.close()
 
 

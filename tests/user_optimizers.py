@@ -10,10 +10,12 @@ class UserOptimizer(torch.optim.Optimizer):
     """The loop every one of them runs: the parameters of a group that have
     a gradient, with their state."""
 
-    def with_grads(self, group):
+    def with_grads(self, group, state=True):
+        """(parameter, its state, or None without `state`: looking it up
+        makes an empty entry) for each of the group's with a gradient."""
         for p in group["params"]:
             if p.grad is not None:
-                yield p, self.state[p]
+                yield p, self.state[p] if state else None
 
 
 class SignMomentum(UserOptimizer):
@@ -96,7 +98,7 @@ class RecordingSGD(UserOptimizer):
             group["step"] = group.get("step", 0) + 1
             if any(p.grad is not None for p in group["params"]):
                 self.seen.append((group["lr"], group["step"]))
-            for p, _ in self.with_grads(group):
+            for p, _ in self.with_grads(group, state=False):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
@@ -130,6 +132,6 @@ class InPlaceDecay(UserOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            for p, _ in self.with_grads(group):
+            for p, _ in self.with_grads(group, state=False):
                 p.add_(p.grad, alpha=-group["lr"].item())
             group["lr"].mul_(0.5)

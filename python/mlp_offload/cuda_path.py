@@ -358,6 +358,10 @@ class DeviceStaging:
         self._clip = float(max_norm)
         return norm
 
+    def drop_clip(self):
+        """The clip recorded by clip_grad_norm_ is spent (see step())."""
+        self._clip = None
+
     def grads_nonfinite(self):
         """Whether a staged gradient is NaN/Inf (after refresh(); waits for
         backward's kernels)."""

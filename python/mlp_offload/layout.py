@@ -273,6 +273,8 @@ def flat_fp32(params):
 
 def _copy_all(dst, src):
     """dst[i].copy_(src[i]) for every i, in one call where torch has it."""
+    if not dst:
+        return  # (torch's _foreach_copy_ refuses empty lists)
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dst, src)
     else:
@@ -281,17 +283,16 @@ def _copy_all(dst, src):
 
 
 def backup_storage(params):
-    """Tensors to keep ParamValues of `params` in, step after step: each
-    like its parameter (dtype, device, memory format), so the copies are
-    plain memory copies and no step allocates (and faults in) fresh pages."""
+    """Tensors to keep ParamValues of `params` in: each like its parameter
+    (dtype, device, memory format), so the copies are plain memory copies."""
     return [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
 
 
 class ParamValues:
     """Saved values of some parameters (in their dtype, on `device`, by
     default where they are), which restore() puts back. With `storage`
-    (backup_storage of the same parameters) they are copied into it: the
-    caller keeps it for the next save, once this one is no longer needed."""
+    (backup_storage of the same parameters) they are copied into it, in one
+    call."""
 
     def __init__(self, params, device=None, storage=None):
         params = list(params)

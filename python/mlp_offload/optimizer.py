@@ -732,8 +732,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._has_state = {pid: False for pid in range(len(params))}
         self._initialized = False
         self._grad_fingerprint = {}
-        # (ids of the parameters, storage) atomic_step saves them in.
-        self._backup = None
         # Baseline: wall seconds of the eager gradient offload since the last
         # step, during backward (the hooks) and inside step() (gradients
         # changed since backward).
@@ -1489,7 +1487,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "running (a step of another thread, or the step whose wait ran "
                 "this signal handler): close it after the step returns")
         self._closed = True
-        self._backup = None
         guard = getattr(self, "_inner_step_guard", None)
         if guard is not None:
             _unguard_step(self.optimizer, *guard)
@@ -2077,7 +2074,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         try:
-            return self._step(closure)
+            loss = self._step(closure)
         except BaseException:
             # GradScaler deletes the grad_scale and found_inf it set only
             # after a step that returned, and multiplies a grad_scale left
@@ -2086,6 +2083,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             for name in ("grad_scale", "found_inf"):
                 self.__dict__.pop(name, None)
             raise
+        else:
+            if self._staging is not None:
+                # A step that returned (done, skipped, without gradients, or
+                # a failed one's commit retried) used its clip; one that
+                # raised keeps it for its retry.
+                self._staging.drop_clip()
+            return loss
         finally:
             # The baseline's offload times are this step's, however it ended
             # (skipped, refused, raised): the next one's start from zero.
@@ -2436,6 +2440,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._prune_pystate()
         return stats, before
 
+    def _abandon_failed_step(self):
+        """Forgets a step that failed (a load replaced the state it was
+        for), and the clip recorded for it on the device path."""
+        if self._failed_step is not None and self._staging is not None:
+            self._staging.drop_clip()
+        self._failed_step = None
+
     def _owned_params(self):
         return [p for g in self._owned for p in self._subgroups[g].params]
 
@@ -2446,14 +2457,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the device (no device memory)."""
         if self._staging is not None:
             return self._staging.values_before_step()
-        # Into storage kept from step to step (a save made for a step that
-        # failed is the retry's own, not made again: the storage is free
-        # whenever a new one is made).
+        # One copy call into tensors made like the parameters (not kept
+        # from step to step: between steps, during forward and backward,
+        # they would be a second copy of the model in host memory).
         params = self._owned_params()
-        key = [id(p) for p in params]
-        if self._backup is None or self._backup[0] != key:
-            self._backup = (key, _layout.backup_storage(params))
-        return _layout.ParamValues(params, storage=self._backup[1])
+        return _layout.ParamValues(params, storage=_layout.backup_storage(params))
 
     def _hold_back(self, before, completed):
         """Keeps a step that raised (or that another rank failed) for the
@@ -3470,7 +3478,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._incomplete_load = f"load_state_dict failed on another rank ({exc})"
             raise
         self._incomplete_load = None
-        self._failed_step = None  # the loaded state replaces a step that failed
+        self._abandon_failed_step()  # the loaded state replaces it
         self._next_epoch()  # every rank: the load went through on all of them
         self._note_param_versions()  # the master copy was taken from them
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -3702,8 +3710,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _write_save(self, directory, save_id, old, engine_dir, python_file):
         """This rank's part of a save: its engine's records, its Python
         state, then its manifest (the previous one kept as .prev)."""
-        if self._engine is not None:
-            self._engine.save_checkpoint(os.path.join(directory, engine_dir))
         own = {pid for g in self._owned for pid in self._subgroups[g].param_ids}
         python_state = {
             # The run's step count (commits are labelled with it).
@@ -3712,10 +3718,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             "py_state": {pid: st for pid, st in self._py_state.items() if pid in own},
             "has_state": {pid: v for pid, v in self._has_state.items() if pid in own},
         }
+        # Before the records: a value the file cannot hold is refused first.
+        python_bytes = _recovery.saved_bytes(
+            python_state, "the checkpoint's Python-side state (param_groups and the state "
+                          "kept in Python)")
+        if self._engine is not None:
+            self._engine.save_checkpoint(os.path.join(directory, engine_dir))
         buf_path = os.path.join(directory, python_file)
-        _recovery.write_file_atomically(buf_path, _recovery.saved_bytes(
-            python_state, "the checkpoint's Python-side state (param_groups and "
-                          "the state kept in Python)"))
+        _recovery.write_file_atomically(buf_path, python_bytes)
         manifest = {
             "format": _ckpt.CHECKPOINT_FORMAT,
             "version": _ckpt.CHECKPOINT_VERSION,
@@ -4057,7 +4067,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._py_state.update({int(k): v for k, v in python_state["py_state"].items()})
             self._has_state.update(
                 {int(k): v for k, v in python_state["has_state"].items()})
-        self._failed_step = None  # the loaded state replaces a step that failed
+        self._abandon_failed_step()  # the loaded state replaces it
 
     @staticmethod
     def _read_python_state(directory, manifest):

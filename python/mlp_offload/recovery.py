@@ -387,11 +387,15 @@ def pystate_path(run_dir, key):
 
 
 def _plain_numbers(obj):
-    """`obj` with the numpy scalars in its dicts, lists and tuples as Python
-    numbers (an lr that a schedule computed with numpy is an np.float64),
-    which torch.load(weights_only=True) reads back; the rest as it is."""
-    if type(obj) is dict:
-        return {k: _plain_numbers(v) for k, v in obj.items()}
+    """`obj` with the numpy scalars in its dicts (of any dict type), lists
+    and tuples as Python numbers (an lr that a schedule computed with numpy
+    is an np.float64), which torch.load(weights_only=True) reads back; the
+    rest as it is."""
+    if isinstance(obj, dict):  # of its own type (OrderedDict, defaultdict...)
+        out = {} if type(obj) is dict else copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _plain_numbers(v)
+        return out
     if type(obj) in (list, tuple):
         return type(obj)(_plain_numbers(v) for v in obj)
     numpy = sys.modules.get("numpy")
@@ -428,8 +432,8 @@ def _reads_back(obj):
 def _unreadable_part(obj, where):
     """Where in `obj` (a path like "['param_groups'][0]['lr']") the first
     value is that a weights-only load refuses, and that value."""
-    children = (obj.items() if type(obj) is dict else
-                enumerate(obj) if type(obj) in (list, tuple) else ())
+    children = (obj.items() if isinstance(obj, dict) else
+                enumerate(obj) if isinstance(obj, (list, tuple)) else ())
     for k, v in children:
         if not _reads_back(_skeleton(v)):
             return _unreadable_part(v, f"{where}[{k!r}]")
