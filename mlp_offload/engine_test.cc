@@ -2275,21 +2275,27 @@ TEST(EngineTest, AnInterruptedBatchStopsAtItsNextRecordAndLosesNone) {
     records[i].state = {values[i].data() + n, values[i].data() + 2 * n};
     records[i].step = 9;
   }
-  // Tier 0's first write is held back while the interrupt comes.
+  // Each tier's first write is held back while the interrupt comes (both:
+  // with one held, the other tier's buffer came free and, on a loaded
+  // machine, the batch started a third write before the interrupt).
   FaultSpec hold;
   hold.kind = FaultSpec::Kind::kDelay;
   hold.op = IoOp::kWrite;
-  hold.delay = absl::Milliseconds(500);
-  e.fault_injector(0)->AddFault(hold);
+  hold.delay = absl::Milliseconds(1000);
+  for (int t = 0; t < 2; ++t) e.fault_injector(t)->AddFault(hold);
   std::future<absl::Status> done =
       std::async(std::launch::async, [&] { return e.WriteSubgroups(records); });
-  while (e.fault_injector(0)->fired() == 0) {
+  const MonoTime start = MonoNow();
+  while (e.fault_injector(0)->fired() == 0 ||
+         e.fault_injector(1)->fired() == 0) {
+    // (Both tiers take a write at once: the batch takes the tiers in turn.)
+    ASSERT_LT(SecondsSince(start), 10.0) << "a tier's first write never came";
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   e.SetInterrupted(true);
   const absl::Status s = done.get();
   e.SetInterrupted(false);
-  e.fault_injector(0)->ClearFaults();
+  for (int t = 0; t < 2; ++t) e.fault_injector(t)->ClearFaults();
   EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
   // Two buffers: the first record of each tier was written, no other.
   std::set<int> first_of_tier;
