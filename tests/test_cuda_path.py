@@ -202,6 +202,40 @@ def test_staged_clip_uses_the_statistics_and_leaves_grads_alone(tmp_path):
         _run_parity(tmp_path, "cpu", torch.float32, ADAMW, clip=0.05)
 
 
+def _faulty_staged(tmp_path, prefix, dtype):
+    """A staged model (CPU parameters through the device path) of more
+    subgroups than the streaming buffers hold, with fault injection."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(8)]).to(dtype)
+    opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(tmp_path, 2, prefix=prefix),
+                              subgroup_numel=300, compute_threads=1, fault_injection=True,
+                              host_cache_bytes=0)
+    assert len(opt.subgroups) >= 4
+    return model, opt
+
+
+def _fail_a_step(opt, nth):
+    """A step that fails with a read error after `nth` records."""
+    tier = opt.engine.plan.tier_of_subgroup[0]
+    opt.engine.add_fault(tier, nth=nth, kind="error", op="read", error=errno.EIO)
+    with pytest.raises(TierIOError):
+        opt.step()
+    opt.engine.clear_faults(tier)
+
+
+def _same_with_and_without(run):
+    """run(event) -> the parameters at the end: the same with the event
+    (a failure, a skip) as without it."""
+    with _staged_cpu():
+        want, got = run(False), run(True)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def _params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("nth", [0, 1, 2])
 def test_a_retried_step_clips_by_the_same_coefficient(tmp_path, nth):
     # A step that fails part-way (a read error after `nth` records; 0:
@@ -210,96 +244,48 @@ def test_a_retried_step_clips_by_the_same_coefficient(tmp_path, nth):
     # (before, the clip was consumed by the failed attempt and the retry
     # updated them unclipped).
     def run(fail):
-        torch.manual_seed(0)  # more subgroups than the streaming buffers hold
-        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(8)]).to(
-            torch.bfloat16)
-        opt = MLPOffloadOptimizer(ADAMW(model.parameters()),
-                                  tiers=tier_dirs(tmp_path, 2, prefix=f"t{fail}{nth}"),
-                                  subgroup_numel=300, compute_threads=1, fault_injection=True,
-                                  host_cache_bytes=0)
-        assert len(opt.subgroups) >= 4
+        model, opt = _faulty_staged(tmp_path, f"t{fail}{nth}", torch.bfloat16)
         for k, x in enumerate(_batches(3, "cpu", torch.bfloat16, width=48)):
             _loss(model, x).backward()
             opt.clip_grad_norm_(1e-3)
             if fail and k == 1:
-                tier = opt.engine.plan.tier_of_subgroup[0]
-                opt.engine.add_fault(tier, nth=nth, kind="error", op="read", error=errno.EIO)
-                with pytest.raises(TierIOError):
-                    opt.step()
-                opt.engine.clear_faults(tier)
+                _fail_a_step(opt, nth)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        params = [p.detach().clone() for p in model.parameters()]
         opt.close()
-        return params
+        return _params_of(model)
 
-    with _staged_cpu():
-        want, got = run(False), run(True)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+    _same_with_and_without(run)
 
 
-def test_a_failed_steps_clip_goes_when_a_load_replaces_it(tmp_path):
-    # Clipped, failed part-way, then abandoned for a checkpoint: the next
+@pytest.mark.parametrize("ending", ["skipped", "failed_then_replaced"])
+def test_a_clip_goes_with_the_step_it_was_made_for(tmp_path, ending):
+    # A clipped step that a GradScaler inf skipped, or that failed part-way
+    # and was abandoned for a checkpoint, takes its clip with it: the next
     # step, on new gradients that were not clipped, is not clipped.
-    def run(fail):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(8)])
-        opt = MLPOffloadOptimizer(ADAMW(model.parameters()),
-                                  tiers=tier_dirs(tmp_path, 2, prefix=f"l{fail}"),
-                                  subgroup_numel=300, compute_threads=1, fault_injection=True,
-                                  host_cache_bytes=0)
+    def run(event):
+        model, opt = _faulty_staged(tmp_path, f"{ending}{event}", torch.float32)
         x, y = _batches(2, "cpu", torch.float32, width=48)
-        ckpt = tmp_path / f"ckpt{fail}"
+        ckpt = tmp_path / f"ckpt{event}"
         opt.save_checkpoint(ckpt)
-        if fail:
+        if event:
             _loss(model, x).backward()
             opt.clip_grad_norm_(1e-3)
-            tier = opt.engine.plan.tier_of_subgroup[0]
-            opt.engine.add_fault(tier, nth=2, kind="error", op="read", error=errno.EIO)
-            with pytest.raises(TierIOError):
+            if ending == "skipped":  # as GradScaler.step sets them for an inf
+                opt.found_inf, opt.grad_scale = torch.ones(()), torch.ones(())
                 opt.step()
-            opt.engine.clear_faults(tier)
-            opt.load_checkpoint(ckpt)
+                assert opt.last_step_stats.get("skipped")
+                del opt.found_inf, opt.grad_scale
+            else:
+                _fail_a_step(opt, 2)
+                opt.load_checkpoint(ckpt)
             opt.zero_grad(set_to_none=True)
         _loss(model, y).backward()
         opt.step()
-        params = [p.detach().clone() for p in model.parameters()]
         opt.close()
-        return params
+        return _params_of(model)
 
-    with _staged_cpu():
-        want, got = run(False), run(True)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
-
-
-def test_a_clip_goes_with_the_step_it_was_made_for(tmp_path):
-    # A step skipped (a GradScaler found an inf) takes its clip with it: the
-    # next step, which was not clipped, is not.
-    def run(skip):
-        model = _model(torch.float32, "cpu")
-        opt = MLPOffloadOptimizer(ADAMW(model.parameters()), tiers=tier_dirs(
-            tmp_path, prefix=f"c{skip}"), subgroup_numel=4096, compute_threads=1)
-        x, y = _batches(2, "cpu", torch.float32)
-        if skip:  # as GradScaler.step sets them for an inf
-            _loss(model, x).backward()
-            opt.clip_grad_norm_(1e-3)
-            opt.found_inf, opt.grad_scale = torch.ones(()), torch.ones(())
-            opt.step()
-            assert opt.last_step_stats.get("skipped")
-            del opt.found_inf, opt.grad_scale
-            opt.zero_grad(set_to_none=True)
-        _loss(model, y).backward()
-        opt.step()
-        params = [p.detach().clone() for p in model.parameters()]
-        opt.close()
-        return params
-
-    with _staged_cpu():
-        want, got = run(False), run(True)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+    _same_with_and_without(run)
 
 
 def test_gradients_changed_after_their_copy_are_copied_again(tmp_path):

@@ -386,37 +386,33 @@ def pystate_path(run_dir, key):
     return os.path.join(run_dir, f"pystate-{int(key):012d}.pt")
 
 
-def _plain_numbers(obj):
-    """`obj` with the numpy scalars in its dicts (of any dict type), lists
-    and tuples as Python numbers (an lr that a schedule computed with numpy
-    is an np.float64), which torch.load(weights_only=True) reads back; the
-    rest as it is."""
-    if isinstance(obj, dict):  # of its own type (OrderedDict, defaultdict...)
+def _rebuilt(obj, leaf):
+    """`obj` with `leaf` applied to each value in its dicts (of their own
+    dict type: an OrderedDict reads back), lists and tuples, recursively."""
+    if isinstance(obj, dict):
         out = {} if type(obj) is dict else copy.copy(obj)
         for k, v in obj.items():
-            out[k] = _plain_numbers(v)
+            out[k] = _rebuilt(v, leaf)
         return out
     if type(obj) in (list, tuple):
-        return type(obj)(_plain_numbers(v) for v in obj)
+        return type(obj)(_rebuilt(v, leaf) for v in obj)
+    return leaf(obj)
+
+
+def _plain_number(value):
+    """A numpy scalar as a Python number (an lr that a schedule computed
+    with numpy is an np.float64), which torch.load(weights_only=True) reads
+    back; anything else as it is."""
     numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(obj, numpy.generic):
-        return obj.item()
-    return obj
+    if numpy is not None and isinstance(value, numpy.generic):
+        return value.item()
+    return value
 
 
 def _skeleton(obj):
     """`obj` without its tensors' data: what decides whether a weights-only
     load reads it back."""
-    if isinstance(obj, torch.Tensor):
-        return None
-    if isinstance(obj, dict):  # of its own type (an OrderedDict reads back)
-        out = {} if type(obj) is dict else copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = _skeleton(v)
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_skeleton(v) for v in obj)
-    return obj
+    return _rebuilt(obj, lambda v: None if isinstance(v, torch.Tensor) else v)
 
 
 def _reads_back(obj):
@@ -446,7 +442,7 @@ def saved_bytes(obj, what):
     other value that such a load refuses is a ConfigError naming where it is
     and `what` holds it (before, the save went through and every later load
     of it failed)."""
-    obj = _plain_numbers(obj)
+    obj = _rebuilt(obj, _plain_number)
     if not _reads_back(_skeleton(obj)):
         where, value = _unreadable_part(obj, "")
         raise ConfigError(
