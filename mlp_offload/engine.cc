@@ -2217,10 +2217,6 @@ absl::Status CheckSegments(const char* what, int i, uint64_t numel,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-namespace {
-
 // A subgroup's gradient fingerprint from its segments' (offset, checksum),
 // in subgroup order.
 uint64_t CombineSegmentHashes(
@@ -2330,7 +2326,7 @@ absl::Status Engine::OffloadGradients(int i,
            PayloadChecksumVisiting(s.grad, s.numel * bytes, &e.pool, convert)});
     } else {
       // The same chunks, without the hash.
-      const size_t total = s.numel * bytes, chunk = size_t{1} << 20;
+      const size_t total = s.numel * bytes, chunk = kChecksumChunkBytes;
       e.pool.ParallelFor((total + chunk - 1) / chunk, [&](size_t c) {
         convert(c * chunk, std::min(chunk, total - c * chunk));
       });

@@ -80,7 +80,6 @@ struct HeaderLayout {
 
 // PayloadChecksum hashes fixed chunks (chunk c seeded with c), then the
 // chunks' hashes in order, seeded with the payload's size.
-constexpr size_t kChecksumChunk = 1 << 20;
 
 uint64_t ChunkHash(const void* data, size_t len, size_t c) {
   return HashChunk(static_cast<const unsigned char*>(data), len, c);
@@ -100,11 +99,11 @@ uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool) {
 uint64_t PayloadChecksumVisiting(
     const void* data, size_t n, ThreadPool* pool,
     const std::function<void(size_t begin, size_t length)>& visit) {
-  const size_t chunks = (n + kChecksumChunk - 1) / kChecksumChunk;
+  const size_t chunks = (n + kChecksumChunkBytes - 1) / kChecksumChunkBytes;
   std::vector<uint64_t> parts(chunks);
   auto body = [&](size_t c) {
-    size_t begin = c * kChecksumChunk,
-           len = std::min(kChecksumChunk, n - begin);
+    size_t begin = c * kChecksumChunkBytes,
+           len = std::min(kChecksumChunkBytes, n - begin);
     if (visit) visit(begin, len);
     parts[c] = ChunkHash(static_cast<const char*>(data) + begin, len, c);
   };
@@ -547,12 +546,12 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
     if (step != nullptr) *step = h.step;
     return absl::OkStatus();
   }
-  std::vector<char> chunk(std::min<uint64_t>(kChecksumChunk, payload));
+  std::vector<char> chunk(std::min<uint64_t>(kChecksumChunkBytes, payload));
   std::vector<uint64_t> parts;
-  parts.reserve((payload + kChecksumChunk - 1) / kChecksumChunk);
-  for (uint64_t begin = 0; begin < payload; begin += kChecksumChunk) {
+  parts.reserve((payload + kChecksumChunkBytes - 1) / kChecksumChunkBytes);
+  for (uint64_t begin = 0; begin < payload; begin += kChecksumChunkBytes) {
     const size_t len = static_cast<size_t>(
-        std::min<uint64_t>(kChecksumChunk, payload - begin));
+        std::min<uint64_t>(kChecksumChunkBytes, payload - begin));
     MLP_RETURN_IF_ERROR(
         ReadFileAt(fd, chunk.data(), len, kRecordHeaderBytes + begin, path));
     parts.push_back(ChunkHash(chunk.data(), len, parts.size()));

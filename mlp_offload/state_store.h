@@ -50,8 +50,10 @@ void EncodeRecordHeader(const RecordHeader& header, void* page);
 absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
                                                 absl::string_view where);
 
-// A fast 64-bit checksum of `n` bytes, computed over fixed 1 MiB chunks in
-// parallel and combined in order (the same value for any thread count).
+// A fast 64-bit checksum of `n` bytes, computed over fixed chunks of this
+// many bytes in parallel and combined in order (the same value for any
+// thread count).
+inline constexpr size_t kChecksumChunkBytes = size_t{1} << 20;
 uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool);
 // PayloadChecksum, calling visit(begin, length) on each chunk's byte range
 // just before the same thread hashes it: a pass of the caller's over the

@@ -359,7 +359,9 @@ class DeviceStaging:
         return norm
 
     def drop_clip(self):
-        """The clip recorded by clip_grad_norm_ is spent (see step())."""
+        """The clip recorded by clip_grad_norm_ is spent: the wrapper's
+        step() returned (done, skipped, without gradients, or a failed one's
+        commit retried), or a load replaced the failed step it was for."""
         self._clip = None
 
     def grads_nonfinite(self):
@@ -372,10 +374,8 @@ class DeviceStaging:
     # ----------------------------------------------------------------- step
 
     def skip_step(self):
-        """A step skipped for a NaN/Inf found before it: stats of the skip
-        (the clip recorded for it goes with it)."""
+        """A step skipped for a NaN/Inf found before it: stats of the skip."""
         self._d2h_timing = []
-        self._clip = None
         return {"pinning": self.pinning, "grad_stats": self.grad_stats, "skipped": True}
 
     def step(self, grad_scale, skip_nonfinite):
@@ -384,9 +384,9 @@ class DeviceStaging:
         the staged gradients to the updated parameters on the device)."""
         opt = self._opt()
         t_start = time.perf_counter()
-        # The clip stays recorded until the step completes or is skipped: a
-        # retry of a step that failed part-way clips by the same coefficient
-        # (before, it updated the rest of the subgroups unclipped).
+        # The clip stays recorded until the wrapper's step() returns (see
+        # drop_clip): a retry of a step that failed part-way clips by the
+        # same coefficient (before, it updated the rest unclipped).
         clip = self._clip
         extra = {"pinning": self.pinning, "grad_stats": self.grad_stats}
         t = time.perf_counter()
@@ -481,7 +481,6 @@ class DeviceStaging:
         stats["transfer_wait_seconds"] = d2h_wait + h2d_wait + tail
         stats["seconds"] = time.perf_counter() - t_start
         self._d2h_timing = []
-        self._clip = None
         return stats
 
     def _native_update(self, opt, sg, view, out, grad_scale, threads):

@@ -282,28 +282,22 @@ def _copy_all(dst, src):
             d.copy_(s)
 
 
-def backup_storage(params):
-    """Tensors to keep ParamValues of `params` in: each like its parameter
-    (dtype, device, memory format), so the copies are plain memory copies."""
-    return [torch.empty_like(p, memory_format=torch.preserve_format) for p in params]
-
-
 class ParamValues:
     """Saved values of some parameters (in their dtype, on `device`, by
-    default where they are), which restore() puts back. With `storage`
-    (backup_storage of the same parameters) they are copied into it, in one
-    call."""
+    default where they are), which restore() puts back. Where they stay,
+    the copies are made like the parameters (memory format too) and taken
+    in one call."""
 
-    def __init__(self, params, device=None, storage=None):
-        params = list(params)
+    def __init__(self, params, device=None):
+        self._params = list(params)
         with torch.no_grad():
-            if storage is None:
-                self._copies = [p.detach().to(device=device or p.device, copy=True)
-                                for p in params]
+            if device is None:
+                self._copies = [torch.empty_like(p, memory_format=torch.preserve_format)
+                                for p in self._params]
+                _copy_all(self._copies, [p.detach() for p in self._params])
             else:
-                self._copies = storage
-                _copy_all(storage, [p.detach() for p in params])
-        self._params = params
+                self._copies = [p.detach().to(device=device, copy=True)
+                                for p in self._params]
 
     def restore(self):
         with torch.no_grad():

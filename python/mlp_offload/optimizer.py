@@ -2125,8 +2125,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (A plain 0 when no gradient was unscaled: GradScaler sums no flags.)
         amp_inf = amp and float(found_inf) > 0
         if amp_inf and self._process_group is None:
-            if self._staging is not None:
-                self._staging.skip_step()  # a clip recorded for it goes with it
             self.last_step_stats = {"skipped": True}
             return loss
         # In a process group an inf found by this rank's GradScaler goes
@@ -2457,11 +2455,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         the device (no device memory)."""
         if self._staging is not None:
             return self._staging.values_before_step()
-        # One copy call into tensors made like the parameters (not kept
-        # from step to step: between steps, during forward and backward,
-        # they would be a second copy of the model in host memory).
-        params = self._owned_params()
-        return _layout.ParamValues(params, storage=_layout.backup_storage(params))
+        # (Not kept from step to step: between steps, during forward and
+        # backward, the copy would be a second one of the model in memory.)
+        return _layout.ParamValues(self._owned_params())
 
     def _hold_back(self, before, completed):
         """Keeps a step that raised (or that another rank failed) for the
