@@ -205,6 +205,15 @@ def test_train_bad_setups_are_one_line_errors_before_training(tmp_path, capsys, 
     assert code == 1 and want.format(tmp=tmp_path) in err and err.count("\n") == 1, err
 
 
+def test_a_plot_directory_that_takes_no_files_is_refused_before_training(capsys):
+    # /proc takes no new files, though access() says yes to root (before:
+    # root's run trained and failed at the plot).
+    code = cli.main(["train"] + TINY + ["--out", "/proc/mlp_offload_plot.png"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert ("cannot write a file in /proc" in err or "directory /proc is not writable" in err), err
+
+
 def test_a_plot_that_cannot_be_written_leaves_the_one_there_and_names_the_file(
         tmp_path, capsys, monkeypatch):
     # The plot goes to a new file renamed over the old one: a full disk

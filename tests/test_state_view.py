@@ -154,13 +154,15 @@ def test_view_is_read_only_and_names_what_to_do(tmp_path):
                    lambda: opt.state[w].update(momentum_buffer=None)):
         with pytest.raises(TypeError, match="read-only view.*load_state_dict"):
             change()
-    # A parameter without state: empty, as torch's defaultdict gives {};
-    # a tensor that is no parameter of the optimizer: KeyError.
-    frozen = model[3].weight
-    assert frozen not in opt.state and dict(opt.state[frozen]) == {}
-    assert opt.state.get(torch.zeros(3)) is None
-    with pytest.raises(KeyError):
-        opt.state[torch.zeros(3)]
+    # A parameter without state, and a tensor that is no parameter of the
+    # optimizer: empty, as torch's defaultdict gives {} (before: KeyError
+    # for the latter), and still not in the view.
+    frozen, other = model[3].weight, torch.zeros(3)
+    for t in (frozen, other):
+        assert dict(opt.state[t]) == {} and t not in opt.state and opt.state.get(t) is None
+        with pytest.raises(KeyError):
+            opt.state[t]["momentum_buffer"]
+    assert len(opt.state) == len(list(opt.state))
     opt.close()
     with pytest.raises(OffloadError, match="closed"):
         len(opt.state)

@@ -149,6 +149,14 @@ def _writable_out(path):
         raise ConfigError(f"--out {path}: {d} is not a directory")
     if not os.access(d, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path}: directory {d} is not writable")
+    # access() says yes to root everywhere (/proc, a read-only mount): a
+    # file made and removed there is the real test.
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".mlp_offload_out_"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot write a file in {d} "
+                          f"({e.strerror or e})") from e
     return path
 
 

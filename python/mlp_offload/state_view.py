@@ -94,9 +94,9 @@ class _Values(collections.abc.ValuesView):
 
 class OffloadedState(_ReadOnly, collections.abc.Mapping):
     """{param: ParamState} of the parameters (of this rank's subgroups) that
-    have state; a parameter of the optimizer without state gives an empty
-    ParamState, as torch's defaultdict gives {}; items() and values() read
-    each subgroup once."""
+    have state; any other tensor (a parameter without state, another
+    rank's, not a parameter) gives an empty ParamState, as torch's
+    defaultdict gives {}; items() and values() read each subgroup once."""
 
     def __init__(self, optimizer):
         # A weak reference: the optimizer's engine is released when it is
@@ -123,8 +123,10 @@ class OffloadedState(_ReadOnly, collections.abc.Mapping):
         if entry is not None:
             g, pid, keys = entry
             return ParamState(self, g, pid, keys or ())
-        raise KeyError("not a parameter of this optimizer's shard (in a process group, "
-                       "another rank's subgroups: state_dict() gathers every rank's)")
+        # Not a parameter of this shard (another rank's, in a process
+        # group, or no parameter at all): empty, as torch's defaultdict and
+        # ZeroRedundancyOptimizer's local state give.
+        return ParamState(self, None, None, ())
 
     def __iter__(self):
         return (p for _, p, _, keys in self._entries() if keys is not None)
