@@ -2564,13 +2564,15 @@ absl::StatusOr<StepStats> Engine::EndStep() {
     e.stats.peak_host_bytes =
         static_cast<uint64_t>(e.peak_in_use) * e.plan.buffer_bytes;
   }
+  // A failure ends the step as AbortStep does (called before every record
+  // was handed back, reads ahead are still claimed and maybe in flight).
   if (!s.ok()) {
-    e.StepFailed();
+    AbortStep();
     return Annotate(s, absl::StrCat("step ", e.steps_done + 1));
   }
   for (int i = 0; i < e.n(); ++i) {
     if (!e.done_in_step[i]) {
-      e.StepFailed();
+      AbortStep();
       return absl::FailedPreconditionError(
           absl::StrCat("EndStep: subgroup ", i, " was not updated"));
     }

@@ -660,6 +660,64 @@ TEST(EngineTest, DoneWithoutNextIsRefused) {
   }
 }
 
+// EndStep before every record was handed out fails the step as AbortStep
+// does: the reads ahead are waited for and dropped (they were left claimed,
+// still in flight), and the next step resumes it, updating only the records
+// the first attempt did not.
+TEST(EngineTest, AnEarlyEndStepDropsTheReadsAheadAndTheStepResumes) {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques.cache_reuse = false;  // records are read during the step
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  Model model(cfg.subgroup_numel, 9);
+  std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
+  ASSERT_NE(engine, nullptr);
+  Engine& e = *engine;
+  ASSERT_TRUE(e.BeginStep().ok());
+  absl::StatusOr<SubgroupView> first = e.Next();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_GE(first->subgroup, 0);
+  for (uint64_t k = 0; k < first->numel; ++k) first->master[k] += 1.0f;
+  ASSERT_TRUE(e.Done().ok());
+  absl::StatusOr<StepStats> early = e.EndStep();
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(early.status().message().find("was not updated"),
+            std::string::npos)
+      << early.status();
+  EXPECT_TRUE(e.step_incomplete());
+  for (int step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(e.BeginStep().ok());
+    int handed = 0;
+    for (;;) {
+      absl::StatusOr<SubgroupView> v = e.Next();
+      ASSERT_TRUE(v.ok()) << v.status();
+      if (v->subgroup < 0) break;
+      if (step == 1) {
+        EXPECT_NE(v->subgroup, first->subgroup);
+      }
+      for (uint64_t k = 0; k < v->numel; ++k) v->master[k] += 1.0f;
+      ASSERT_TRUE(e.Done().ok());
+      ++handed;
+    }
+    EXPECT_EQ(handed, step == 1 ? 3 : 4);
+    absl::StatusOr<StepStats> end = e.EndStep();
+    ASSERT_TRUE(end.ok()) << end.status();
+    // No cache: every record is read in the step that updates it (before,
+    // the reads left from the first attempt counted as cache hits).
+    EXPECT_EQ(end->cache_hits, 0) << "step " << step;
+  }
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
+        v(master.size());
+    int64_t step = 0;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
+    EXPECT_EQ(step, 2) << i;
+    for (size_t k = 0; k < master.size(); ++k) {
+      ASSERT_EQ(master[k], (model.init[i][k] + 1.0f) + 1.0f) << i << " " << k;
+    }
+  }
+}
+
 TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
   // Per direction: reads take the tier's read lock and writes its write
   // lock, so a rank reads while another writes, but writes wait for it.
