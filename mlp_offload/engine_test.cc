@@ -680,8 +680,7 @@ TEST(EngineTest, AnEarlyEndStepDropsTheReadsAheadAndTheStepResumes) {
   ASSERT_TRUE(e.Done().ok());
   absl::StatusOr<StepStats> early = e.EndStep();
   EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(early.status().message().find("was not updated"),
-            std::string::npos)
+  EXPECT_NE(early.status().message().find("was not updated"), std::string::npos)
       << early.status();
   EXPECT_TRUE(e.step_incomplete());
   for (int step = 1; step <= 2; ++step) {

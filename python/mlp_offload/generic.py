@@ -420,13 +420,18 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
     non-offloaded state of parameter pid (updated here); has_state[pid] says
     whether its state exists (else the optimizer initialises it). grad32:
     the engine's fp32 copy of the gradients (baseline mode), else None.
+    Returns the parameters' new values: views of `master`, shaped as the
+    subgroup's parameters, in its order.
     """
     temps = []
+    targets = []  # per parameter: its view of master (t, unless rebound)
+    views = []  # per parameter: its view of each array, or None
     had_keys = []  # per parameter: its offloaded keys before the step, or None
     for p, pid, off, n in subgroup.slices():
         if p.grad is None:
             raise OffloadError(f"parameter {pid} has no gradient")
         t = _layout.shaped_like(master[off:off + n], p)
+        targets.append(t.detach())  # the same memory, kept if the step rebinds t.data
         if grad32 is not None:
             grad = _layout.shaped_like(grad32[off:off + n], p) * grad_scale
         else:
@@ -440,22 +445,26 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
         had = offloaded_keys_of(has_state[pid], keys) if has_state[pid] else None
         if had is not None:
             st = dict(py_state.get(pid, {}))
-            for k, arr in zip(keys, arrays):
+            vs = [_layout.shaped_like(arr[off:off + n], p) for arr in arrays]
+            for k, v in zip(keys, vs):
                 if k in had:
-                    st[k] = _layout.shaped_like(arr[off:off + n], p)
+                    st[k] = v
             optimizer.state[t] = st
+        else:
+            vs = None
         temps.append(t)
+        views.append(vs)
         had_keys.append(had)
     try:
         with only_params(optimizer, subgroup.group, temps), torch.no_grad():
             step_without_hooks(optimizer)
-        for t, had, (p, pid, off, n) in zip(temps, had_keys, subgroup.slices()):
+        for t, target, vs, had, (p, pid, off, n) in zip(temps, targets, views, had_keys,
+                                                         subgroup.slices()):
             st = optimizer.state.get(t, {})
-            target = _layout.shaped_like(master[off:off + n], p)
             if t.data_ptr() != target.data_ptr():  # the step rebound .data
                 target.copy_(t)
             present = []
-            for k, arr in zip(keys, arrays):
+            for ki, (k, arr) in enumerate(zip(keys, arrays)):
                 value = st.get(k)
                 if value is None:
                     if had is not None and k in had:
@@ -470,7 +479,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                         f"{tuple(p.shape)}; pass generic_state_keys naming only the state "
                         f"tensors shaped like every parameter")
                 present.append(k)
-                view = _layout.shaped_like(arr[off:off + n], p)
+                view = vs[ki] if vs is not None else _layout.shaped_like(arr[off:off + n], p)
                 if value.data_ptr() != view.data_ptr():  # replaced, not updated
                     view.copy_(value)
             # A key made after the parameter's first step (Lookahead's slow
@@ -490,6 +499,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                 extra[k] = v
             py_state[pid] = extra
             has_state[pid] = has_state_value(present, keys)
+        return targets
     finally:
         for t in temps:
             optimizer.state.pop(t, None)

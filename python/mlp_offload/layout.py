@@ -271,7 +271,7 @@ def flat_fp32(params):
                           for p in params])
 
 
-def _copy_all(dst, src):
+def copy_all(dst, src):
     """dst[i].copy_(src[i]) for every i, in one call where torch has it."""
     if not dst:
         return  # (torch's _foreach_copy_ refuses empty lists)
@@ -294,14 +294,14 @@ class ParamValues:
             if device is None:
                 self._copies = [torch.empty_like(p, memory_format=torch.preserve_format)
                                 for p in self._params]
-                _copy_all(self._copies, [p.detach() for p in self._params])
+                copy_all(self._copies, [p.detach() for p in self._params])
             else:
                 self._copies = [p.detach().to(device=device, copy=True)
                                 for p in self._params]
 
     def restore(self):
         with torch.no_grad():
-            _copy_all(self._params, self._copies)
+            copy_all(self._params, self._copies)
 
 
 class GradReadiness:

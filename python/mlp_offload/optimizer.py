@@ -238,6 +238,19 @@ def _loaded_step(value, pid):
     return int(step)
 
 
+def _any_nonfinite(t):
+    """Whether tensor t holds a NaN or an infinity: the kernels' check, one
+    read at memory speed, for a dense CPU tensor of a kernel dtype (torch's
+    isfinite makes a bool tensor first), else torch's."""
+    if t.numel() == 0:
+        return False
+    name = _layout.DTYPE_NAMES.get(t.dtype)
+    if name is not None and t.device.type == "cpu" and t.layout == torch.strided \
+            and t.is_contiguous():
+        return _C.kernels.any_nonfinite(t.data_ptr(), name, t.numel())
+    return not bool(torch.isfinite(t).all())
+
+
 class MLPOffloadOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer`; offloads its state to host memory and storage tiers.
 
@@ -2801,7 +2814,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._grad_readiness.reset()
 
     def _generic_grads_nonfinite(self):
-        return any(p.grad is not None and not torch.isfinite(p.grad).all()
+        return any(p.grad is not None and _any_nonfinite(p.grad)
                    for g in self._owned for p in self._subgroups[g].params)
 
     def _skip_flags(self):
@@ -2838,13 +2851,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 keys = self._keys[sg.group]
                 grad32 = _layout.float_view(view.grad32, view.numel) if view.grad32 else None
                 values.before_call()
-                _generic.update_subgroup(self.optimizer, sg, keys, master,
-                                         arrays[:len(keys)], self._py_state,
-                                         self._has_state, grad_scale, grad32)
+                updated = _generic.update_subgroup(self.optimizer, sg, keys, master,
+                                                   arrays[:len(keys)], self._py_state,
+                                                   self._has_state, grad_scale, grad32)
                 values.after_call(sg.group)
-                for p, _, off, n in sg.slices():
-                    p.copy_(_layout.shaped_like(master[off:off + n], p))
-                del master, arrays, grad32
+                _layout.copy_all(sg.params, updated)
+                del master, arrays, grad32, updated
                 engine.done()
             values.finish()
             if self._commits_next():
