@@ -496,6 +496,33 @@ def test_a_nonfinite_gradient_is_judged_in_its_own_step_only(tmp_path, mode, non
     opt.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["contiguous", "transposed", "last"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_the_generic_path_finds_a_nonfinite_gradient_in_any_layout(
+        tmp_path, dtype, where, value):
+    # RMSprop has no native kernel: its pre-check reads each gradient (the
+    # kernels' check on a dense one, torch's on a transposed one).
+    w = torch.nn.Parameter(torch.ones(37, 5, dtype=dtype))
+    b = torch.nn.Parameter(torch.ones(1000, dtype=dtype))
+    opt = MLPOffloadOptimizer(torch.optim.RMSprop([w, b], lr=0.1), tiers=[str(tmp_path)],
+                              nonfinite="skip", compute_threads=1)
+    w.grad = torch.ones(5, 37, dtype=dtype).t() if where == "transposed" \
+        else torch.ones(37, 5, dtype=dtype)
+    b.grad = torch.ones(1000, dtype=dtype)
+    if where == "last":
+        b.grad[-1] = value
+    else:
+        w.grad[36, 4] = value
+    opt.step()
+    assert opt.last_step_stats["skipped"] and opt.engine.steps == 0
+    assert torch.all(w == 1) and torch.all(b == 1)
+    (w.grad[36, 4] if where != "last" else b.grad[-1]).fill_(2.0)
+    opt.step()
+    assert opt.engine.steps == 1 and torch.all(w < 1) and torch.all(b < 1)
+    opt.close()
+
+
 @pytest.mark.parametrize("option", ["fused", "capturable", "differentiable"])
 def test_unsupported_options_are_named(tmp_path, option):
     model = make_model()
