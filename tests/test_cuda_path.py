@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port, init_process_group, tier_dirs
+from user_optimizers import GroupCounterAdam
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -158,10 +159,15 @@ def test_staged_path_matches_torch_on_cpu(tmp_path, dtype, mode):
     assert stats["compute_seconds"] > 0
 
 
-def test_staged_generic_optimizer_matches_torch_on_cpu(tmp_path):
-    rms = lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9)
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9),
+    # Counts per group and on itself: one advance per step, not one per
+    # subgroup (before, the staged path advanced them per subgroup).
+    lambda ps: GroupCounterAdam(ps, lr=1e-2, warmup=3),
+], ids=["rmsprop", "group_counter"])
+def test_staged_generic_optimizer_matches_torch_on_cpu(tmp_path, make):
     with _staged_cpu():
-        _run_parity(tmp_path, "cpu", torch.float32, rms)
+        _run_parity(tmp_path, "cpu", torch.float32, make)
 
 
 @pytest.mark.parametrize("mode", ["mlp", "baseline"])

@@ -21,6 +21,7 @@ from mlp_offload import MLPOffloadOptimizer, _C, cuda_path
 from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
                                StateMismatchError, TierIOError)
 from conftest import tier_dirs
+from user_optimizers import GroupCounterAdam
 from distributed_util import (OPTIMIZERS, STEPS, WORLD, assert_params_match,
                                assert_states_match, load_reference, make_model,
                                save_reference, spawn, train_same_batches)
@@ -1477,6 +1478,18 @@ def mismatch_worker(rank, tiers):
                             compute_threads=1, nonfinite="skip" if rank == 0 else "skp")
     if rank == 0:
         assert "rank 1 failed: ConfigError: nonfinite must be one of" in str(err.value)
+    # Settings that give the records another number of arrays on rank 1
+    # (before: the steps went through, and the first state_dict() tore the
+    # broadcast of the records; gloo aborted the process).
+    with pytest.raises(ConfigError, match=r"disagree on state arrays per parameter .*"
+                                          r"rank 0 has 3, rank 1 has 2"):
+        MLPOffloadOptimizer(torch.optim.Adam(model.parameters(), amsgrad=rank == 0),
+                            tiers=tiers, subgroup_numel=200, compute_threads=1)
+    with pytest.raises(ConfigError, match=r"disagree on generic_state_keys"):
+        MLPOffloadOptimizer(
+            torch.optim.RMSprop(model.parameters(), momentum=0.9), tiers=tiers,
+            subgroup_numel=200, compute_threads=1,
+            generic_state_keys=["square_avg", "momentum_buffer"][:2 - rank])
     opt = MLPOffloadOptimizer(make(model.parameters()), tiers=tiers, subgroup_numel=200,
                               compute_threads=1)  # the same everywhere: fine
     opt.close()
@@ -1507,6 +1520,53 @@ def frozen_worker(rank, tiers):
 
 def test_a_frozen_layer_in_a_process_group_matches_torch(tmp_path):
     spawn(frozen_worker, tier_dirs(tmp_path))
+
+
+def counter_worker(rank, tiers):
+    # A generic optimizer that counts per group and on itself, 3 ranks for
+    # 2 trainable subgroups: rank 2 makes no call, yet its counts advance
+    # once per step as torch's (before: they stayed, and the second step
+    # raised that the ranks' hyperparameters differ); then add_param_group
+    # gives rank 2 the new layer, which it updates with the counts torch
+    # has (before: with its stale instance count, broadcast to every rank).
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8, bias=False),
+                              torch.nn.Linear(8, 8, bias=False))
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        m[2].requires_grad_(False)
+    make = lambda m: GroupCounterAdam(  # noqa: E731
+        list(m[0].parameters()) + list(m[1].parameters()), lr=1e-2, warmup=4)
+    ref_opt, opt = make(ref), make(model)
+    opt = MLPOffloadOptimizer(opt, tiers=tiers, subgroup_numel=300, compute_threads=1)
+    assert len(opt.subgroups) == 2 and (opt.engine is None) == (rank == 2)
+
+    def train(steps):
+        for step in steps:
+            gen = torch.Generator().manual_seed(1000 * step)
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+            for o, m in ((ref_opt, ref), (opt, model)):
+                o.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+            inner = opt.optimizer
+            assert [g.get("step") for g in inner.param_groups] == \
+                [g.get("step") for g in ref_opt.param_groups], (rank, step)
+            assert inner.calls == ref_opt.calls and torch.equal(inner.scale, ref_opt.scale), \
+                (rank, step, inner.calls, ref_opt.calls)
+            assert_params_match(model, ref, rank)
+
+    train(range(3))
+    for m, o in ((ref, ref_opt), (model, opt)):
+        m[2].requires_grad_(True)
+        o.add_param_group({"params": [m[2].weight]})
+    assert [g for g in opt._owned if opt.subgroups[g].group == 1] == ([2] if rank == 2 else [])
+    train(range(3, 6))
+    opt.close()
+
+
+def test_a_generic_optimizers_counts_advance_on_a_rank_that_steps_no_subgroup(tmp_path):
+    spawn(counter_worker, tier_dirs(tmp_path), world=3)
 
 
 def amp_worker(rank, tiers):

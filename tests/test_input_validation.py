@@ -93,10 +93,13 @@ def test_host_cache_bytes_beyond_the_engine_is_a_config_error(tmp_path):
     ("checkpoint_dir", 5), ("checkpoint_dir", b"/tmp"), ("checkpoint_dir", ""),
     ("tier_lock_dir", 5), ("subgroup_numel", True), ("subgroup_numel", 0),
     ("generic_state_keys", "square_avg"), ("generic_state_keys", ["a", 1]),
+    # Also where the run does not persist (before: a TypeError from deep
+    # inside, the private name quoted, or "" taken as the default).
+    ("run_name", 123), ("run_name", ["x"]), ("run_name", "../up"), ("run_name", ""),
 ])
 def test_bool_and_path_arguments_are_checked(tmp_path, name, value):
-    match = rf"{name} is an empty path" if value == "" \
-        else rf"{name} must be .*got {re.escape(repr(value))}"
+    match = rf"{name} is an empty path" if value == "" and name != "run_name" \
+        else rf"{name} must be .*got {re.escape(repr(value))}$"
     refused(tier_dirs(tmp_path), match, **{name: value})
 
 

@@ -1,7 +1,7 @@
 """MLPOffloadOptimizer matches the plain torch optimizer it wraps.
 
 20 steps of a small transformer block, fp32, for every native optimizer and
-six generic ones (three of torch's, three user-written classes from
+seven generic ones (three of torch's, four user-written classes from
 user_optimizers.py), over 1, 2 and 3 tiers, host caches from nothing to
 everything, in both modes.
 """
@@ -13,9 +13,11 @@ import torch
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
-from user_optimizers import GroupCounterAdam, InPlaceDecay, SignMomentum, SlowWeightsSGD
+from user_optimizers import (BF16MomentumSGD, GroupCounterAdam, InPlaceDecay, SignMomentum,
+                             SlowWeightsSGD)
 
 from mlp_offload import MLPOffloadOptimizer
+from mlp_offload.errors import ConfigError
 
 STEPS = 20
 SUBGROUP_NUMEL = 512  # the block has ~8.6k parameters: 8 subgroups
@@ -43,6 +45,8 @@ OPTIMIZERS = {
     "user_sign_momentum": lambda ps: SignMomentum(ps, lr=1e-3),
     "user_group_counter": lambda ps: GroupCounterAdam(ps, lr=1e-3),
     "user_slow_weights": lambda ps: SlowWeightsSGD(ps, lr=0.05, k=3),
+    # State in another dtype than the records' fp32: kept as it is.
+    "user_bf16_momentum": lambda ps: BF16MomentumSGD(ps, lr=0.05),
 }
 
 # (tiers, host cache, mode): every tier count and cache level in both modes.
@@ -111,6 +115,7 @@ def assert_same_state(opt, ref_opt):
         assert sd[pid].keys() == st.keys()
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
+                assert sd[pid][k].dtype == v.dtype, (pid, k)
                 torch.testing.assert_close(sd[pid][k].float(), v.float(), rtol=1e-5,
                                            atol=1e-7)
 
@@ -372,6 +377,10 @@ UNPROBED = {
                          lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2,
                                                                        total_steps=10),
                          "momentum_buffer"),
+    # State in bf16: the records hold fp32, so it stays as it is (before, it
+    # was offloaded through fp32, and the steps drifted from torch's).
+    "user_bf16_momentum": (lambda ps: BF16MomentumSGD(ps, lr=0.05),
+                           lambda: torch.nn.Linear(8, 6), None, "buf"),
 }
 
 
@@ -393,6 +402,19 @@ def test_state_the_probe_did_not_find_stays_in_host_memory(tmp_path, caplog, nam
                 s.step()
     assert_params_close(model, ref)
     warned = [r.getMessage() for r in caplog.records if f"'{key}'" in r.getMessage()]
-    assert len(warned) == 1 and "kept in host memory, not offloaded" in warned[0], warned
+    assert len(warned) == 1 and "kept in host memory" in warned[0] \
+        and "not offloaded" in warned[0], warned
     assert_same_state(opt, ref_opt)
+    opt.close()
+
+
+def test_generic_state_keys_naming_state_of_another_dtype_is_refused(tmp_path):
+    model = torch.nn.Linear(8, 6)
+    opt = MLPOffloadOptimizer(BF16MomentumSGD(model.parameters(), lr=0.05),
+                              tiers=[str(tmp_path)], generic_state_keys=["buf"],
+                              compute_threads=1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ConfigError, match="'buf' of parameter 0 in bfloat16.*leave 'buf' out"):
+        opt.step()
     opt.close()

@@ -85,6 +85,24 @@ class GroupCounterSGD(UserOptimizer):
                 p.add_(state["buf"], alpha=-group["lr"] / group["step"])
 
 
+class BF16MomentumSGD(UserOptimizer):
+    """Momentum SGD that keeps its buffer in bf16 (a memory-saving
+    optimizer): the wrapper leaves it in host memory as it is, in its
+    dtype (a copy through the fp32 records would change its values)."""
+
+    def __init__(self, params, lr=1e-2, momentum=0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p, state in self.with_grads(group):
+                if not state:
+                    state["buf"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                state["buf"].mul_(group["momentum"]).add_(p.grad.to(torch.bfloat16))
+                p.add_(state["buf"].float(), alpha=-group["lr"])
+
+
 class RecordingSGD(UserOptimizer):
     """SGD with a group count that records (lr, count) per call that steps."""
 

@@ -417,6 +417,10 @@ class DeviceStaging:
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))
         threads = opt._engine_settings["compute_threads"]
         slot = 0
+        # A generic optimizer's group and instance values advance once per
+        # step, not per subgroup (as on the host path).
+        values = opt._generic_step_values() if opt._family is None else None
+        steps = engine.steps
         engine.begin_step(opt._skip_flags())
         try:
             while True:
@@ -445,12 +449,16 @@ class DeviceStaging:
                 if opt._family is not None:
                     self._native_update(opt, sg, view, out, grad_scale, threads)
                 else:
+                    values.before_call()
                     self._generic_update(opt, sg, view, out, grad_scale)
+                    values.after_call(sg.group)
                 compute += time.perf_counter() - t
                 engine.done()
                 undo, h2d = self._to_device(sg, out, k)
                 undo_timing.append(undo)
                 h2d_timing.append(h2d)
+            if values is not None:
+                values.finish()
             if opt._family is None and opt._commits_next():
                 # The generic optimizer's state is final: the Python side of
                 # the step goes to disk before end_step commits the engine's
@@ -458,7 +466,10 @@ class DeviceStaging:
                 opt._write_pystate(engine.steps + 1)
             stats = engine.end_step()
         except BaseException:
-            engine.abort_step()
+            if values is not None:
+                opt._generic_step_failed(values, steps)
+            else:
+                engine.abort_step()
             if self.cuda:
                 # The subgroups updated before the failure were sent on the
                 # upload stream: what the caller runs next (a retry, a
@@ -466,6 +477,8 @@ class DeviceStaging:
                 # landed.
                 torch.cuda.current_stream(self.device).wait_stream(self._h2d)
             raise
+        if values is not None:
+            opt._stepped_values = values
         t = time.perf_counter()
         if self.cuda:
             self._h2d.synchronize()

@@ -87,7 +87,10 @@ def _constructor_kwargs(cls, group):
 
 
 def discover_state_keys(optimizer, group_index):
-    """Names of the per-parameter state tensors shaped like the parameter.
+    """Names of the per-parameter fp32 state tensors shaped like the
+    parameter (the records hold fp32: state the optimizer keeps in another
+    dtype, bf16 moments, float64 accumulators, stays in host memory as it
+    is, which a copy through fp32 would change).
 
     Runs a throwaway instance of type(optimizer) with param group
     `group_index`'s hyperparameters for a few steps on a probe parameter.
@@ -121,7 +124,7 @@ def discover_state_keys(optimizer, group_index):
                     f"as LBFGS) cannot be offloaded") from e
             for key, value in throwaway.state.get(probe, {}).items():
                 if (isinstance(value, torch.Tensor) and tuple(value.shape) == shape
-                        and value.is_floating_point() and key not in keys):
+                        and value.dtype == torch.float32 and key not in keys):
                     keys.append(key)
     _log.debug("%s (group %d): offloaded state keys %s", cls.__name__, group_index, keys)
     return keys
@@ -139,6 +142,12 @@ def _warn_not_offloaded(optimizer, key, pid, value):
     if key in warned:
         return
     warned.add(key)
+    if value.dtype != torch.float32:
+        _log.warning(
+            "%s keeps state '%s' (shape %s, first for parameter %d) in %s: it is kept in "
+            "host memory as it is, not offloaded (the offloaded records hold fp32)",
+            name, key, tuple(value.shape), pid, str(value.dtype).replace("torch.", ""))
+        return
     _log.warning(
         "%s created state '%s' (shape %s, first for parameter %d) that the probe did not "
         "find: it is kept in host memory, not offloaded; pass generic_state_keys naming "
@@ -347,6 +356,55 @@ class StepValues:
         self._note_instance()
         self.before_call()
 
+    def outcome(self):
+        """After finish(): (per group, whether a call stepped it; whether a
+        call was made at all)."""
+        return list(self._stepped), self._after_instance is not None
+
+    def changes(self):
+        """After finish(), what the step changed, for a rank of a process
+        group whose calls did not step some group (or made none): per
+        group, ({key: value} of the keys a call changed that the group
+        holds now, [keys a call removed]); then the same of the instance."""
+        def of(values, touched):
+            return ({k: values[k] for k in touched if k in values},
+                    sorted(k for k in touched if k not in values))
+        opt = self._optimizer
+        return ([of(g, t) for g, t in zip(opt.param_groups, self._touched)],
+                of(vars(opt), self._touched_instance))
+
+
+def apply_changes(optimizer, group_changes, instance_changes):
+    """Puts another rank's StepValues.changes() into `optimizer`: those of
+    group gi where group_changes[gi] is not None, those of the instance if
+    instance_changes is not None. A tensor already there of the same shape
+    and dtype takes the new values in place (a scheduler may hold it)."""
+    def assign(holder, key, value, get, setter):
+        old = get(holder, key)
+        if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) \
+                and old.shape == value.shape and old.dtype == value.dtype \
+                and old.layout is torch.strided:
+            with torch.no_grad():
+                old.copy_(value)
+        else:
+            setter(holder, key, value)
+
+    for group, change in zip(optimizer.param_groups, group_changes):
+        if change is None:
+            continue
+        present, removed = change
+        for k, v in present.items():
+            assign(group, k, v, dict.get, dict.__setitem__)
+        for k in removed:
+            group.pop(k, None)
+    if instance_changes is not None:
+        present, removed = instance_changes
+        for k, v in present.items():
+            assign(optimizer, k, v, lambda o, k: vars(o).get(k), setattr)
+        for k in removed:
+            if k in vars(optimizer):
+                delattr(optimizer, k)
+
 
 # torch.optim.Optimizer's per-instance hook dicts.
 HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -472,6 +530,13 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                             f"{type(optimizer).__name__} dropped state '{k}' of "
                             f"parameter {pid} (state keys must not change between steps)")
                     continue  # not kept for this parameter's shape (Adafactor)
+                if value.dtype != torch.float32:
+                    raise ConfigError(
+                        f"{type(optimizer).__name__} keeps state '{k}' of parameter {pid} "
+                        f"in {str(value.dtype).replace('torch.', '')}; the offloaded "
+                        f"records hold fp32, and a copy would change its values: leave "
+                        f"'{k}' out of generic_state_keys (it then stays in host memory, "
+                        f"as it is)")
                 if tuple(value.shape) != tuple(p.shape):
                     raise OffloadError(
                         f"{type(optimizer).__name__} keeps state '{k}' of parameter {pid} "

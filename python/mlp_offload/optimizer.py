@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 import shutil
 import time
@@ -433,7 +434,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
                 "tier_lock_timeout": tier_lock_timeout,
             }
-            self._run_prefix = run_name or "mlp_offload"
+            if run_name is not None:
+                _recovery.run_dir_name(run_name, self._rank)  # a plain name, or ConfigError
+            self._run_prefix = "mlp_offload" if run_name is None else run_name
             if resume not in _recovery.RESUME_MODES:
                 raise ConfigError(
                     f"resume must be one of {_recovery.RESUME_MODES}, got {resume!r}")
@@ -485,13 +488,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             failure = exc
         # Every rank raises if one cannot start, or if the ranks were given
         # different models or settings (they would hang or diverge later).
-        self._agree_on_settings(failure, optimizer, dict(
+        self._agree_on_settings(failure, dict(
+            self._model_settings(optimizer),
             subgroup_numel=subgroup_numel, mode=mode, nonfinite=nonfinite,
             state_dict_type=state_dict_type, run_name=run_name, commit_every=commit_every,
             resume=resume, resume_placement=resume_placement,
             # Checked in the try block: a rank that failed there sends None.
             atomic_step=self._atomic_step if failure is None else None,
-            checkpoint_dir=self._checkpoint_dir if failure is None else None))
+            checkpoint_dir=self._checkpoint_dir if failure is None else None,
+            generic_state_keys=self._generic_state_keys if failure is None else None))
 
         # torch.optim.Optimizer bookkeeping (hooks, zero_grad, step patching);
         # then share the wrapped optimizer's param_groups list itself.
@@ -519,12 +524,29 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._closed = False
         self.last_step_stats = None
         self._mark_warned = ""  # the COMMITTED mark's failure last logged
-        # generic.StepValues of a generic step that failed part-way, for its retry.
+        # generic.StepValues of a generic step that failed part-way, for its
+        # retry; of the step this rank just completed (None: it made none),
+        # for the ranks of a process group that made no call (_share_step_values).
         self._generic_values = None
+        self._stepped_values = None
         self._grad_hooks = []
         self._grad_readiness = None  # layout.GradReadiness of the hooks
         self._staging = None  # device parameters: cuda_path.DeviceStaging
-        self._build()
+        failure = None
+        try:
+            self._build()
+        except Exception as exc:
+            if self._process_group is None:
+                raise
+            failure = exc
+        # The records' layout follows from the optimizer's settings, which
+        # the ranks may have been given differently (amsgrad or momentum on
+        # one rank only: each rank's records would hold another number of
+        # arrays, and the first state_dict() would tear the collective).
+        self._agree_on_settings(failure, {} if failure is not None else {
+            "state arrays per parameter (from the optimizer's settings: amsgrad, "
+            "momentum, generic_state_keys)": self._num_arrays,
+            "state keys per param group": self._keys})
 
         # State the wrapped optimizer already has (loaded, or created in its
         # __init__ like Adagrad's) moves to the engine at initialisation.
@@ -588,24 +610,29 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- setup
 
-    def _agree_on_settings(self, failure, optimizer, settings):
-        """Collective (the constructor's first): raises on every rank if one
-        rank's constructor failed, or if the ranks' models (parameter shapes
-        and dtypes per group, optimizer class) or the settings that must be
-        the same everywhere differ, naming the first difference."""
+    @staticmethod
+    def _model_settings(optimizer):
+        """What the ranks' models must share: the optimizer class, the
+        parameter shapes, dtypes and layouts per group."""
+        groups = optimizer.param_groups
+        return dict(optimizer=type(optimizer).__name__,
+                    group_sizes=[len(g["params"]) for g in groups],
+                    param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
+                    param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
+                    param_strides=[_layout.layout_of(p) for g in groups for p in g["params"]],
+                    # Frozen and trainable parameters are packed apart.
+                    param_requires_grad=[p.requires_grad for g in groups
+                                         for p in g["params"]],
+                    param_devices=sorted({p.device.type for g in groups
+                                          for p in g["params"]}))
+
+    def _agree_on_settings(self, failure, settings):
+        """Collective (the constructor's): raises on every rank if one
+        rank's constructor failed, or if the ranks' `settings` (which must
+        be the same everywhere: the model, the options) differ, naming the
+        first difference."""
         if self._process_group is None:
             return
-        groups = optimizer.param_groups
-        settings = dict(settings, optimizer=type(optimizer).__name__,
-                        group_sizes=[len(g["params"]) for g in groups],
-                        param_shapes=[tuple(p.shape) for g in groups for p in g["params"]],
-                        param_dtypes=[str(p.dtype) for g in groups for p in g["params"]],
-                        param_strides=[_layout.layout_of(p) for g in groups for p in g["params"]],
-                        # Frozen and trainable parameters are packed apart.
-                        param_requires_grad=[p.requires_grad for g in groups
-                                             for p in g["params"]],
-                        param_devices=sorted({p.device.type for g in groups
-                                              for p in g["params"]}))
         got = self._gather((None if failure is None else f"{type(failure).__name__}: {failure}",
                             settings))
         if failure is not None:
@@ -2167,6 +2194,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         skip_nonfinite = amp or self._nonfinite != "ignore"
 
         stats = before = failure = None
+        self._stepped_values = None
         # Sharded: each rank sees only its subgroups' gradients, so the ranks
         # agree on the check before any of them updates (a NaN in one rank's
         # subgroups skips the step on every rank).
@@ -2200,14 +2228,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         raise
                     failure = exc
             skipped = bool(stats and stats.get("skipped"))
+            shared = True
             if self._process_group is not None:
-                skipped = self._agree_on_outcome(skipped, failure, stats, before)
+                skipped, shared = self._agree_on_outcome(skipped, failure, stats, before)
         if skipped and not amp and self._nonfinite == "raise":
             raise NonFiniteGradientError(
                 "gradients contain NaN or Inf: the step was skipped and nothing was "
                 "updated (use a GradScaler, or nonfinite='skip'/'ignore')")
         if not skipped and self._process_group is not None:
             self._broadcast_params()
+            if not shared:
+                self._share_step_values()
         if not skipped and self._family is not None:
             self._has_state.update(self._keys_after_step())
         self._note_param_versions()
@@ -2495,7 +2526,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         parameters as before the step, with atomic_step), so that calling
         step() again with the same gradients completes the step on every rank
         exactly once."""
-        any_skipped, any_failed = self._max_over_ranks(skipped, failure is not None)
+        # A generic optimizer's group and instance values (a step counter)
+        # advanced on the ranks whose calls stepped a group: whether every
+        # rank made calls and stepped the same groups (else they are shared:
+        # _share_step_values).
+        outcome = (self._stepped_values.outcome() if self._stepped_values is not None
+                   else ([False] * len(self.optimizer.param_groups), False))
+        digest = zlib.crc32(repr(outcome).encode()) if self._family is None else 0
+        any_skipped, any_failed, high, minus_low = self._max_over_ranks(
+            skipped, failure is not None, digest, -digest)
         if any_failed:
             if failure is None and stats is not None and not stats.get("skipped"):
                 self._hold_back(before, completed=True)
@@ -2503,7 +2542,48 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 failure, "complete its part of the optimizer step",
                 note="; this rank's update is held back: step() again with the same "
                      "gradients completes the step on every rank")
-        return bool(any_skipped)
+        return bool(any_skipped), high == -minus_low and outcome[1]
+
+    def _share_step_values(self):
+        """Collective, after a generic step whose calls (one per subgroup)
+        stepped different groups on different ranks, or none on some (a
+        rank that owns no subgroup, or only frozen ones): the values the
+        optimizer keeps per group or on itself (timm's group["step"], a
+        warm-up by call count) advanced on the ranks that stepped a group;
+        every other rank takes that group's from the first of them (a group
+        none stepped, and the instance, from the first rank that made a
+        call), as torch's one call over every group would have left them."""
+        values = self._stepped_values
+        if values is not None:
+            stepped, called = values.outcome()
+            try:
+                payload = pickle.dumps(values.changes())
+            except Exception as exc:  # noqa: BLE001 - any value a step put there
+                payload = f"{type(exc).__name__}: {exc}"
+        else:
+            stepped, called, payload = [False] * len(self.optimizer.param_groups), False, None
+        parts = self._gather((stepped, called, payload))
+        callers = [r for r, (_, c, _) in enumerate(parts) if c]
+        if not callers:
+            return
+        sources = [next((r for r, (st, _, _) in enumerate(parts) if st[gi]), callers[0])
+                   for gi in range(len(stepped))]
+        needed = {src for gi, src in enumerate(sources) if not stepped[gi]}
+        if not called:
+            needed.add(callers[0])
+        bad = [r for r in sorted({*sources, callers[0]}) if isinstance(parts[r][2], str)]
+        if bad:
+            # The same on every rank: each sees every payload.
+            raise ConfigError(
+                f"{type(self.optimizer).__name__}'s step changed a value of its param "
+                f"groups or of itself that cannot be sent to the other ranks (rank "
+                f"{bad[0]}: {parts[bad[0]][2]}); those ranks keep the values from before "
+                f"the step")
+        changes = {r: pickle.loads(parts[r][2]) for r in needed}
+        group_changes = [None if stepped[gi] else changes[src][0][gi]
+                         for gi, src in enumerate(sources)]
+        _generic.apply_changes(self.optimizer, group_changes,
+                               None if called else changes[callers[0]][1])
 
     def _commits_next(self):
         """Whether the engine commits at the end of the next step."""
@@ -2826,15 +2906,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if skip_nonfinite and self._generic_grads_nonfinite():
             return {"skipped": True}
         engine = self._engine
-        # The optimizer's step runs once per subgroup: what it keeps per
-        # group or on itself (a step counter) advances once per step. The
-        # retry of a step that failed part-way goes on with its values.
-        values = self._generic_values
-        self._generic_values = None
-        if values is None or not engine.step_incomplete or not values.fits(self.optimizer):
-            values = _generic.StepValues(self.optimizer)
-        else:
-            values.rebase()
+        values = self._generic_step_values()
         steps = engine.steps
         engine.begin_step(self._skip_flags())
         try:
@@ -2863,17 +2935,38 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # Every record is final: the Python side of the step goes
                 # to disk before end_step commits the engine's.
                 self._write_pystate(engine.steps + 1)
-            return engine.end_step()
+            stats = engine.end_step()
         except BaseException:
-            # The engine keeps the subgroups already updated (and their
-            # parameters were refreshed): a retried step skips them, and
-            # starts from the group values this one started from.
-            if engine.steps == steps:  # else the step went through (its commit failed)
-                values.abandon()
-            engine.abort_step()
-            if engine.step_incomplete:
-                self._generic_values = values
+            self._generic_step_failed(values, steps)
             raise
+        self._stepped_values = values
+        return stats
+
+    def _generic_step_values(self):
+        """The generic.StepValues of the step about to begin. The optimizer's
+        step runs once per subgroup: what it keeps per group or on itself (a
+        step counter) advances once per step. The retry of a step that
+        failed part-way goes on with its values."""
+        values = self._generic_values
+        self._generic_values = None
+        self._stepped_values = None
+        if values is None or not self._engine.step_incomplete \
+                or not values.fits(self.optimizer):
+            return _generic.StepValues(self.optimizer)
+        values.rebase()
+        return values
+
+    def _generic_step_failed(self, values, steps):
+        """Aborts the engine's step, which raised; `steps`: the engine's
+        count before it. The engine keeps the subgroups already updated
+        (and their parameters were refreshed): a retried step skips them,
+        and starts from the group values this one started from."""
+        engine = self._engine
+        if engine.steps == steps:  # else the step went through (its commit failed)
+            values.abandon()
+        engine.abort_step()
+        if engine.step_incomplete:
+            self._generic_values = values
 
     # --------------------------------------------------------- distributed
 
