@@ -1508,7 +1508,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def close(self):
         """Flushes and releases the engine (and its tier directories); any
-        later use of the optimizer raises OffloadError. From another thread
+        later use of the optimizer raises OffloadError. The wrapped optimizer
+        gets its own step() back, without the state (it went with the
+        engine): inner.load_state_dict(opt.state_dict()) before close()
+        hands it over. From another thread
         while a step runs: ConcurrentUseError, and nothing is closed. In a
         fork of the process that created it: only this process's object."""
         if os.getpid() != self._pid:
