@@ -1057,6 +1057,21 @@ def test_the_wrapped_optimizers_own_step_refuses_while_the_wrapper_is_open(tmp_p
     opt.close()
 
 
+def test_the_state_handed_over_before_close_goes_on_in_the_plain_optimizer(tmp_path):
+    # The README's way back to plain torch: the wrapped optimizer takes the
+    # state, then the wrapper closes; its steps go on as torch's did.
+    model, ref = make_model(), make_model()
+    inner, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    opt = wrap(inner, tmp_path)
+    for k in range(5):
+        if k == 3:
+            inner.load_state_dict(opt.state_dict())
+            opt.close()
+        step_both(ref, ref_opt, model, inner if k >= 3 else opt, k)
+    assert_close(model, ref, rtol=1e-5)
+    assert inner.state_dict()["state"][0]["step"] == ref_opt.state_dict()["state"][0]["step"]
+
+
 def test_a_closed_wrapper_never_lifts_another_wrappers_guard(tmp_path):
     # A closes, B wraps the same optimizer: A's close() again, or A's guard
     # captured before (a bound step kept somewhere), leaves B's in place
