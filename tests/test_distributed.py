@@ -1513,7 +1513,12 @@ def frozen_worker(rank, tiers):
     assert [(sg.numel, sg.trainable) for sg in opt.subgroups] == \
         [(512, False), (32, False), (256, True), (8, True)]
     assert [opt.subgroups[g].trainable for g in opt._owned] == [False, True]
+    # The step's broadcast sends the updated subgroups alone (before: every
+    # subgroup, the frozen ones too, at every step).
+    sent, broadcast = [], opt._broadcast_tensor
+    opt._broadcast_tensor = lambda t, g: (sent.append(g), broadcast(t, g))
     train_same_batches(range(3), ((ref_opt, ref), (opt, model)))
+    assert sent == [2, 3] * 3, sent
     assert_params_match(model, ref, rank)
     opt.close()
 

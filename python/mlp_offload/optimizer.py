@@ -3061,7 +3061,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._process_group, rank)
 
     def _broadcast_params(self):
+        """Collective: each subgroup the step updated goes from its owner to
+        every rank (one with no gradient this step, frozen, was updated on
+        no rank: every rank agreed on which, _agree_before_step)."""
         for sg in self._subgroups:
+            if self._skip.get(sg.index):
+                continue
             flat = torch.cat([_layout.in_memory_order(p.detach()) for p in sg.params])
             self._broadcast_tensor(flat, sg.index)
             if self._owner(sg.index) != self._rank:
