@@ -7,6 +7,7 @@ clip_grad_norm_, mixed precision, and the errors for what is not supported.
 import copy
 import datetime
 import fcntl
+import gc
 import os
 import re
 import struct
@@ -307,6 +308,53 @@ def test_add_param_group_keeps_the_fp32_master_of_low_precision_params(tmp_path,
                                        rtol=1e-5, atol=1e-6)
             assert torch.equal(p.detach(), master[pid].detach().to(dtype))
     opt.close()
+
+
+@pytest.mark.parametrize("drop", ["close", "delete"])
+def test_grad_scaler_stepping_the_wrapped_optimizer_by_mistake_changes_nothing(
+        tmp_path, drop):
+    # scaler.step(inner) is refused before GradScaler touches the gradients
+    # (before: it unscaled them in place, then the guard refused, and the
+    # scaler.step(opt) that follows unscaled them again); the wrapped
+    # optimizer's own GradScaler handling comes back with its step.
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = wrap(inner, tmp_path)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+        scalers[0].scale(loss_of(ref, step)).backward()
+        scalers[1].scale(loss_of(model, step)).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(errors.OffloadError, match="call the wrapper's step"):
+            scalers[1].step(inner)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+        assert not hasattr(inner, "grad_scale") and not hasattr(inner, "found_inf")
+        scalers[0].step(ref_opt)
+        scalers[1].step(opt)
+        for s in scalers:
+            s.update()
+    assert_close(model, ref, rtol=1e-5)
+    # Closed or freed, the wrapper leaves the plain optimizer as it was: a
+    # GradScaler unscales its gradients before its step again.
+    assert inner._step_supports_amp_scaling
+    ref_opt.load_state_dict(ref_opt.state_dict())
+    inner.load_state_dict(opt.state_dict())
+    if drop == "close":
+        opt.close()
+    else:
+        del opt, o
+        gc.collect()
+    assert not hasattr(inner, "_step_supports_amp_scaling")
+    for m, o, s in ((ref, ref_opt, scalers[0]), (model, inner, scalers[1])):
+        o.zero_grad()
+        s.scale(loss_of(m, 3)).backward()
+        s.step(o)
+        s.update()
+    assert_close(model, ref, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["adam", "rmsprop"])

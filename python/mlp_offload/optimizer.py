@@ -177,6 +177,23 @@ def _open_wrapper(holder):
     return wrapper if wrapper is not None and not wrapper._closed else None
 
 
+# GradScaler's flag for an optimizer that unscales inside its step.
+_AMP_FLAG = "_step_supports_amp_scaling"
+_NO_ATTRIBUTE = object()
+
+
+def _restore_amp_flag(inner_ref, previous):
+    """Puts the wrapped optimizer's own GradScaler flag back (`previous`:
+    its instance attribute before wrapping, or _NO_ATTRIBUTE)."""
+    optimizer = inner_ref()
+    if optimizer is None:
+        return
+    if previous is _NO_ATTRIBUTE:
+        optimizer.__dict__.pop(_AMP_FLAG, None)
+    else:
+        setattr(optimizer, _AMP_FLAG, previous)
+
+
 def _unguard_step(optimizer, guard, previous):
     """Puts back the wrapped optimizer's step as it was before wrapping
     (`previous`: its instance attribute then, or None) where `guard`, this
@@ -588,6 +605,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         def guard(*args, **kwargs):
             if _open_wrapper(holder) is not None:
+                opt = inner_ref()
+                if opt is not None:  # what scaler.step(inner) set for its step
+                    opt.__dict__.pop("grad_scale", None)
+                    opt.__dict__.pop("found_inf", None)
                 raise OffloadError(
                     f"this {kind} is wrapped by an MLPOffloadOptimizer, which holds its "
                     f"state: call the wrapper's step(), not the wrapped optimizer's")
@@ -607,6 +628,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         setattr(guard, _STEP_GUARD, holder)
         inner.step = guard
         self._inner_step_guard = (guard, previous)
+        # scaler.step(inner), by mistake, goes straight to the guard with the
+        # gradients as they are: without the flag, GradScaler unscales them
+        # in place first, and a scaler.step(opt) after the refusal unscaled
+        # them again. Put back when this wrapper closes or is freed.
+        self._amp_flag_restore = weakref.finalize(
+            self, _restore_amp_flag, inner_ref, inner.__dict__.get(_AMP_FLAG, _NO_ATTRIBUTE))
+        setattr(inner, _AMP_FLAG, True)
 
     # ----------------------------------------------------------------- setup
 
@@ -1533,6 +1561,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         guard = getattr(self, "_inner_step_guard", None)
         if guard is not None:
             _unguard_step(self.optimizer, *guard)
+            self._amp_flag_restore()
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
