@@ -310,6 +310,36 @@ def test_add_param_group_keeps_the_fp32_master_of_low_precision_params(tmp_path,
     opt.close()
 
 
+@pytest.mark.parametrize("mode", ["mlp", "baseline"])
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                  lambda ps: torch.optim.SGD(ps, lr=1e-2),
+                                  lambda ps: torch.optim.RMSprop(ps, lr=1e-2)],
+                         ids=["adamw", "sgd", "rmsprop"])
+def test_a_graph_that_saved_the_parameters_before_the_step_refuses_backward(
+        tmp_path, mode, make):
+    # As after torch's in-place update (a GAN's generator loss built before
+    # the discriminator's step): the native kernels write the parameters
+    # through their pointers, and moved no version counter, so backward ran
+    # on the new values silently. A frozen layer's parameters keep theirs.
+    model = make_model()
+    model[2].requires_grad_(False)
+    opt = wrap(make(model.parameters()), tmp_path, mode=mode, subgroup_numel=64)
+    x = torch.randn(4, 16, requires_grad=True)
+    stale = model(x).square().sum()  # its input's gradient needs both weights
+    loss_of(model, 0).backward()
+    frozen = [p._version for p in model[2].parameters()]
+    trained = [p._version for p in model[0].parameters()]
+    opt.step()
+    assert [p._version for p in model[2].parameters()] == frozen
+    assert all(p._version > v for p, v in zip(model[0].parameters(), trained))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    opt.step()  # the wrapper's own counters moved with them: no refresh, no error
+    opt.close()
+
+
 @pytest.mark.parametrize("drop", ["close", "delete"])
 def test_grad_scaler_stepping_the_wrapped_optimizer_by_mistake_changes_nothing(
         tmp_path, drop):

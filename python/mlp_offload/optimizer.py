@@ -2908,8 +2908,23 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return inputs
 
     def _native_step(self, grad_scale, skip_nonfinite):
-        return self._engine.step(self._group_hps, self._native_inputs(),
-                                 _layout.DTYPE_NAMES[self._dtype], grad_scale, skip_nonfinite)
+        stats = None
+        try:
+            stats = self._engine.step(self._group_hps, self._native_inputs(),
+                                      _layout.DTYPE_NAMES[self._dtype], grad_scale,
+                                      skip_nonfinite)
+        finally:
+            if stats is None or not stats.get("skipped"):
+                # The kernels wrote the parameters through their pointers: no
+                # torch op moved their version counters, which autograd checks
+                # (a graph that saved them before the step must refuse to run
+                # backward, as after torch's in-place update; it ran on the
+                # new values silently). Those of the subgroups that stepped,
+                # or (a step that raised part-way) may have.
+                torch.autograd.graph.increment_version(
+                    [p for g in self._owned if not self._skip.get(g)
+                     for p in self._subgroups[g].params])
+        return stats
 
     def _offload_stale_grads(self):
         """Baseline: offloads gradients changed since backward offloaded them
