@@ -42,7 +42,7 @@ struct FaultInjectingEngine::Impl {
     ::mlp_offload::MutexLock lock(&mu);
     absl::optional<FaultSpec> hit;
     for (ActiveFault& f : faults) {
-      if (f.spec.op != request.op) continue;
+      if (f.spec.sync || f.spec.op != request.op) continue;
       if (!f.spec.path_substring.empty() &&
           request.file->path().find(f.spec.path_substring) ==
               std::string::npos) {
@@ -77,6 +77,23 @@ void FaultInjectingEngine::ClearFaults() {
 int FaultInjectingEngine::fired() const {
   ::mlp_offload::MutexLock lock(&impl_->mu);
   return impl_->fired;
+}
+
+absl::Status FaultInjectingEngine::SyncFault(const File& file) {
+  ::mlp_offload::MutexLock lock(&impl_->mu);
+  for (Impl::ActiveFault& f : impl_->faults) {
+    if (!f.spec.sync || f.spec.kind != FaultSpec::Kind::kError) continue;
+    if (!f.spec.path_substring.empty() &&
+        file.path().find(f.spec.path_substring) == std::string::npos) {
+      continue;
+    }
+    const int index = f.seen++;
+    if (f.spec.nth < 0 || f.spec.nth == index) {
+      ++impl_->fired;
+      return ErrnoStatus(f.spec.error, "fdatasync (injected)", file.path());
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string FaultInjectingEngine::name() const {

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "io/io_engine.h"
 
@@ -30,6 +31,9 @@ struct FaultSpec {
   int error = 5;               // errno for kError (EIO)
   std::string path_substring;  // only requests whose path contains this
   absl::Duration delay = absl::ZeroDuration();  // for kDelay
+  // A fault of a caller's fdatasync of a file (SyncFault), not of a
+  // request (`op` is ignored); kError only.
+  bool sync = false;
 };
 
 class FaultInjectingEngine : public IoEngine {
@@ -41,6 +45,11 @@ class FaultInjectingEngine : public IoEngine {
   void ClearFaults();
   // Number of faults fired so far.
   int fired() const;
+  // For a caller about to fdatasync `file`: the injected error of a sync
+  // fault that hits it, else OK. Nothing is synced when it fails: as on
+  // Linux after a writeback error, the file's next fdatasync succeeds
+  // although what was written before it may not have reached the disk.
+  absl::Status SyncFault(const File& file);
   // IoEngine:
   std::string name() const override;
   void Submit(const IoRequest& request, IoCallback done) override;

@@ -101,6 +101,25 @@ TEST_P(FaultInjectionTest, EveryMatchingRequestAndPathFilter) {
   EXPECT_TRUE(engine.Submit(Req(IoOp::kRead, 0, 4096)).Wait().ok());
 }
 
+TEST_P(FaultInjectionTest, ASyncFaultHitsTheNthSyncOfItsFileOnly) {
+  FaultInjectingEngine engine(Inner());
+  FaultSpec fault;
+  fault.sync = true;
+  fault.nth = 1;
+  fault.path_substring = "fault";
+  engine.AddFault(fault);
+  // Requests pass: a sync fault is not a request's.
+  EXPECT_TRUE(engine.Submit(Req(IoOp::kWrite, 0, 4096)).Wait().ok());
+  EXPECT_TRUE(engine.SyncFault(*file_).ok());
+  absl::Status second = engine.SyncFault(*file_);
+  EXPECT_EQ(second.code(), absl::ErrnoToStatusCode(EIO)) << second;
+  EXPECT_NE(second.message().find("fdatasync (injected)"), std::string::npos)
+      << second;
+  EXPECT_NE(second.message().find(path_), std::string::npos) << second;
+  EXPECT_TRUE(engine.SyncFault(*file_).ok());
+  EXPECT_EQ(engine.fired(), 1);
+}
+
 TEST_P(FaultInjectionTest, ShortTransferIsNeverASilentShortRead) {
   FaultInjectingEngine engine(Inner());
   ASSERT_TRUE(engine.Submit(Req(IoOp::kWrite, 0, kSize)).Wait().ok());

@@ -387,6 +387,12 @@ absl::StatusOr<TierCommitFiles> ReadTierCommitFiles(const std::string& dir,
   const std::string cpath = dir + "/COMMIT";
   absl::StatusOr<std::string> bytes = ReadSmallFile(cpath);
   if (!bytes.ok()) {
+    if (bytes.status().code() != absl::StatusCode::kNotFound) {
+      // An I/O error (EIO, EACCES...) keeps its code: the record may be
+      // there, and "no committed step" would let a resume start afresh.
+      return Annotate(bytes.status(),
+                      absl::StrCat("reading the commit record of ", dir));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "no committed step on ", dir, " (", bytes.status().message(), ")"));
   }
@@ -574,7 +580,12 @@ struct Engine::Impl {
   std::vector<uint64_t> disk_checksum;
   // A cached record replaced outside a step (WriteSubgroup, a checkpoint
   // load) whose step may equal disk_step.
-  std::vector<bool> rewritten;   // under mu, as the vectors above
+  std::vector<bool> rewritten;  // under mu, as the vectors above
+  // The fdatasync of its state file failed since its latest record was
+  // written: that record may not be on the disk, though the next fdatasync
+  // would succeed (Linux reports a writeback error once). It is written
+  // again before a commit names it.
+  std::vector<bool> sync_lost;   // under mu
   std::vector<int64_t> sg_step;  // updates applied (latest version)
   std::vector<bool> initialized;
   std::vector<bool> grad_nonfinite;  // baseline: seen at offload time
@@ -923,6 +934,7 @@ struct Engine::Impl {
     disk_step[i] = sg_step[i];
     disk_checksum[i] = buffers[b].write_checksum;
     rewritten[i] = false;
+    sync_lost[i] = false;  // the whole record written again since
     buffers[b].write_slot = -1;
   }
 
@@ -1366,6 +1378,28 @@ struct Engine::Impl {
   }
 
   absl::Status WriteCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Makes subgroup i's latest record (on disk) durable: fdatasync of its
+  // state file, after writing the record again where an earlier fdatasync
+  // failed (sync_lost). A failure marks it sync_lost.
+  absl::Status SyncStateFile(int i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (sync_lost[i]) {
+      bool claimed = false;
+      MLP_ASSIGN_OR_RETURN(const int b, Resident(i, &claimed));
+      absl::Status written = WriteNow(i, b);
+      if (claimed) Free(b);
+      MLP_RETURN_IF_ERROR(Annotate(
+          written, absl::StrCat("writing subgroup ", i,
+                                " again after its state file's fdatasync "
+                                "failed")));
+    }
+    absl::Status s = absl::OkStatus();
+    if (FaultInjectingEngine* f = tiers[plan.tier_of_subgroup[i]].faults) {
+      s = f->SyncFault(*state_files[i]);
+    }
+    if (s.ok()) s = state_files[i]->Sync();
+    if (!s.ok()) sync_lost[i] = true;
+    return s;
+  }
   // FailedPrecondition unless commit `id` would be newer than the last one.
   absl::Status CheckNewerThanCommitted(const CommitId& id) const;
   // Writes every cached record whose latest version is not on disk (it
@@ -1505,7 +1539,7 @@ absl::Status Engine::Impl::WriteCommit() {
           " (rewritten by a load) was held in memory only and is lost; no "
           "commit record written"));
     }
-    MLP_RETURN_IF_ERROR(state_files[i]->Sync());
+    MLP_RETURN_IF_ERROR(SyncStateFile(i));
   }
   // A state file deleted or replaced under the run (a tier wiped) still
   // takes writes through its descriptor, on a file that no path shows: a
@@ -1939,6 +1973,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   e.disk_step.assign(n, 0);
   e.disk_checksum.assign(n, 0);
   e.rewritten.assign(n, false);
+  e.sync_lost.assign(n, false);
   e.sg_step.assign(n, 0);
   e.initialized.assign(n, false);
   e.grad_nonfinite.assign(n, false);
@@ -2372,6 +2407,14 @@ absl::Status Engine::BeginStep(const std::vector<bool>& skip) {
     // Refused before anything changes: the step's commit would be refused.
     MLP_RETURN_IF_ERROR(Annotate(
         e.CheckNewerThanCommitted({e.epoch, e.steps_done + 1}), "BeginStep"));
+  }
+  if (!e.step_failed) {
+    // A commit that failed after its step (a full tier, a failed fsync) is
+    // written before this step overwrites the slots it names: a failure
+    // after its COMMIT was renamed into place leaves that record on disk,
+    // naming the slots the step would write (the last whole commit's are
+    // the others). Refused, changing nothing, if it fails again.
+    MLP_RETURN_IF_ERROR(RetryCommit());
   }
   MutexLock l(&e.mu);
   // The baseline's gradient writes must have landed before they are read.

@@ -1404,6 +1404,59 @@ std::string CommitBlocker(const EngineConfig& cfg, int tier) {
   return absl::StrCat(RunDir(cfg, tier), "/COMMIT.tmp.", getpid());
 }
 
+// A state file's fdatasync fails during a commit (EIO from a writeback):
+// Linux reports that once, and the next fdatasync succeeds although the
+// record may never have reached the disk. The retried commit writes the
+// record again before it names it (before: it synced, saw success, and
+// named the slot).
+TEST(EngineTest, ARecordWhoseFsyncFailedIsWrittenAgainBeforeACommitNamesIt) {
+  Model model({1000, 2000, 3000, 1500}, 31);
+  EngineConfig cfg = CommitEveryStep("sync_lost");
+  cfg.fault_injection = true;
+  Snapshot at2;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    Engine& e = **engine;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(e, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(e, model, 1, 1));
+    const int t = e.plan().tier_of_subgroup[0];
+    FaultSpec sync;
+    sync.sync = true;
+    sync.path_substring = "/sg_0.state";
+    e.fault_injector(t)->AddFault(sync);
+    model.NewGrads(2);
+    auto r = e.Step(AdamWInputs(model), StepOptions());
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("fdatasync (injected)"),
+              std::string::npos)
+        << r.status();
+    EXPECT_NE(r.status().message().find("sg_0.state"), std::string::npos)
+        << r.status();
+    EXPECT_EQ(e.committed_step(), 1);
+    EXPECT_EQ(e.step(), 2);
+    // Counts the writes of subgroup 0's record from here.
+    FaultSpec count;
+    count.kind = FaultSpec::Kind::kDelay;
+    count.op = IoOp::kWrite;
+    count.nth = -1;
+    count.path_substring = "/sg_0.state";
+    e.fault_injector(t)->AddFault(count);
+    const int before = e.fault_injector(t)->fired();
+    ASSERT_TRUE(e.RetryCommit().ok());
+    EXPECT_EQ(e.committed_step(), 2);
+    EXPECT_EQ(e.fault_injector(t)->fired(), before + 1);
+    // Once written and synced, the next commit does not write it again.
+    e.fault_injector(t)->ClearFaults();
+    at2 = Take(e, cfg.subgroup_numel);
+  }
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->step(), 2);
+  EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
+}
+
 TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
   // Step 3 is committed; a load of step 2's checkpoint, a new epoch, and
   // another step 3: commit (epoch 1, step 3). A crash between the tiers'
@@ -1530,9 +1583,11 @@ TEST(EngineTest, ARecordRewrittenAtItsCommitsStepCountIsNeverResumed) {
 }
 
 TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
-  // Step 3's commit reaches tier 0 only, and so does step 4's (not retried
-  // in between). Tier 0 must still hold step 2's commit, the last one on
-  // every tier: its COMMIT.prev is not replaced by the failed attempt's.
+  // Step 3's commit reaches tier 0 only; step 4 first retries it, which
+  // fails again, so step 4 is refused before it writes anything (before, it
+  // ran, and its commit reached tier 0 too). Tier 0 must still hold step
+  // 2's commit, the last one on every tier: its COMMIT.prev is not replaced
+  // by a failed attempt's.
   Model model({1000, 2000, 3000, 1500}, 25);
   EngineConfig cfg = CommitEveryStep("partial_commit");
   Snapshot at2;
@@ -1552,13 +1607,19 @@ TEST(EngineTest, ACommitThatReachedSomeTiersIsReplacedNotStacked) {
       ASSERT_FALSE(r.ok()) << "step " << step;
       EXPECT_NE(r.status().message().find("COMMIT.tmp"), std::string::npos)
           << r.status();
+      if (step == 4) {
+        EXPECT_NE(r.status().message().find("commit of step 3"),
+                  std::string::npos)
+            << r.status();
+      }
       EXPECT_EQ(e.committed_step(), 2);
+      EXPECT_EQ(e.step(), 3);
     }
     absl::StatusOr<std::string> on0 = ReadSmallFile(RunDir(cfg, 0) + "/COMMIT");
     ASSERT_TRUE(on0.ok());
     auto record = ParseCommitRecord(*on0, "COMMIT");
     ASSERT_TRUE(record.ok()) << record.status();
-    EXPECT_EQ(record->id, (CommitId{0, 4}));
+    EXPECT_EQ(record->id, (CommitId{0, 3}));
     ASSERT_EQ(rmdir(blocker.c_str()), 0);
   }
   cfg.resume = true;
@@ -1913,6 +1974,18 @@ TEST(EngineTest, KeptCommitsAreReadWithoutOpeningTheRun) {
   kept = ReadKeptCommits(dirs);
   EXPECT_EQ(kept.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(kept.status().message().find("no committed step on " + dirs[1]),
+            std::string::npos)
+      << kept.status();
+  // One that cannot be read (here a directory in its place: EISDIR, as an
+  // I/O error would be) is not "no committed step", which would let a
+  // resume start afresh over it: the read's error, naming the file.
+  ASSERT_EQ(mkdir((dirs[1] + "/COMMIT").c_str(), 0700), 0);
+  kept = ReadKeptCommits(dirs);
+  EXPECT_FALSE(kept.ok());
+  EXPECT_EQ(kept.status().message().find("no committed step"),
+            std::string::npos)
+      << kept.status();
+  EXPECT_NE(kept.status().message().find(dirs[1] + "/COMMIT"),
             std::string::npos)
       << kept.status();
 }
