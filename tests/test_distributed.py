@@ -982,8 +982,9 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     """torch refuses a group on rank 0 only (a parameter already in a
     group) in a committed run: every rank goes back to its groups and
     commits them in a new epoch, rank 0 with the engine it kept, so that a
-    crash then resumes one commit on both ranks. If rank 0's commit fails,
-    rank 1 keeps the directory of the commit before (both hold that one)
+    crash then resumes one commit on both ranks (rank 1 in the directory
+    of the commit before, as COMMIT.prev there). If rank 0's commit fails,
+    rank 1 keeps that commit's slots and the refused re-packing's directory
     until the next add_param_group has written rank 0's commit again."""
     model = make_model()
     wrap = functools.partial(MLPOffloadOptimizer, tiers=tiers, subgroup_numel=200,
@@ -1009,10 +1010,11 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
     want_commit = (0, 2) if kept_commit_fails and rank == 0 else (2, 2)
     assert (opt.engine.committed_epoch, opt.engine.committed_step) == want_commit
     run_dirs = [sorted(d for d in os.listdir(t) if d.startswith(f"grp.r{rank}")) for t in tiers]
+    # Rank 1 restored its groups into the directory of its last commit
+    # (resumed, then committed over); that of the refused re-packing stays
+    # until every rank has committed the restored state.
     want_dirs = [f"grp.r{rank}"] + ([f"grp.r{rank}.alt"] if kept_commit_fails and rank == 1
                                     else [])
-    if rank == 1 and not kept_commit_fails:
-        want_dirs = [f"grp.r{rank}.alt"]
     assert run_dirs == [want_dirs] * len(tiers), (rank, run_dirs)
     want = [p.detach().clone() for p in model.parameters()]
     if kept_commit_fails:
@@ -1032,8 +1034,9 @@ def refused_group_worker(rank, tiers, kept_commit_fails):
         def settle_then_check(self):
             assert (self.engine.committed_epoch, self.engine.committed_step) == (2, 2)
             settle(self)
-            assert [os.path.isdir(os.path.join(t, f"grp.r{rank}")) for t in tiers] == \
-                [rank == 0] * len(tiers)
+            assert all(os.path.isdir(os.path.join(t, f"grp.r{rank}")) for t in tiers)
+            assert not any(os.path.exists(os.path.join(t, f"grp.r{rank}.alt"))
+                           for t in tiers)
 
         with mock.patch.object(MLPOffloadOptimizer, "_write_pystate", crash_repacked), \
                 mock.patch.object(MLPOffloadOptimizer, "_settle_run_dir", settle_then_check), \
@@ -1129,8 +1132,11 @@ def kept_commit_retry_worker(rank, tiers, after):
     elif after == "load":
         opt.load_checkpoint(ckpt)  # rank 1's commit lands first
     if after != "fails":
-        # Rank 2 dropped the directory of (0, 3) once rank 1 committed.
-        assert any(os.path.isdir(d) for d in old_dir) == (rank < 2), rank
+        # Rank 2 restored its groups into the directory of (0, 3) (resumed,
+        # then committed over), and dropped that of the refused re-packing
+        # once rank 1 committed.
+        assert all(os.path.isdir(d) for d in old_dir), rank
+        assert not any(os.path.exists(d + ".alt") for d in old_dir), rank
         want_step, want = 4, at_add
     opt.close()  # as a crash (after step 5, which committed nothing)
     again = wrap(OPTIMIZERS["adamw"](model.parameters()), resume="require")

@@ -1359,13 +1359,58 @@ def test_a_newer_commit_of_other_groups_at_a_lower_step_is_never_passed_over(
     again.close()
 
 
+@pytest.mark.parametrize("commit_every", [1, 100])
+def test_add_param_group_where_the_tiers_hold_no_second_copy_keeps_the_state(
+        tmp_path, monkeypatch, commit_every):
+    # The re-packed state goes to the run's other directory, beside the last
+    # commit: where the tiers cannot hold both (injected: the planner refuses
+    # every new engine), add_param_group fails, and the old groups go back
+    # into the directory of the last commit, resumed and then overwritten
+    # with the state held (before: they went to the other directory too,
+    # which failed alike, and the optimizer refused everything: every step
+    # since the last commit was lost). The restored state is committed.
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=commit_every)
+    at3, at3_params = opt.state_dict(), params_of(model)
+    assert opt.engine.committed_step == (3 if commit_every == 1 else 0)
+    real = MLPOffloadOptimizer._new_engine
+
+    def no_room(self, budget, numel, resume, **kwargs):
+        if not resume:
+            raise errors.TierFullError("plan: the tiers hold too little (injected)")
+        return real(self, budget, numel, resume, **kwargs)
+
+    monkeypatch.setattr(MLPOffloadOptimizer, "_new_engine", no_room)
+    with pytest.raises(errors.TierFullError, match="injected"):
+        opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
+    monkeypatch.undo()
+    assert len(opt.param_groups) == 1
+    assert_same_state(opt.state_dict()["state"], at3["state"])
+    assert_equal(params_of(model), at3_params, "restored")
+    assert opt.engine.committed_step == 3  # the restored state's commit
+    model.zero_grad(set_to_none=True)
+    backward(model, 3)
+    opt.step()
+    at4, at4_sd = params_of(model), opt.state_dict()
+    opt.close()
+    again = groups_wrap(model, tiers, False, run_name="r", commit_every=commit_every,
+                        resume="require")
+    assert again.resumed_step == (4 if commit_every == 1 else 3)
+    if commit_every == 1:
+        assert_equal(params_of(model), at4, "resumed")
+        assert_same_state(again.state_dict()["state"], at4_sd["state"])
+    again.close()
+
+
 def test_a_crash_in_add_param_group_after_a_failed_one_resumes_the_newest_commit(
         tmp_path, monkeypatch):
-    # add_param_group fails and so does restoring the old groups, leaving
-    # the engine in the run's other directory; a load and a step commit
-    # there. The next add_param_group must not take that directory for the
-    # re-packed state: a crash during it resumes the step after the load
-    # (before, it resumed the commit from before the first add).
+    # add_param_group fails and so does restoring the old groups (their
+    # state cannot be written back), leaving an engine without state; a load
+    # and a step commit. The next add_param_group must not take the
+    # directory of that commit for the re-packed state: a crash during it
+    # resumes the step after the load (before, it resumed the commit from
+    # before the first add).
     tiers = tier_dirs(tmp_path)
     model = make_model()
     opt = train_then_add_group(model, tiers, 3, 0, run_name="r", commit_every=1)
@@ -1374,7 +1419,7 @@ def test_a_crash_in_add_param_group_after_a_failed_one_resumes_the_newest_commit
     def full(*args, **kwargs):
         raise errors.TierFullError("tier full (injected)")
 
-    monkeypatch.setattr(MLPOffloadOptimizer, "_write_pystate", full)
+    monkeypatch.setattr(MLPOffloadOptimizer, "_write_states", full)
     with pytest.raises(errors.OffloadError, match="so did restoring.*last commit is intact"):
         opt.add_param_group({"params": list(model.parameters())[4:], "lr": 5e-3})
     monkeypatch.undo()

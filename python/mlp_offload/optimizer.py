@@ -696,9 +696,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     out[pid] = _copy_state(state[p])
         return out
 
-    def _build(self, rebuild=False):
+    def _build(self, rebuild=False, restore_from=None):
         """Packs the parameters and creates the engine for this rank's shard
-        (rebuild: for add_param_group, see _create_engine)."""
+        (rebuild, restore_from: for add_param_group, see _create_engine)."""
         groups = self.param_groups
         params = [p for g in groups for p in g["params"]]
         dtypes = {p.dtype for p in params}
@@ -804,14 +804,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # step, during backward (the hooks) and inside step() (gradients
         # changed since backward).
         self._grad_offload_time = {"backward": 0.0, "step": 0.0}
-        self._create_engine(rebuild)
+        self._create_engine(rebuild, restore_from)
         if self._staging is not None:
             self._staging.close()
         self._staging = _cuda_path.DeviceStaging(self) \
             if _cuda_path.wanted(self._device) else None
         self._install_grad_hooks()
 
-    def _create_engine(self, rebuild=False):
+    def _create_engine(self, rebuild=False, restore_from=None):
         if self._finalizer is not None:
             self._finalizer()
         self._engine = None
@@ -846,7 +846,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            self._techniques, len(self._tiers))
         self._generation += 1
         engine = None
-        if self._persistent and rebuild:
+        if self._persistent and rebuild and restore_from is not None:
+            engine = self._reopen_commit_dir(budget, numel, restore_from)
+        if engine is not None:
+            pass
+        elif self._persistent and rebuild:
             # The re-packed state goes into the run directory that does not
             # hold the run's last commit: that one stays until every rank
             # has committed the new state (_settle_run_dir), so a crash
@@ -873,6 +877,32 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            [] if self._persistent else run_dirs, self._pid)
         _log.info("MLP-Offload engine: %d subgroups on rank %d/%d, %s",
                   len(numel), self._rank, self._world, self._engine.plan.techniques_name)
+
+    def _reopen_commit_dir(self, budget, numel, key):
+        """add_param_group's restore of the groups it had: an engine that
+        resumes commit `key` (commit_key; of those groups' packing) in the
+        run directory holding it, else None (no such commit there, or of
+        another packing). Its state is then written over it and committed
+        (_rebuild): the commit's slots stay until then, so a crash resumes
+        it, and no room for a second copy is needed (the restore in the other
+        directory failed for that where the tiers could not hold two: every
+        step since the last commit was lost, the optimizer unusable)."""
+        if key is None or key < 0 or self._commit_dir is None \
+                or not self._has_commit(self._commit_dir):
+            return None
+        epoch, step = _recovery.split_commit_key(key)
+        self._run_name = self._commit_dir
+        try:
+            engine = self._new_engine(budget, numel, resume=True, resume_epoch=epoch,
+                                      resume_step=step)
+        except (StateMismatchError, CorruptStateError) as e:
+            _log.warning("run %r: the commit in %s cannot take back the parameter groups "
+                         "(%s); they go to the run's other directory", self._run_prefix,
+                         self._commit_dir, e)
+            return None
+        engine.set_epoch(self._epoch)
+        self._placement_for = self._placement_settings()
+        return engine
 
     def _sweep_dead_private_runs(self, boot):
         """Removes what private runs of this run name on this kernel (boot
@@ -1689,7 +1719,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 with self._together("restore its parameter groups"):
                     self._next_epoch()
                     if rebuilt:
-                        self._rebuild(held)
+                        # Committed below: the groups and state are back even
+                        # where their commit cannot be written now (a full
+                        # tier), which the next step retries first.
+                        self._rebuild(held, restore_from=repacked_from, commit=False)
             except BaseException as again:
                 # No state to step from: step() and saves refuse until a load
                 # (an interrupt of the restore too).
@@ -1704,13 +1737,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"{again}); load a checkpoint or state dict"
                     f"{self._last_commit_note()}") from exc
             kept = {"steps": held.steps, "pystate": None, "landed": True, "rebuilt": rebuilt}
-            if any_rebuilt and not rebuilt:
+            if any_rebuilt:
                 try:
                     self._commit_kept_engine(kept)
                 except Exception as e:  # noqa: BLE001 - retried by the next step
-                    _log.warning("add_param_group: rank %d could not commit its unchanged "
-                                 "state in the new epoch (%s); the next step retries it "
-                                 "first", self._rank, e)
+                    _log.warning("add_param_group: rank %d could not commit its %s state "
+                                 "in the new epoch (%s); the next step retries it first",
+                                 self._rank, "restored" if rebuilt else "unchanged", e)
                     kept["landed"] = False
             landed = kept["landed"] if self._process_group is None \
                 else not self._any_rank(not kept["landed"])
@@ -1736,9 +1769,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 f"restart with resume='auto' resumes it)")
 
     def _commit_kept_engine(self, kept):
-        """add_param_group refused on this rank only: the other ranks rebuilt
-        their engines and committed their restored state in the new epoch;
-        this rank commits its unchanged state in it too, so that every rank
+        """After a refused add_param_group, the commit of the groups it had,
+        in the new epoch: of the state this rank restored (kept["rebuilt"]),
+        or (refused on this rank only, the other ranks rebuilt their
+        engines) of its unchanged state, so that every rank
         holds that commit, of kept["steps"] steps (raises if it cannot: see
         _retry_kept_commit). Its Python-side state is taken once, into
         kept["pystate"]: a retry writes the same (the other ranks' files of
@@ -1889,14 +1923,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                   "engine is rebuilt", what, need, best)
         return _layout.HostArena(numel, best)
 
-    def _rebuild(self, held, repacked_from=None):
+    def _rebuild(self, held, repacked_from=None, restore_from=None, commit=True):
         """Packs the groups and creates the engine again, then writes the
         state `held` (_hold_state's; its state None: not initialised) back. A
         persistent run commits it at once, in a new epoch (the step count
         may be one that the run committed already): the new engine is in
         the run's other directory, whose commit replaces the last one once
         every rank has made it (_settle_run_dir)."""
-        self._build(rebuild=True)  # the new engine takes self._epoch
+        self._build(rebuild=True, restore_from=restore_from)  # takes self._epoch
         saved, masters, steps, lean = held
         if saved is None:
             return
@@ -1906,7 +1940,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._engine.set_step(steps)
         self._write_states(saved, masters, lean=lean)  # every subgroup of this rank
         self._initialized = True
-        if self._engine is not None:
+        if self._engine is not None and commit:
             if self._commit_every > 0:
                 self._write_pystate(steps, repacked_from=repacked_from)
                 self._engine.commit()
@@ -2268,7 +2302,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "gradients contain NaN or Inf: the step was skipped and nothing was "
                 "updated (use a GradScaler, or nonfinite='skip'/'ignore')")
         if not skipped and self._process_group is not None:
-            self._broadcast_params()
+            self._broadcast_params(stepped=True)
             if not shared:
                 self._share_step_values()
         if not skipped and self._family is not None:
@@ -3104,12 +3138,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         return rank if self._process_group is dist.group.WORLD else dist.get_global_rank(
             self._process_group, rank)
 
-    def _broadcast_params(self):
-        """Collective: each subgroup the step updated goes from its owner to
-        every rank (one with no gradient this step, frozen, was updated on
-        no rank: every rank agreed on which, _agree_before_step)."""
+    def _broadcast_params(self, stepped=False):
+        """Collective: each subgroup's parameters go from its owner to every
+        rank; `stepped` (after a step): those the step updated only (one
+        with no gradient this step, frozen, was updated on no rank: every
+        rank agreed on which, _agree_before_step)."""
         for sg in self._subgroups:
-            if self._skip.get(sg.index):
+            if stepped and self._skip.get(sg.index):
                 continue
             flat = torch.cat([_layout.in_memory_order(p.detach()) for p in sg.params])
             self._broadcast_tensor(flat, sg.index)
