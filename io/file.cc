@@ -75,6 +75,35 @@ absl::Status ProbeDirect(int fd, const std::string& path, bool read_only) {
   return probe;
 }
 
+// OK if `fd` (opened with O_NONBLOCK) is a regular file, which then goes
+// back to blocking transfers; else closes it: a FIFO, a device or a
+// directory planted where a file of the run belongs would block a read
+// forever or fail it oddly (DataLoss, naming the path and what it is).
+absl::Status RequireRegular(int fd, const std::string& path) {
+  struct stat st;
+  if (fstat(fd, &st) < 0) {
+    const int saved = errno;
+    close(fd);
+    return ErrnoStatus(saved, "fstat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "a device";
+    return absl::DataLossError(
+        absl::StrCat(path, " is ", kind, ", not a regular file"));
+  }
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0) {
+    const int saved = errno;
+    close(fd);
+    return ErrnoStatus(saved, "fcntl(F_SETFL, ~O_NONBLOCK)", path);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 File::File(int fd, std::string path, bool direct, std::string reason)
@@ -90,7 +119,9 @@ File::~File() {
 
 absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
                                                  const FileOptions& options) {
-  int flags = O_CLOEXEC | (options.read_only ? O_RDONLY : O_RDWR);
+  // O_NONBLOCK: opening a FIFO for reading would wait for a writer
+  // (RequireRegular refuses it, and makes transfers blocking again).
+  int flags = O_CLOEXEC | O_NONBLOCK | (options.read_only ? O_RDONLY : O_RDWR);
   if (options.create) flags |= O_CREAT;
   if (options.truncate) flags |= O_TRUNC;
   if (options.no_follow) flags |= O_NOFOLLOW;
@@ -103,6 +134,7 @@ absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
       fd = open(path.c_str(), flags | O_DIRECT, 0600);
     } while (fd < 0 && errno == EINTR);
     if (fd >= 0) {
+      MLP_RETURN_IF_ERROR(RequireRegular(fd, path));
       absl::Status probe = ProbeDirect(fd, path, options.read_only);
       if (probe.ok()) {
         direct = true;
@@ -144,6 +176,7 @@ absl::StatusOr<std::unique_ptr<File>> File::Open(const std::string& path,
       }
       return ErrnoStatus(saved, "open", path);
     }
+    MLP_RETURN_IF_ERROR(RequireRegular(fd, path));
   }
   std::unique_ptr<File> file(new File(fd, path, direct, std::move(reason)));
   if (options.preallocate_bytes > 0) {

@@ -1,6 +1,7 @@
 #include "io/file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -156,6 +157,39 @@ TEST(FileTest, MissingFileIsNotFoundNamingThePath) {
   EXPECT_EQ(file.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(file.status().message().find(path), std::string::npos);
   EXPECT_NE(file.status().message().find("open"), std::string::npos);
+}
+
+// A FIFO, a directory planted where a file belongs: refused at once,
+// naming the path and what it is (a FIFO opened for reading waited for a
+// writer, and its reads blocked a tier's I/O forever).
+TEST(FileTest, RefusesWhatIsNotARegularFile) {
+  const std::string fifo = ScratchPath("fifo");
+  const std::string dir = ScratchPath("dir");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(mkdir(dir.c_str(), 0700), 0);
+  for (bool read_only : {true, false}) {
+    for (bool direct : {true, false}) {
+      FileOptions options;
+      options.read_only = read_only;
+      options.try_direct = direct;
+      absl::StatusOr<std::unique_ptr<File>> file = File::Open(fifo, options);
+      EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss)
+          << file.status();
+      EXPECT_NE(
+          file.status().message().find(fifo + " is a FIFO, not a regular file"),
+          std::string::npos)
+          << file.status();
+      options.read_only = true;  // a directory opens for reading only
+      file = File::Open(dir, options);
+      EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss)
+          << file.status();
+      EXPECT_NE(file.status().message().find(dir + " is a directory"),
+                std::string::npos)
+          << file.status();
+    }
+  }
+  unlink(fifo.c_str());
+  rmdir(dir.c_str());
 }
 
 TEST(FileTest, RefusesSymlink) {

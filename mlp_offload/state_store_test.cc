@@ -189,6 +189,19 @@ TEST(StateStoreTest, AtomicWriteReplacesWholeFile) {
   EXPECT_NE(s.message().find("/no/such/dir/f"), std::string::npos);
 }
 
+TEST(StateStoreTest, ReadSmallFileRefusesAFifoWithoutWaiting) {
+  // A FIFO where COMMIT.prev or a MANIFEST belongs: the open waited for a
+  // writer forever.
+  const std::string path = TestDir("small_fifo") + "/COMMIT.prev";
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0);
+  absl::StatusOr<std::string> read = ReadSmallFile(path);
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
+  EXPECT_NE(read.status().message().find(path + " is not a regular file"),
+            std::string::npos)
+      << read.status();
+  unlink(path.c_str());
+}
+
 TEST(StateStoreTest, AtomicWriteOfABareNameSyncsTheCurrentDirectory) {
   const std::string dir = TestDir("bare_name");
   char cwd[PATH_MAX];

@@ -1359,6 +1359,49 @@ def test_a_newer_commit_of_other_groups_at_a_lower_step_is_never_passed_over(
     again.close()
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("name", ["sg_0.state", "pystate", "COMMIT.prev"])
+def test_a_run_file_replaced_by_what_is_not_a_file_is_named_at_resume(tmp_path, name, kind):
+    # A FIFO in a run file's place hung the resume for good (the open or
+    # the tier's reads waited for a writer; Ctrl-C did not stop it); a
+    # directory in the Python-side state's place was an untyped
+    # IsADirectoryError naming a file descriptor. Now a CorruptStateError
+    # naming the file, at once; a damaged COMMIT.prev holds nothing a resume
+    # needs, and the next commit replaces it.
+    tiers = tier_dirs(tmp_path)
+    model = make_model()
+    opt = wrap(model, tiers, run_name="r", commit_every=1)
+    for k in range(2):
+        model.zero_grad(set_to_none=True)
+        backward(model, k)
+        opt.step()
+    opt.close()
+    run = os.path.join(tiers[0], "r.r0")
+    if name == "pystate":
+        name = max(f for f in os.listdir(run) if f.startswith("pystate-"))
+    path = os.path.join(run, name)
+    os.remove(path)
+    os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
+    if name == "COMMIT.prev":
+        again = wrap(model, tiers, run_name="r", commit_every=1, resume="require")
+        assert again.resumed_step == 2
+        model.zero_grad(set_to_none=True)
+        backward(model, 2)
+        if kind == "fifo":  # replaced by the commit's rename
+            again.step()
+            assert again.engine.committed_step == 3 and os.path.isfile(path)
+        else:  # no rename replaces a directory: the commit names it
+            with pytest.raises(errors.CorruptStateError,
+                               match=re.escape(path) + ": Is a directory"):
+                again.step()
+            assert again.engine.committed_step == 2
+        again.close()
+        return
+    with pytest.raises(errors.CorruptStateError, match=re.escape(path) + "(: Is a directory| "
+                       "is (a FIFO|not a regular file))"):
+        wrap(model, tiers, run_name="r", commit_every=1, resume="auto")
+
+
 @pytest.mark.parametrize("commit_every", [1, 100])
 def test_add_param_group_where_the_tiers_hold_no_second_copy_keeps_the_state(
         tmp_path, monkeypatch, commit_every):

@@ -38,7 +38,8 @@ namespace mlp_offload {
 
 // An absl::Status for `errno_value` that names the failed operation and the
 // object it acted on, e.g. "pwrite /nvme/run/sg3.bin at offset 4096: No space
-// left on device". The code follows absl::ErrnoToStatus's mapping.
+// left on device". The code follows absl::ErrnoToStatus's mapping, but for
+// ENOTDIR (NotFound) and EISDIR (DataLoss: a directory where a file belongs).
 absl::Status ErrnoStatus(int errno_value, absl::string_view operation,
                          absl::string_view object);
 

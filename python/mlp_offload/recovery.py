@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 
@@ -337,7 +338,6 @@ def _regular_file(path, name, d):
 
 
 def _is_regular(st):
-    import stat
     return stat.S_ISREG(st.st_mode)
 
 
@@ -486,14 +486,22 @@ def read_pystate(run_dir, key):
     path = pystate_path(run_dir, key)
     what = f"the commit of {describe_commit(key)}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted there would block the open for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CorruptStateError(
             f"{path} is missing: the Python-side state (param_groups) of {what}") from None
     except OSError as e:
         raise os_error_to_tier_error(e, "opening", path) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptStateError(f"{path} is not a regular file: the Python-side state "
+                                f"of {what} is not there")
     with os.fdopen(fd, "rb") as f:
-        data = f.read()
+        try:
+            data = f.read()
+        except OSError as e:
+            raise os_error_to_tier_error(e, "reading", path) from e
     digest, payload = data[:_DIGEST_BYTES], data[_DIGEST_BYTES + 1:]
     if len(data) <= _DIGEST_BYTES or data[_DIGEST_BYTES:_DIGEST_BYTES + 1] != b"\n" \
             or hashlib.sha256(payload).hexdigest().encode() != digest:
