@@ -1369,13 +1369,8 @@ def test_a_run_file_replaced_by_what_is_not_a_file_is_named_at_resume(tmp_path, 
     # naming the file, at once; a damaged COMMIT.prev holds nothing a resume
     # needs, and the next commit replaces it.
     tiers = tier_dirs(tmp_path)
-    model = make_model()
-    opt = wrap(model, tiers, run_name="r", commit_every=1)
-    for k in range(2):
-        model.zero_grad(set_to_none=True)
-        backward(model, k)
-        opt.step()
-    opt.close()
+    committed_run(tiers, 2)
+    model = make_model()  # the run's model, made again
     run = os.path.join(tiers[0], "r.r0")
     if name == "pystate":
         name = max(f for f in os.listdir(run) if f.startswith("pystate-"))
@@ -1504,13 +1499,8 @@ def test_a_run_directory_planted_as_a_symlink_is_unlinked_not_followed(tmp_path,
     # junk would block the resume), and clearing it removes the link, never
     # the commit records of the directory it names.
     tiers = tier_dirs(tmp_path, 1)
-    model = make_model()
-    opt = wrap(model, tiers, run_name="r", commit_every=1)
-    for k in range(2):
-        model.zero_grad(set_to_none=True)
-        backward(model, k)
-        opt.step()
-    opt.close()
+    committed_run(tiers, 2)
+    model = make_model()  # the run's model, made again
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     for name in ("COMMIT", "COMMIT.prev", "MANIFEST"):
