@@ -618,14 +618,40 @@ HeldLockProbe StepWithAHeldLock(TierLockMode mode,
   return probe;
 }
 
+// One tier, four subgroups, room for three records and no cache reuse:
+// records are read during the step.
+EngineConfig ThreeBufferConfig() {
+  EngineConfig cfg = SmallConfig(1);
+  cfg.techniques.cache_reuse = false;
+  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  return cfg;
+}
+
+// Every record of an engine of ThreeBufferConfig holds `steps` steps from
+// `model`, each of which added 1 to every master value.
+void ExpectEveryRecordAt(Engine& e, const EngineConfig& cfg, const Model& model,
+                         int64_t steps) {
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
+        v(master.size());
+    int64_t step = 0;
+    ASSERT_TRUE(
+        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
+    EXPECT_EQ(step, steps) << i;
+    for (size_t k = 0; k < master.size(); ++k) {
+      float want = model.init[i][k];
+      for (int64_t s = 0; s < steps; ++s) want += 1.0f;
+      ASSERT_EQ(master[k], want) << i << " " << k;
+    }
+  }
+}
+
 // Done without the Next that hands the record out (before any, or twice
 // after one) is refused and changes nothing: it used to checksum and write a
 // buffer still being read into (or buffers[-1]), a torn record that became
 // the subgroup's latest version.
 TEST(EngineTest, DoneWithoutNextIsRefused) {
-  EngineConfig cfg = SmallConfig(1);
-  cfg.techniques.cache_reuse = false;  // records are read during the step
-  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  const EngineConfig cfg = ThreeBufferConfig();
   Model model(cfg.subgroup_numel, 9);
   std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
   ASSERT_NE(engine, nullptr);
@@ -647,17 +673,7 @@ TEST(EngineTest, DoneWithoutNextIsRefused) {
   }
   EXPECT_EQ(handed, 4);
   ASSERT_TRUE(e.EndStep().ok());
-  for (int i = 0; i < 4; ++i) {
-    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
-        v(master.size());
-    int64_t step = 0;
-    ASSERT_TRUE(
-        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
-    EXPECT_EQ(step, 1) << i;
-    for (size_t k = 0; k < master.size(); ++k) {
-      ASSERT_EQ(master[k], model.init[i][k] + 1.0f) << i << " " << k;
-    }
-  }
+  ExpectEveryRecordAt(e, cfg, model, 1);
 }
 
 // EndStep before every record was handed out fails the step as AbortStep
@@ -665,9 +681,7 @@ TEST(EngineTest, DoneWithoutNextIsRefused) {
 // still in flight), and the next step resumes it, updating only the records
 // the first attempt did not.
 TEST(EngineTest, AnEarlyEndStepDropsTheReadsAheadAndTheStepResumes) {
-  EngineConfig cfg = SmallConfig(1);
-  cfg.techniques.cache_reuse = false;  // records are read during the step
-  cfg.host_budget_bytes = 3 * (4096 + AlignedRecordBytes(3000, 3));
+  const EngineConfig cfg = ThreeBufferConfig();
   Model model(cfg.subgroup_numel, 9);
   std::unique_ptr<Engine> engine = CreateFrom(cfg, model);
   ASSERT_NE(engine, nullptr);
@@ -704,17 +718,7 @@ TEST(EngineTest, AnEarlyEndStepDropsTheReadsAheadAndTheStepResumes) {
     // the reads left from the first attempt counted as cache hits).
     EXPECT_EQ(end->cache_hits, 0) << "step " << step;
   }
-  for (int i = 0; i < 4; ++i) {
-    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
-        v(master.size());
-    int64_t step = 0;
-    ASSERT_TRUE(
-        e.ReadSubgroup(i, master.data(), {m.data(), v.data()}, &step).ok());
-    EXPECT_EQ(step, 2) << i;
-    for (size_t k = 0; k < master.size(); ++k) {
-      ASSERT_EQ(master[k], (model.init[i][k] + 1.0f) + 1.0f) << i << " " << k;
-    }
-  }
+  ExpectEveryRecordAt(e, cfg, model, 2);
 }
 
 TEST(EngineTest, PerDirectionTierLockReadsWhileAnotherProcessWrites) {
