@@ -80,20 +80,10 @@ absl::Status ProbeDirect(int fd, const std::string& path, bool read_only) {
 // directory planted where a file of the run belongs would block a read
 // forever or fail it oddly (DataLoss, naming the path and what it is).
 absl::Status RequireRegular(int fd, const std::string& path) {
-  struct stat st;
-  if (fstat(fd, &st) < 0) {
-    const int saved = errno;
+  absl::Status regular = CheckRegularFile(fd, path);
+  if (!regular.ok()) {
     close(fd);
-    return ErrnoStatus(saved, "fstat", path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
-                       : S_ISFIFO(st.st_mode) ? "a FIFO"
-                       : S_ISSOCK(st.st_mode) ? "a socket"
-                                              : "a device";
-    return absl::DataLossError(
-        absl::StrCat(path, " is ", kind, ", not a regular file"));
+    return regular;
   }
   const int flags = fcntl(fd, F_GETFL);
   if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0) {

@@ -405,17 +405,10 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   // for a writer; it is refused below.
   int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoStatus(errno, "open", path);
-  struct stat st;
-  if (fstat(fd, &st) < 0) {
-    const int e = errno;
+  absl::Status regular = CheckRegularFile(fd, path);
+  if (!regular.ok()) {
     close(fd);
-    return ErrnoStatus(e, "fstat", path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    return absl::DataLossError(absl::StrCat(
-        path, " is ",
-        S_ISDIR(st.st_mode) ? "a directory" : "not a regular file"));
+    return regular;
   }
   std::string out;
   char buf[65536];

@@ -196,8 +196,9 @@ TEST(StateStoreTest, ReadSmallFileRefusesAFifoWithoutWaiting) {
   ASSERT_EQ(mkfifo(path.c_str(), 0600), 0);
   absl::StatusOr<std::string> read = ReadSmallFile(path);
   EXPECT_EQ(read.status().code(), absl::StatusCode::kDataLoss) << read.status();
-  EXPECT_NE(read.status().message().find(path + " is not a regular file"),
-            std::string::npos)
+  EXPECT_NE(
+      read.status().message().find(path + " is a FIFO, not a regular file"),
+      std::string::npos)
       << read.status();
   unlink(path.c_str());
 }

@@ -1,6 +1,8 @@
 // Errno and context helpers for absl::Status.
 #include "mlp_offload/base/status_macros.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -20,6 +22,18 @@ absl::Status ErrnoStatus(int errno_value, absl::string_view operation,
                               : absl::ErrnoToStatusCode(errno_value);
   return absl::Status(code, absl::StrCat(operation, " ", object, ": ",
                                          std::strerror(errno_value)));
+}
+
+absl::Status CheckRegularFile(int fd, absl::string_view path) {
+  struct stat st;
+  if (fstat(fd, &st) < 0) return ErrnoStatus(errno, "fstat", path);
+  if (S_ISREG(st.st_mode)) return absl::OkStatus();
+  const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                                            : "a device";
+  return absl::DataLossError(
+      absl::StrCat(path, " is ", kind, ", not a regular file"));
 }
 
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {

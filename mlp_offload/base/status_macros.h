@@ -43,6 +43,11 @@ namespace mlp_offload {
 absl::Status ErrnoStatus(int errno_value, absl::string_view operation,
                          absl::string_view object);
 
+// OK if the open file `fd` is a regular file; else DataLoss naming `path`
+// and what it is ("... is a FIFO, not a regular file"): something planted
+// where a file of a run belongs. An fstat failure names the path too.
+absl::Status CheckRegularFile(int fd, absl::string_view path);
+
 // Adds "context: " in front of a non-OK status's message, keeping its code.
 absl::Status Annotate(const absl::Status& status, absl::string_view context);
 
