@@ -1523,8 +1523,13 @@ def frozen_worker(rank, tiers):
     # subgroup, the frozen ones too, at every step).
     sent, broadcast = [], opt._broadcast_tensor
     opt._broadcast_tensor = lambda t, g: (sent.append(g), broadcast(t, g))
+    # A native optimizer keeps no values a step shares across the ranks:
+    # no extra collective (before: an all_gather_object at every step).
+    shared = []
+    opt._share_step_values = lambda: shared.append(1)
     train_same_batches(range(3), ((ref_opt, ref), (opt, model)))
     assert sent == [2, 3] * 3, sent
+    assert not shared
     assert_params_match(model, ref, rank)
     opt.close()
 

@@ -2608,7 +2608,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 failure, "complete its part of the optimizer step",
                 note="; this rank's update is held back: step() again with the same "
                      "gradients completes the step on every rank")
-        return bool(any_skipped), high == -minus_low and outcome[1]
+        # The same outcome on every rank (the native path's is always): no
+        # rank lacks what another's calls advanced.
+        return bool(any_skipped), high == -minus_low
 
     def _share_step_values(self):
         """Collective, after a generic step whose calls (one per subgroup)
