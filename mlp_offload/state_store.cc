@@ -80,7 +80,6 @@ struct HeaderLayout {
 
 // PayloadChecksum hashes fixed chunks (chunk c seeded with c), then the
 // chunks' hashes in order, seeded with the payload's size.
-
 uint64_t ChunkHash(const void* data, size_t len, size_t c) {
   return HashChunk(static_cast<const unsigned char*>(data), len, c);
 }

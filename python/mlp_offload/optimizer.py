@@ -846,17 +846,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                            self._techniques, len(self._tiers))
         self._generation += 1
         engine = None
-        if self._persistent and rebuild and restore_from is not None:
-            engine = self._reopen_commit_dir(budget, numel, restore_from)
-        if engine is not None:
-            pass
-        elif self._persistent and rebuild:
-            # The re-packed state goes into the run directory that does not
-            # hold the run's last commit: that one stays until every rank
-            # has committed the new state (_settle_run_dir), so a crash
-            # before then resumes it.
-            self._run_name = self._other_run_dir(self._commit_dir)
-            self._discard_run_dir(self._run_name, strict=True)
+        if self._persistent and rebuild:
+            if restore_from is not None:
+                engine = self._reopen_commit_dir(budget, numel, restore_from)
+            if engine is None:
+                # The re-packed state goes into the run directory that does
+                # not hold the run's last commit: that one stays until every
+                # rank has committed the new state (_settle_run_dir), so a
+                # crash before then resumes it.
+                self._run_name = self._other_run_dir(self._commit_dir)
+                self._discard_run_dir(self._run_name, strict=True)
         elif self._persistent:
             engine = self._open_committed(budget, numel, agree)
         else:
@@ -1722,7 +1721,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         # Committed below: the groups and state are back even
                         # where their commit cannot be written now (a full
                         # tier), which the next step retries first.
-                        self._rebuild(held, restore_from=repacked_from, commit=False)
+                        self._rebuild(held, repacked_from, restore=True)
             except BaseException as again:
                 # No state to step from: step() and saves refuse until a load
                 # (an interrupt of the restore too).
@@ -1923,14 +1922,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                   "engine is rebuilt", what, need, best)
         return _layout.HostArena(numel, best)
 
-    def _rebuild(self, held, repacked_from=None, restore_from=None, commit=True):
+    def _rebuild(self, held, repacked_from=None, restore=False):
         """Packs the groups and creates the engine again, then writes the
         state `held` (_hold_state's; its state None: not initialised) back. A
         persistent run commits it at once, in a new epoch (the step count
         may be one that the run committed already): the new engine is in
         the run's other directory, whose commit replaces the last one once
-        every rank has made it (_settle_run_dir)."""
-        self._build(rebuild=True, restore_from=restore_from)  # takes self._epoch
+        every rank has made it (_settle_run_dir). With `restore`: the groups
+        a refused add_param_group had, back into the directory of commit
+        `repacked_from` where it can (_reopen_commit_dir), and not committed
+        here (the caller commits them, or retries that later)."""
+        # The new engine takes self._epoch.
+        self._build(rebuild=True, restore_from=repacked_from if restore else None)
         saved, masters, steps, lean = held
         if saved is None:
             return
@@ -1940,7 +1943,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._engine.set_step(steps)
         self._write_states(saved, masters, lean=lean)  # every subgroup of this rank
         self._initialized = True
-        if self._engine is not None and commit:
+        if self._engine is not None and not restore:
             if self._commit_every > 0:
                 self._write_pystate(steps, repacked_from=repacked_from)
                 self._engine.commit()
@@ -3032,7 +3035,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         failed part-way goes on with its values."""
         values = self._generic_values
         self._generic_values = None
-        self._stepped_values = None
         if values is None or not self._engine.step_incomplete \
                 or not values.fits(self.optimizer):
             return _generic.StepValues(self.optimizer)

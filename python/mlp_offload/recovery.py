@@ -493,7 +493,7 @@ def read_pystate(run_dir, key):
             f"{path} is missing: the Python-side state (param_groups) of {what}") from None
     except OSError as e:
         raise os_error_to_tier_error(e, "opening", path) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if not _is_regular(os.fstat(fd)):
         os.close(fd)
         raise CorruptStateError(f"{path} is not a regular file: the Python-side state "
                                 f"of {what} is not there")
