@@ -399,7 +399,8 @@ std::string ParentDirectory(std::string path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path,
+                                          size_t max_bytes) {
   // O_NONBLOCK: a FIFO planted there would block the open (and the reads)
   // for a writer; it is refused below.
   int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
@@ -420,6 +421,13 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
       return ErrnoStatus(e, "read", path);
     }
     if (r == 0) break;
+    if (out.size() + static_cast<size_t>(r) > max_bytes) {
+      close(fd);
+      return absl::DataLossError(
+          absl::StrCat(path, " is larger than ", max_bytes,
+                       " bytes, more than a run's metadata file can be: "
+                       "it is damaged or not this run's"));
+    }
     out.append(buf, static_cast<size_t>(r));
   }
   close(fd);

@@ -124,7 +124,13 @@ absl::Status WriteFileAtomically(const std::string& path,
 absl::Status SyncDirectory(const std::string& dir);
 // The directory holding `path` ("." for a bare name, "/" for one at the root).
 std::string ParentDirectory(std::string path);
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
+// The run's metadata files (MANIFEST, COMMIT) are this size at most: a
+// million subgroups take a few MB.
+inline constexpr size_t kMaxSmallFileBytes = size_t{64} << 20;
+// The whole of the regular file `path`. One larger than `max_bytes` is
+// DataLoss naming it (a damaged or foreign file is not read into memory).
+absl::StatusOr<std::string> ReadSmallFile(
+    const std::string& path, size_t max_bytes = kMaxSmallFileBytes);
 // Exactly `n` bytes at `offset` of `fd`, the file `path` (for the errors);
 // a file that ends early is DataLoss naming it.
 absl::Status ReadFileAt(int fd, void* data, size_t n, uint64_t offset,

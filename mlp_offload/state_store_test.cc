@@ -1,5 +1,6 @@
 #include "mlp_offload/state_store.h"
 
+#include <fcntl.h>
 #include <limits.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -200,6 +201,26 @@ TEST(StateStoreTest, ReadSmallFileRefusesAFifoWithoutWaiting) {
       read.status().message().find(path + " is a FIFO, not a regular file"),
       std::string::npos)
       << read.status();
+  unlink(path.c_str());
+}
+
+TEST(StateStoreTest, ReadSmallFileRefusesAFileOverItsCap) {
+  const std::string path = TestDir("small_cap") + "/MANIFEST";
+  ASSERT_TRUE(WriteFileAtomically(path, std::string(100000, 'x')).ok());
+  absl::StatusOr<std::string> whole = ReadSmallFile(path, 100000);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->size(), 100000u);
+  absl::StatusOr<std::string> over = ReadSmallFile(path, 99999);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kDataLoss) << over.status();
+  EXPECT_NE(over.status().message().find(path + " is larger than 99999 bytes"),
+            std::string::npos)
+      << over.status();
+  // The default cap: a damaged MANIFEST of 1 GiB (sparse) is not read whole.
+  const int fd = open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, off_t{1} << 30), 0);
+  close(fd);
+  EXPECT_EQ(ReadSmallFile(path).status().code(), absl::StatusCode::kDataLoss);
   unlink(path.c_str());
 }
 
