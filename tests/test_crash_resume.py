@@ -166,10 +166,9 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
                     # No commit record since the wipe, unless a run after it
                     # got as far as committing a step before being killed.
                     allowed = ({ckpt_done, ckpt_open} | ckpt_begun) - {None}
+                    assert frm is not None, (run, ready, allowed)
                     if frm == "checkpoint":
                         assert step in allowed, (run, ready, allowed)
-                    elif frm is None:  # only if no save ever completed
-                        assert ckpt_done is None, (run, ready, allowed)
                     else:
                         assert committed_ok, (run, ready, done)
                 elif frm is None:
@@ -195,11 +194,12 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
             kills += 1
             if ckpt_open is not None:
                 mid_checkpoint += 1
-            # Every sixth kill, and once as soon as a checkpoint exists (on a
-            # slow machine, or under ASan, the scheduled ones may all come
-            # before the first checkpoint and only test starting afresh).
-            if kills % 6 == 3 or (ckpt_done is not None and not wiped_after_ckpt):
-                wiped_after_ckpt = wiped_after_ckpt or ckpt_done is not None
+            # Every sixth kill once a checkpoint exists, and at the first
+            # kill after that (on a slow machine, or under ASan, the
+            # scheduled ones may all come before it). Without a checkpoint
+            # the resume would refuse the lost records, not start afresh.
+            if ckpt_done is not None and (kills % 6 == 3 or not wiped_after_ckpt):
+                wiped_after_ckpt = True
                 # The tiers lost their commit records: back to the checkpoint.
                 for t in tiers:
                     try:
@@ -209,6 +209,7 @@ def test_kill_9_at_random_moments_then_resume_is_bit_identical(tmp_path):
                 wiped += 1
                 expect_checkpoint = True
         assert kills >= 20, kills
+        assert wiped >= 1, "no restart found its commit records lost"
         assert mid_checkpoint >= 1, "no kill landed during a checkpoint save"
         assert resumed_from["committed_step"] >= 10, resumed_from
         assert resumed_from["checkpoint"] >= 1, resumed_from

@@ -13,6 +13,7 @@ import copy
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -886,6 +887,59 @@ def test_a_tier_holding_another_runs_manifest_or_a_lost_commit_record_is_refused
     opt = wrap(model := make_model(), [a, b], run_name="r", commit_every=1, resume="require")
     assert opt.resumed_step == 3
     assert_equal(params_of(model), want, "resumed")
+    opt.close()
+
+
+def test_commit_records_lost_on_every_tier_resume_the_checkpoint_or_are_refused(
+        tmp_path, caplog):
+    # Every tier lost its COMMIT; COMMIT.prev and the COMMITTED marks remain
+    # (a fresh start's removal marks the tiers first, so this is no crash
+    # part-way through one). Before, resume="auto" found nothing to resume
+    # and started afresh, removing what was left; now it takes the
+    # checkpoint, or refuses if there is none.
+    a, b, ckpt = (str(tmp_path / n) for n in ("a", "b", "ckpt"))
+    os.mkdir(a), os.mkdir(b)
+    model = make_model()
+    opt = wrap(model, [a, b], run_name="r", commit_every=1, checkpoint_dir=ckpt)
+    for k in range(3):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+        if k == 1:
+            opt.save_checkpoint()
+            at_save = params_of(model)
+    opt.close()
+    for t in (a, b):
+        os.remove(os.path.join(t, "r.r0", "COMMIT"))
+    before = tree(a, b)
+    for resume in ("auto", "require"):
+        with pytest.raises(errors.CorruptStateError,
+                           match=r"run 'r' has committed, but its commit records were lost.*"
+                                 r"/a/r.r0/COMMITTED.*/b/r.r0/COMMIT.prev.* no tier holds the "
+                                 r"run's commit record .* no checkpoint_dir was given: restore "
+                                 r"the records, or construct with resume='never'"):
+            wrap(make_model(), [a, b], run_name="r", commit_every=1, resume=resume)
+        assert tree(a, b) == before
+    with pytest.raises(errors.CorruptStateError, match="there is no checkpoint in "):
+        wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="auto",
+             checkpoint_dir=str(tmp_path / "empty"))
+    assert tree(a, b) == before
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        opt = wrap(model := make_model(), [a, b], run_name="r", commit_every=1,
+                   resume="auto", checkpoint_dir=ckpt)
+    assert (opt.resumed_from, opt.resumed_step) == ("checkpoint", 2)
+    assert_equal(params_of(model), at_save, "from the checkpoint")
+    assert "the commit records were lost; resuming from the checkpoint" in caplog.text
+    for k in range(2, 4):
+        backward(model, k)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    # resume="never" starts afresh, as the error says.
+    for t in (a, b):
+        os.remove(os.path.join(t, "r.r0", "COMMIT"))
+    opt = wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="never")
+    assert opt.resumed_from is None
     opt.close()
 
 

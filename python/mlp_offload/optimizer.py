@@ -325,7 +325,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         checkpoint this run saved after its last commit is taken over the
         commit) or
         "require" (like auto, but raise StateMismatchError rather than start
-        fresh). `resumed_from` ("committed_step", "checkpoint" or None) and
+        fresh). Neither starts fresh over a run whose commit records were
+        lost (CorruptStateError, unless there is a checkpoint). `resumed_from` ("committed_step", "checkpoint" or None) and
         `resumed_step` say what happened; the model's parameters are set
         from the resumed master copy.
       checkpoint_dir: where save_checkpoint() writes and load_checkpoint()
@@ -925,9 +926,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                          "starts afresh and discards it", self._run_prefix)
         # held: commit_key -> directory; info: commit_key -> (run id, first?)
         held, other, info, failure, engine = {}, [], {}, None, None
+        lost = []  # why a directory without commit records has committed
         try:
             if self._want_resume:
                 held, other, info = self._held_commits(names, numel)
+                if not held:
+                    lost = [why for why in (
+                        _recovery.lost_commit_records(_recovery.run_dirs(self._tiers, name))
+                        for name in names) if why]
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             failure = e
         # Before the agreement, which would wait for a failed rank.
@@ -937,6 +943,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         agreed = self._agree_on_commit(kept, other, info, at_start=True) \
             if agree or self._process_group is None else mine
         self._agreed_key = agreed
+        self._check_lost_commits(agreed, lost)
         self._check_require(agreed)
         if agreed != mine:
             # Another rank died before writing commit `mine`: every rank
@@ -1240,6 +1247,34 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             fault_injection=self._engine_settings["fault_injection"],
             resume=resume, commit_every=self._commit_every, resume_epoch=resume_epoch,
             resume_step=resume_step)
+
+    def _check_lost_commits(self, agreed, lost):
+        """Collective. With no commit to resume (agreed < 0), where some
+        rank's run directory says that the run committed but lost its
+        commit records (`lost`: recovery.lost_commit_records' reasons):
+        resume from the checkpoint if there is one (warned), else raise
+        CorruptStateError on that rank (an OffloadError naming it on the
+        others), before a fresh start removes what is left of the run."""
+        if not self._want_resume or agreed >= 0:
+            return
+        if not (self._any_rank(lost) if self._process_group is not None else lost):
+            return
+        if self._checkpoint_somewhere():
+            if lost:
+                _log.warning("run %r: %s: the commit records were lost; resuming from the "
+                             "checkpoint in %s", self._run_prefix, "; ".join(lost),
+                             self._checkpoint_dir)
+            return
+        error = None
+        if lost:
+            where = (f"there is no checkpoint in {self._checkpoint_dir}"
+                     if self._checkpoint_dir is not None else "no checkpoint_dir was given")
+            error = CorruptStateError(
+                f"run {self._run_prefix!r} has committed, but its commit records were "
+                f"lost (removed, or a tier restored from an older copy): "
+                f"{'; '.join(lost)}, and {where}: restore the records, or construct "
+                f"with resume='never' to start afresh, which discards the run's state")
+        self._raise_together(error, "resume its run, whose commit records were lost")
 
     def _check_require(self, agreed):
         """resume='require' with no committed step on every rank: a checkpoint

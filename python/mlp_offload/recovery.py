@@ -319,6 +319,26 @@ def has_committed_state(dirs):
     return False  # its first commit reached some tiers only
 
 
+def lost_commit_records(dirs):
+    """Why the run in `dirs` (one directory per tier) has committed although
+    no tier holds its commit record (COMMIT): a COMMITTED_MARK or a
+    COMMIT.prev remains on some tier, which only the removal of the
+    records by hand (or a restore from an older copy) leaves behind; a
+    fresh start's removal marks the tiers first (DISCARD_MARK). None where
+    some tier holds a COMMIT, or nothing says the run committed."""
+    names = ("COMMIT", DISCARD_MARK, COMMITTED_MARK, "COMMIT.prev")
+    has = {name: [_regular_file(os.path.join(d, name), name, d) for d in dirs]
+           for name in names}
+    if any(has["COMMIT"]) or any(has[DISCARD_MARK]):
+        return None
+    left = [f"{os.path.join(d, name)}" for name in (COMMITTED_MARK, "COMMIT.prev")
+            for d, present in zip(dirs, has[name]) if present]
+    if not left:
+        return None
+    return (f"{', '.join(left)} remain{'s' if len(left) == 1 else ''}, but no tier holds "
+            f"the run's commit record (COMMIT in {', '.join(dirs)})")
+
+
 def _read_small(path, d):
     try:
         with open(path, "rb") as f:
