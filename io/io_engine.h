@@ -73,6 +73,9 @@ struct IoEngineOptions {
 
 class IoEngine {
  public:
+  // Destroy an engine on a thread of its own caller, never from one of its
+  // completion callbacks (which run on its threads: the destructor joins
+  // them, and a thread cannot join itself).
   virtual ~IoEngine() = default;
   // "io_uring", "threadpool", "fault(io_uring)", "throttle(io_uring)"...
   virtual std::string name() const = 0;

@@ -653,13 +653,16 @@ class PyEngine {
       }
       if (PyErr_CheckSignals() != 0) {
         py::error_already_set raised;  // takes the handler's exception
-        engine.SetInterrupted(true);
         {
+          // Without the GIL: the interrupt hurries a cap's held-back
+          // requests, whose completions may wait for the engine's lock,
+          // which the step's thread may hold for a while (a long flock).
           py::gil_scoped_release release;
+          engine.SetInterrupted(true);
           while (!finished(MonoAfter(absl::Seconds(1)))) {
           }
+          engine.SetInterrupted(false);
         }
-        engine.SetInterrupted(false);
         throw raised;
       }
     }
