@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlp_offload import MLPOffloadOptimizer, _C, cuda_path
+from mlp_offload import MLPOffloadOptimizer, _C, cuda_path, errors
 from mlp_offload.errors import (ConfigError, NonFiniteGradientError, OffloadError,
                                StateMismatchError, TierIOError)
 from conftest import tier_dirs
@@ -472,9 +472,20 @@ def ownerless_rank_worker(rank, tiers, phase):
     # hyperparameters too (the ranks' settings must agree at each step).
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
-                              subgroup_numel=1000, compute_threads=1, run_name="own",
-                              commit_every=1, resume="auto")
+
+    def construct():
+        return MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                                   subgroup_numel=1000, compute_threads=1, run_name="own",
+                                   commit_every=1, resume="auto")
+    if phase == "lost":
+        # Rank 0's commit records are gone (its COMMITTED marks remain): both
+        # ranks refuse, the one without subgroups too (before, it waited in a
+        # collective that rank 0 alone made).
+        with pytest.raises(errors.CorruptStateError if rank == 0 else errors.OffloadError,
+                           match="commit records were lost"):
+            construct()
+        return
+    opt = construct()
     assert (opt.engine is None) == (rank == 1)
     x = torch.ones(2, 4)
     if phase == "train":
@@ -501,6 +512,9 @@ def test_a_rank_without_subgroups_resumes_the_committed_hyperparameters(tmp_path
     tiers = tier_dirs(tmp_path)
     spawn(ownerless_rank_worker, tiers, "train")
     spawn(ownerless_rank_worker, tiers, "resume")
+    for t in tiers:
+        os.remove(os.path.join(t, "own.r0", "COMMIT"))
+    spawn(ownerless_rank_worker, tiers, "lost")
 
 
 def test_a_rank_whose_commits_are_gone_makes_every_rank_refuse_to_resume(tmp_path):

@@ -825,6 +825,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if agree:
                 self._raise_together(None, "read its committed state")
                 self._agreed_key = self._agree_on_commit(None, at_start=True)
+                self._check_lost_commits(self._agreed_key, [])
                 self._check_require(self._agreed_key)
                 self._raise_together(None, "open the commit every rank has"
                                      if self._agreed_key >= 0
