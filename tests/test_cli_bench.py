@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 
-from mlp_offload import cli, recovery
+from mlp_offload import bench, cli, recovery, units
+from mlp_offload.errors import ConfigError
 from mlp_offload.whatif import CONFIGS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,6 +65,7 @@ def test_bench_json_and_plot(tmp_path, capsys):
 
 
 def test_bench_table(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
     png = tmp_path / "sub" / "b.png"
     code = cli.main(["bench", "--quiet", "--configs", "baseline,mlp", "--out", str(png)] + TINY)
     out = capsys.readouterr().out
@@ -97,8 +99,56 @@ def test_bench_refuses_a_configuration_the_budget_cannot_run_before_running_any(
                      "--steps", "1", "--configs", "mlp,multipath,baseline"])
     out, err = capsys.readouterr()
     assert code == 1 and out == "", out
-    assert err.count("\n") == 1 and "configuration multipath cannot run" in err \
-        and "--budget-fraction" in err, err
+    assert err.count("\n") == 1 and "in configuration multipath;" in err \
+        and "give --budget-fraction 0.28 or more" in err, err
+
+
+def test_bench_budget_fraction_zero_is_one_consistent_error(capsys):
+    # One budget, said once (before: "a host budget of 0 bytes", then the
+    # planner's "host budget 1.0 B is too small").
+    code = cli.main(["bench", "--quiet", "--out", "", "--params", "1M",
+                     "--budget-fraction", "0"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out
+    assert err == ("mlp-offload bench: error: the host budget, --budget-fraction 0 of the "
+                   "12.0 MB state, is 0 bytes: too small to double-buffer the largest "
+                   "subgroup (250000 params), which needs at least 8019968 bytes (8.0 MB) in "
+                   "configuration baseline; give --budget-fraction 0.67 or more\n"), err
+
+
+@pytest.mark.parametrize("params,budget,need", [("1K", 3000, 40960),
+                                                ("100K", 300000, 3211264)])
+def test_bench_default_fraction_too_small_says_what_would_run(capsys, params, budget, need):
+    # The default --budget-fraction 0.25 of a small model is below double
+    # buffering: the error names the budget, the minimum and settings that
+    # run (before: the planner's message alone), each checked here.
+    code = cli.main(["bench", "--quiet", "--out", "", "--params", params])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert f"is {budget} bytes" in err and "double-buffer the largest subgroup" in err \
+        and f"needs at least {need} bytes" in err, err
+    n = units.parse_count(params)
+    fraction = float(re.search(r"--budget-fraction (\S+) or more", err).group(1))
+    more = units.parse_count(re.search(r"--params (\S+) or more", err).group(1))
+    bench.check_plans(n, 250_000, fraction, CONFIGS)
+    bench.check_plans(more, 250_000, 0.25, CONFIGS)
+    smaller = re.search(r"--subgroup-numel (\S+) or less", err)
+    if smaller:
+        bench.check_plans(n, units.parse_count(smaller.group(1)), 0.25, CONFIGS)
+    # Each the least of its kind, to two digits.
+    for args in ((n, 250_000, fraction * 0.9), (int(more * 0.9), 250_000, 0.25)):
+        with pytest.raises(ConfigError, match="too small to double-buffer"):
+            bench.check_plans(*args, CONFIGS)
+
+
+def test_bench_missing_plot_directory_is_refused_before_the_header(tmp_path, capsys):
+    png = tmp_path / "missing" / "b.png"
+    code = cli.main(["bench", "--quiet"] + TINY + ["--out", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out
+    assert err == (f"mlp-offload bench: error: --out {png}: directory {png.parent} does "
+                   f"not exist (make it first)\n"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("bad", [["--threads", "1e12"], ["--threads", "1025"],

@@ -162,7 +162,15 @@ def test_train_one_step_summary_says_what_it_averages(capsys):
     tiny = TINY[2:] + ["--steps", "1"]
     assert cli.main(["train", "--out", "", "--no-compare"] + tiny) == 0
     out = capsys.readouterr().out
-    assert "summary (1 steps; times are of step 1, seconds)" in out, out
+    # One step, one layer, one head: singular (before: "1 steps").
+    assert "summary (1 step; times are of step 1, seconds)" in out, out
+
+
+def test_train_header_counts_are_singular_for_one(capsys):
+    tiny = TINY[2:] + ["--steps", "1", "--layers", "1", "--heads", "1"]
+    assert cli.main(["train", "--out", "", "--no-compare"] + tiny) == 0
+    out = capsys.readouterr().out
+    assert "(1 layer, dim 32, 1 head, vocab" in out and "; 1 step of 4 x 16 tokens" in out, out
 
 
 def test_help_shows_defaults_of_zero(capsys):
@@ -203,6 +211,18 @@ def test_train_bad_setups_are_one_line_errors_before_training(tmp_path, capsys, 
     code = cli.main(["train"] + TINY + [a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err
     assert code == 1 and want.format(tmp=tmp_path) in err and err.count("\n") == 1, err
+
+
+def test_a_missing_plot_directory_is_refused_before_training(tmp_path, capsys):
+    # As export's OUT: the directory is not made (before: the run trained,
+    # then made it, at the file system's root too).
+    png = tmp_path / "missing" / "sub" / "x.png"
+    code = cli.main(["train", "--no-compare"] + TINY + ["--out", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out  # nothing printed: no training
+    assert err == (f"mlp-offload train: error: --out {png}: directory {png.parent} does "
+                   f"not exist (make it first)\n"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_plot_directory_that_takes_no_files_is_refused_before_training(capsys):

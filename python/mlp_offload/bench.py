@@ -13,6 +13,7 @@ makes the same offload_gradients calls (a no-op with delayed conversion).
 """
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ import torch
 from mlp_offload import _C
 from mlp_offload import config as _config
 from mlp_offload import recovery as _recovery
+from mlp_offload import units
 from mlp_offload.errors import ConfigError, OffloadError
 from mlp_offload.units import MAX_INT
 from mlp_offload.whatif import CONFIGS, split_into_subgroups, techniques_of
@@ -63,23 +65,122 @@ def host_budget(state_bytes, budget_fraction):
     return int(budget)
 
 
+# What check_plans plans with: the tiers' bandwidths do not change whether a
+# plan fits, and a budget no run reaches finds a configuration's buffers.
+_PLAN_TIERS = [{"path": f"/{name}", "name": name, "read_bytes_per_sec": 1e9,
+                "write_bytes_per_sec": 1e9} for name in ("fast", "slow")]
+_ROOMY_BUDGET = 1 << 62
+
+
+def _double_buffering(numel, configs):
+    """(bytes, config): the host budget every configuration of `configs`
+    needs to double-buffer a subgroup of `numel` parameters (two buffers of
+    its record, and of its fp32 gradient where gradients are offloaded
+    eagerly), and the first configuration needing that much."""
+    need, who = 0, None
+    for config in configs:
+        plan = _C.engine.make_plan([numel], 3, 2, _PLAN_TIERS, _ROOMY_BUDGET,
+                                   techniques_of(config))
+        if 2 * plan.buffer_bytes > need:
+            need, who = 2 * plan.buffer_bytes, config
+    return need, who
+
+
+def _two_digits(x, up):
+    """`x` > 0 rounded up or down to two significant digits (an int for an
+    int)."""
+    if isinstance(x, int):
+        step = 10 ** max(0, len(str(x)) - 2)
+        return (-(-x // step) if up else x // step) * step
+    step = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return (math.ceil(x / step - 1e-9) if up else math.floor(x / step + 1e-9)) * step
+
+
+def _what_fits(params, subgroup_numel, budget_fraction, configs, budget):
+    """The settings that would give a large enough budget, as options to
+    give: --budget-fraction, --params (at this fraction), --subgroup-numel
+    (at this budget), those that some value fixes."""
+    sizes = subgroup_sizes(params, subgroup_numel)
+    state = sum(sizes) * 12
+    need = _double_buffering(max(sizes), configs)[0]
+    fixes = []
+    fraction = _two_digits(need / state, up=True)
+    while int(state * fraction) < need:  # float rounding
+        fraction = _two_digits(fraction * 1.01, up=True)
+    fixes.append(f"--budget-fraction {fraction:g} or more")
+    # Beyond one subgroup, more parameters add to the budget, not to the
+    # largest subgroup.
+    try:
+        full = _double_buffering(subgroup_numel, configs)[0]
+    except OffloadError:
+        full = math.inf  # a subgroup too large to plan: no --params runs
+    least = full / (12 * budget_fraction) if budget_fraction > 0 else math.inf
+    if least <= MAX_INT:
+        more = _two_digits(max(subgroup_numel, math.ceil(least)), up=True)
+        while int(more * 12 * budget_fraction) < full:
+            more = _two_digits(more + 1, up=True)
+        try:
+            if more > MAX_INT:
+                raise ConfigError("more than --params takes")
+            subgroup_sizes(more, subgroup_numel)
+            fixes.append(f"--params {units.format_count(more)} or more")
+        except ConfigError:
+            pass  # too many subgroups, or too many params
+    if _double_buffering(1, configs)[0] <= budget:
+        lo, hi = 1, max(sizes) - 1  # the largest that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _double_buffering(mid, configs)[0] <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        smaller = _two_digits(lo, up=False)
+        try:
+            subgroup_sizes(params, smaller)
+            fixes.append(f"--subgroup-numel {units.format_count(smaller)} or less")
+        except ConfigError:
+            pass  # too many subgroups
+    return fixes
+
+
+def _bytes(n):
+    """'300000 bytes (300.0 KB)' ('6 bytes' below a KB)."""
+    return f"{n} bytes" + (f" ({units.format_bytes(n)})" if n >= 1000 else "")
+
+
 def check_plans(params, subgroup_numel, budget_fraction, configs):
-    """Plans each configuration as run_benchmark will (no I/O): one that the
-    host budget cannot run is a ConfigError naming it and --budget-fraction,
-    before any configuration runs (the planner takes milliseconds, a run
-    minutes)."""
-    sizes = subgroup_sizes(int(params), int(subgroup_numel))
-    budget = host_budget(sum(sizes) * 12, budget_fraction)
-    tiers = [{"path": f"/{name}", "name": name, "read_bytes_per_sec": 1e9,
-              "write_bytes_per_sec": 1e9} for name in ("fast", "slow")]
+    """Plans each configuration as run_benchmark will (no I/O): a host
+    budget too small to double-buffer the largest subgroup is one
+    ConfigError naming the budget, the minimum and the options that fix
+    it, and a configuration the budget cannot run otherwise one naming it
+    and --budget-fraction, before any configuration runs (the planner takes
+    milliseconds, a run minutes)."""
+    params, subgroup_numel = int(params), int(subgroup_numel)
+    configs = list(configs)
+    sizes = subgroup_sizes(params, subgroup_numel)
+    state = sum(sizes) * 12
+    budget = host_budget(state, budget_fraction)
+    try:
+        need, who = _double_buffering(max(sizes), configs)
+    except OffloadError:
+        need, who = 0, None  # the plans below say why
+    if budget < need:
+        largest = max(sizes)
+        raise ConfigError(
+            f"the host budget, --budget-fraction {budget_fraction:g} of the "
+            f"{units.format_bytes(state)} state, is {_bytes(budget)}: too small to "
+            f"double-buffer the largest subgroup ({largest} "
+            f"{'param' if largest == 1 else 'params'}), which needs at least {_bytes(need)} "
+            f"in configuration {who}; give "
+            + ", or ".join(_what_fits(params, subgroup_numel, budget_fraction, configs,
+                                      budget)))
     for config in configs:
         try:
-            _C.engine.make_plan(sizes, 3, 2, tiers, max(budget, 1), techniques_of(config))
+            _C.engine.make_plan(sizes, 3, 2, _PLAN_TIERS, budget, techniques_of(config))
         except OffloadError as e:
             raise ConfigError(
                 f"configuration {config} cannot run with a host budget of {budget} bytes "
-                f"(budget_fraction {budget_fraction:g} of the state; --budget-fraction): "
-                f"{e}") from None
+                f"(--budget-fraction {budget_fraction:g} of the state): {e}") from None
 
 
 def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,

@@ -115,7 +115,7 @@ def _writable_out(path):
     """The plot's path to write at the end (`path`, with ".png" where it has
     no extension, as matplotlib would add): a format matplotlib writes, in a
     directory that exists and is writable now, not found out after the
-    run."""
+    run (a missing directory is an error, as for export's OUT)."""
     if not path:
         return path
     if path.endswith(os.sep) or os.path.isdir(path):
@@ -140,13 +140,15 @@ def _writable_out(path):
         why = (str(e).strip().splitlines() or [""])[0]
         raise ConfigError(f"--out {path}: matplotlib cannot write {ext or '.png'} here "
                           f"({type(e).__name__}: {why})") from e
-    # Missing directories are made at the end: the nearest existing one
-    # must take them.
+    # Its directory must exist (as for export's OUT): none is made.
     d = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(d):
-        d = os.path.dirname(d)
     if not os.path.isdir(d):
-        raise ConfigError(f"--out {path}: {d} is not a directory")
+        up = d
+        while not os.path.exists(up):
+            up = os.path.dirname(up)
+        if not os.path.isdir(up):
+            raise ConfigError(f"--out {path}: {up} is not a directory")
+        raise ConfigError(f"--out {path}: directory {d} does not exist (make it first)")
     # A file made and removed there (access() says yes to root everywhere,
     # /proc or a read-only mount included).
     try:
@@ -203,6 +205,11 @@ def _table(headers, rows, out):
     for r in cells:
         out.write("  ".join(c.rjust(w) if i > 0 and _NUMERIC.match(c) else c.ljust(w)
                             for i, (c, w) in enumerate(zip(r, widths))).rstrip() + "\n")
+
+
+def _n(count, noun):
+    """'1 step', '2 steps'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _mbps(x):
@@ -342,8 +349,9 @@ def _cmd_plan(args, out):
               f"({r['arrays_per_param']} fp32 arrays = {4 * r['arrays_per_param']} B/param "
               f"offloaded), {r['grad_dtype']} gradients\n")
     out.write(f"  ranks per node: {r['ranks']}; each rank: "
-              f"{units.format_count(r['shard_params'])} params in {r['num_subgroups']} "
-              f"subgroups of {units.format_count(r['subgroup_numel'])}, "
+              f"{units.format_count(r['shard_params'])} params in "
+              f"{_n(r['num_subgroups'], 'subgroup')} of "
+              f"{units.format_count(r['subgroup_numel'])}, "
               f"{units.format_bytes(r['state_bytes_per_rank'])} of state\n")
     out.write(f"  host cache: {units.format_bytes(r['host_cache_bytes'])} per node "
               f"({units.format_bytes(r['host_cache_bytes_per_rank'])} per rank)\n")
@@ -415,7 +423,8 @@ def _cmd_bench(args, out):
                       f"{units.format_bytes(state * args.budget_fraction)}\n")
             out.write(f"tiers: fast {dirs[0]} capped at {args.fast_mbps:g} MB/s, slow "
                       f"{dirs[1]} at {args.fast_mbps * args.slow_ratio:g} MB/s (read and "
-                      f"write each); 1 warm-up + {args.steps} measured steps per config\n")
+                      f"write each); 1 warm-up + {_n(args.steps, 'measured step')} per "
+                      f"config\n")
             out.flush()
         # After _tier_dirs's checks: no bar is left drawn above an error.
         bar = _progress_bar(len(args.configs) * (args.steps + 1), "bench",
@@ -473,10 +482,10 @@ def _cmd_train(args, out):
         nparams = model.num_params()
         del model
         lr = args.lr if args.lr is not None else train.DEFAULT_LR[args.optimizer]
-        log.write(f"model: GPT, {units.format_count(nparams)} params ({args.layers} layers, "
-                  f"dim {args.model_dim}, {args.heads} heads, vocab {tok.vocab_size}), "
+        log.write(f"model: GPT, {units.format_count(nparams)} params ({_n(args.layers, 'layer')}, "
+                  f"dim {args.model_dim}, {_n(args.heads, 'head')}, vocab {tok.vocab_size}), "
                   f"{args.dtype}; {args.optimizer} lr {lr:g}\n")
-        log.write(f"data: generated corpus of {len(text)} chars; {args.steps} steps of "
+        log.write(f"data: generated corpus of {len(text)} chars; {_n(args.steps, 'step')} of "
                   f"{args.batch_size} x {args.seq_len} tokens\n")
         log.write(f"offload: tiers {', '.join(dirs)}; host cache "
                   f"{units.format_bytes(args.host_cache)}; subgroups of "
@@ -511,7 +520,7 @@ def _cmd_train(args, out):
             plan = runs[mode]["plan"]
             extra = ""
             if plan:
-                extra = (f"; {plan['num_subgroups']} subgroups, per tier "
+                extra = (f"; {_n(plan['num_subgroups'], 'subgroup')}, per tier "
                          f"{plan['subgroups_per_tier']}, {plan['num_cached']} cached")
             log.write(f"{mode}: done, final loss {runs[mode]['loss'][-1]:.4f}{extra}\n")
             log.flush()
@@ -534,7 +543,7 @@ def _cmd_train(args, out):
         out.write("\n")
         return 0
     over = f"means over steps 2..{args.steps}" if args.steps > 1 else "of step 1"
-    out.write(f"\nsummary ({args.steps} steps; times are {over}, seconds):\n")
+    out.write(f"\nsummary ({_n(args.steps, 'step')}; times are {over}, seconds):\n")
     rows = []
     for mode, run in runs.items():
         m = run["mean_seconds"]
@@ -584,12 +593,18 @@ def _cmd_export(args, out):
     if args.names is not None:
         try:
             with open(args.names, encoding="utf-8") as f:
-                names = [line.strip() for line in f if line.strip()]
+                names = [line.strip() for line in f]
         except UnicodeDecodeError as e:
             raise ConfigError(f"--names {args.names} is not UTF-8 text "
                               f"(byte {e.start}: {e.reason})") from None
         except OSError as e:
             raise ConfigError(f"--names {args.names}: {e.strerror or e}") from None
+        blank = [i for i, name in enumerate(names, 1) if not name]
+        if blank:
+            lines = ", ".join(map(str, blank[:5])) + (", ..." if len(blank) > 5 else "")
+            raise ConfigError(f"--names {args.names}: line{'s' if len(blank) > 1 else ''} "
+                              f"{lines} {'are' if len(blank) > 1 else 'is'} blank (one "
+                              f"tensor name per line, no blank lines)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
     t0 = time.perf_counter()

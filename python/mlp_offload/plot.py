@@ -23,10 +23,8 @@ def _pyplot():
 
 
 def _prepare(path):
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    return path
+    """`path` as a str; its directory must exist (none is made)."""
+    return os.fspath(path)
 
 
 def _format_of(path):
