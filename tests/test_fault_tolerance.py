@@ -943,6 +943,26 @@ def test_commit_records_lost_on_every_tier_resume_the_checkpoint_or_are_refused(
     opt.close()
 
 
+def test_a_resume_with_another_packing_or_state_arrays_says_which(tmp_path):
+    # Before, the engine files' check came first: "MANIFEST holds 3
+    # subgroups, this model has 4 (another model?)".
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    os.mkdir(a), os.mkdir(b)
+    committed_run([a, b])
+    before = tree(a, b)
+    with pytest.raises(errors.StateMismatchError,
+                       match=r"packed into other subgroups: subgroup 5 holds parameters "
+                             r".* there, .* here \(another subgroup_numel, or other "
+                             r"parameters frozen"):
+        wrap(make_model(), [a, b], run_name="r", commit_every=1, resume="require",
+             subgroup_numel=200)
+    with pytest.raises(errors.StateMismatchError,
+                       match=r"holds 2 arrays per parameter there, 3 here \(amsgrad"):
+        wrap(make_model(), [a, b], lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+             run_name="r", commit_every=1, resume="require")
+    assert tree(a, b) == before
+
+
 def test_a_fresh_start_that_died_part_way_is_taken_up_again(tmp_path, monkeypatch):
     # The fresh start marks every tier before it removes a commit record: a
     # crash after the first removal leaves tiers with and without one, which

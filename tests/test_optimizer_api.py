@@ -4,6 +4,7 @@ LR schedulers, closures, hooks, zero_grad, add_param_group, GradScaler,
 clip_grad_norm_, mixed precision, and the errors for what is not supported.
 """
 
+import collections
 import copy
 import datetime
 import fcntl
@@ -2638,4 +2639,62 @@ def test_state_dicts_that_do_not_fit_are_refused_by_name_and_change_nothing(tmp_
     loss_of(model, 1).backward()
     opt.step()
     assert opt.engine.steps == 2
+    opt.close()
+
+
+def test_a_torch_state_dict_with_unused_parameters_names_them_and_the_fix(tmp_path):
+    # A plain AdamW run where a layer never got a gradient (an unused
+    # pooler): its state dict has no state for that layer. Before, the
+    # error gave indices only and no way out.
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "pool": torch.nn.Linear(4, 4)})
+    ref = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    model["used"](torch.randn(2, 4)).sum().backward()
+    ref.step()
+    sd = ref.state_dict()
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(model.named_parameters(), lr=1e-2),
+                              tiers=[str(tmp_path)], subgroup_numel=1000)
+    with pytest.raises(errors.StateMismatchError,
+                       match=r"parameters \[2 \('pool.weight'\), 3 \('pool.bias'\)\] have no "
+                             r"state .* set requires_grad=False on those parameters before "
+                             r"making this optimizer"):
+        opt.load_state_dict(sd)
+    opt.close()
+    for p in model["pool"].parameters():
+        p.requires_grad_(False)
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(model.named_parameters(), lr=1e-2),
+                              tiers=[str(tmp_path)], subgroup_numel=1000)
+    opt.load_state_dict(sd)
+    got = opt.state_dict()["state"]
+    assert sorted(got) == [0, 1]
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(got[0][k], sd["state"][0][k])
+    opt.close()
+
+
+def test_generic_state_keys_on_a_native_optimizer_is_refused(tmp_path):
+    # Before, it was ignored without a word.
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(errors.ConfigError,
+                       match=r"generic_state_keys=\['no_such_key'\] is for the generic path, "
+                             r"but AdamW runs on the native kernels"):
+        MLPOffloadOptimizer(torch.optim.AdamW(model.parameters()), tiers=[str(tmp_path)],
+                            generic_state_keys=["no_such_key"])
+
+
+def test_replacing_opt_state_is_refused_and_the_documented_reset_works(tmp_path):
+    # torch's way to drop the moments, opt.state = defaultdict(dict), was
+    # accepted and ignored: the engine kept its moments.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                              tiers=[str(tmp_path)])
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert len(opt.state) == 2
+    with pytest.raises(TypeError, match=r"opt.state cannot be replaced.*load_state_dict"):
+        opt.state = collections.defaultdict(dict)
+    assert len(opt.state) == 2
+    opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+    assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
     opt.close()

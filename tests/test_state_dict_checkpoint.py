@@ -305,6 +305,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
                 tier_dirs(tmp_path, 1, "c"))
     with pytest.raises(errors.StateMismatchError, match="optimizer"):
         opt3.load_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "nothing").mkdir()  # (a path that is not there: TierNotFoundError)
     with pytest.raises(errors.StateMismatchError, match="no checkpoint"):
         opt2.load_checkpoint(tmp_path / "nothing")
     for o in (opt, opt2, opt3):
@@ -509,7 +510,7 @@ def test_a_group_value_a_checkpoint_cannot_hold_is_named_when_saved(tmp_path):
     with pytest.raises(errors.ConfigError, match=r"\['param_groups'\]\[0\]\['mask'\] is a "
                                                  r"numpy.ndarray"):
         opt.save_checkpoint(ckpt)
-    assert not os.path.exists(ckpt) or not os.listdir(ckpt)
+    assert not os.path.exists(ckpt) or os.listdir(ckpt) == ["LOCK.rank0"]  # the save lock
     del opt.param_groups[0]["mask"]
     run(model, opt, [1])
     opt.save_checkpoint(ckpt)
@@ -545,3 +546,106 @@ def test_a_checkpoint_of_other_frozen_parameters_names_the_subgroups(tmp_path):
         p.requires_grad_(True)
     run(model, opt, [2])
     opt.close()
+
+
+def test_named_parameters_in_another_order_are_refused_not_swapped(tmp_path):
+    # Two layers of one shape, listed in the other order (named_parameters()
+    # of a model whose modules were reordered): before, a resume, a
+    # load_checkpoint and a load_state_dict wrote each layer's master copy
+    # and moments into the other, silently.
+    def model_and_named(order):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                    torch.nn.Linear(8, 8))
+        named = dict(model.named_parameters())
+        return model, [(n, named[n]) for n in order]
+
+    tiers, ckpt = tier_dirs(tmp_path), str(tmp_path / "ckpt")
+    straight = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    swapped = ["2.weight", "2.bias", "0.weight", "0.bias"]
+    model, named = model_and_named(straight)
+    opt = wrap(torch.optim.AdamW(named, lr=1e-2), tiers, run_name="n", commit_every=1,
+               checkpoint_dir=ckpt)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+    opt.save_checkpoint()
+    sd = opt.state_dict()
+    opt.close()
+    match = r"parameter 0 is '0.weight' there and '2.weight' here \(the parameters in another"
+    other, renamed = model_and_named(swapped)
+    with pytest.raises(errors.StateMismatchError, match=match):
+        wrap(torch.optim.AdamW(renamed, lr=1e-2), tiers, run_name="n", commit_every=1,
+             resume="require")
+    fresh = wrap(torch.optim.AdamW(renamed, lr=1e-2), tier_dirs(tmp_path, prefix="f"))
+    with pytest.raises(errors.StateMismatchError, match=match):
+        fresh.load_checkpoint(ckpt)
+    with pytest.raises(errors.StateMismatchError, match=match):
+        fresh.load_state_dict(sd)
+    fresh.close()
+    # Unnamed on one side (parameters() one time, named_parameters() the
+    # next) is not refused; the right order resumes.
+    plain = wrap(torch.optim.AdamW(other.parameters(), lr=1e-2), tier_dirs(tmp_path, prefix="p"))
+    plain.load_checkpoint(ckpt)
+    plain.close()
+    model, named = model_and_named(straight)
+    opt = wrap(torch.optim.AdamW(named, lr=1e-2), tiers, run_name="n", commit_every=1,
+               resume="require")
+    assert opt.resumed_step == 2
+    opt.close()
+    # The export names the tensors as the groups did.
+    out = str(tmp_path / "w.safetensors")
+    checkpoint.export_master_weights(ckpt, out)
+    with open(out, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert sorted(k for k in header if k != "__metadata__") == sorted(straight)
+
+
+def test_load_checkpoint_from_a_path_that_is_not_there_says_so(tmp_path):
+    # Before: StateMismatchError ("no checkpoint for rank 0 ... manifest is
+    # missing"), a ValueError that read as another model's checkpoint.
+    model = make_model()
+    opt = wrap(OPTIMIZERS["adamw"](model.parameters()), tier_dirs(tmp_path))
+    with pytest.raises(errors.TierNotFoundError,
+                       match=r"checkpoint directory .*/typo does not exist"):
+        opt.load_checkpoint(str(tmp_path / "typo"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(errors.TierNotFoundError, match=r"/file is not a directory"):
+        opt.load_checkpoint(str(tmp_path / "file"))
+    with pytest.raises(OSError):  # TierNotFoundError is one
+        opt.load_checkpoint(str(tmp_path / "typo"))
+    opt.close()
+
+
+def test_a_second_save_into_a_checkpoint_dir_in_use_is_refused(tmp_path):
+    # Two runs given one checkpoint_dir: each save removed the other's files
+    # (those its own manifest did not name), and both reported success.
+    from mlp_offload import recovery
+    ckpt = str(tmp_path / "ckpt")
+    model = make_model()
+    opt = wrap(OPTIMIZERS["adamw"](model.parameters()), tier_dirs(tmp_path), checkpoint_dir=ckpt)
+    run(model, opt, range(2))
+    opt.save_checkpoint()
+    before = sorted(os.listdir(ckpt))
+    held = recovery.hold_checkpoint_lock(ckpt, 0)  # the other run's save, under way
+    try:
+        with pytest.raises(errors.TierInUseError,
+                           match=r"checkpoint directory .*ckpt is in use: another save of rank "
+                                 rf"0 holds .*LOCK.rank0 \(pid and host: {os.getpid()} .*\); "
+                                 r"saves of two runs into one directory"):
+            opt.save_checkpoint()
+        assert sorted(os.listdir(ckpt)) == before
+    finally:
+        os.close(held)
+    run(model, opt, range(2, 3))
+    opt.save_checkpoint()
+    want = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    other = make_model(seed=1)
+    opt = wrap(OPTIMIZERS["adamw"](other.parameters()), tier_dirs(tmp_path, prefix="u"))
+    opt.load_checkpoint(ckpt)
+    for p, q in zip(other.parameters(), want):
+        assert torch.equal(p, q)
+    opt.close()
+    checkpoint.export_master_weights(ckpt, str(tmp_path / "w.safetensors"))

@@ -148,6 +148,11 @@ def _schema_problem(m):
                     for st, sh in zip(strides, shapes))):
         return ("'layout.param_strides' must list, per parameter, null or strides of "
                 "its shape's length")
+    names = layout.get("param_names")
+    if names is not None and not (
+            isinstance(names, list) and len(names) == len(shapes)
+            and all(n is None or isinstance(n, str) for n in names)):
+        return "'layout.param_names' must list, per parameter, null or its name"
     owners = layout.get("owners")
     if owners is None and m.get("version", 1) >= 3:
         return "no 'layout.owners'"
@@ -362,14 +367,20 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
     streaming one subgroup at a time (memory of one subgroup, whatever the
     model's size). `names`: one tensor name per parameter, in the
     optimizer's order (e.g. `[n for n, _ in model.named_parameters()]`);
-    default "param.<index>". Written to a temporary name, then renamed
-    (mode 0644: weights to share, unlike the 0600 state)."""
+    default: the names the optimizer's groups carried (an optimizer
+    constructed from named_parameters()), "param.<index>" for a parameter
+    without one. Written to a temporary name, then renamed (mode 0644:
+    weights to share, unlike the 0600 state)."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(map(str, _SAFETENSORS_DTYPES))}, "
                           f"got {dtype}")
     directory, manifests, layout = _open_save(directory)
     shapes = [tuple(s) for s in layout["param_shapes"]]
-    names = [f"param.{i}" for i in range(len(shapes))] if names is None else list(names)
+    if names is None:
+        saved = layout.get("param_names") or [None] * len(shapes)
+        names = [f"param.{i}" if n is None else n for i, n in enumerate(saved)]
+    else:
+        names = list(names)
     if len(names) != len(shapes):
         raise ConfigError(f"{len(names)} names for the checkpoint's {len(shapes)} parameters")
     if not all(isinstance(n, str) and n for n in names):

@@ -50,7 +50,8 @@ from mlp_offload import state_view as _state_view
 from mlp_offload import _C
 from mlp_offload.errors import (ConcurrentUseError, ConfigError, CorruptStateError,
                                 InheritedEngineError, NonFiniteGradientError, OffloadError,
-                                StateMismatchError, TierError, TierFullError, TierInUseError)
+                                StateMismatchError, TierError, TierFullError, TierInUseError,
+                                TierNotFoundError)
 
 _log = logging.getLogger(__name__)
 
@@ -148,8 +149,9 @@ def _collective_device(types):
 
 
 # The files of a rank's checkpoint parts: manifest.rank<k>[.prev].json,
-# engine-r<k>-<id>[.old|.tmp.<pid>], python-r<k>-<id>.pt.
-_RANK_FILE = re.compile(r"^(manifest\.rank|engine-r|python-r)(\d+)[.-]")
+# engine-r<k>-<id>[.old|.tmp.<pid>], python-r<k>-<id>.pt, and its save
+# lock LOCK.rank<k>.
+_RANK_FILE = re.compile(r"^(manifest\.rank|engine-r|python-r|LOCK\.rank)(\d+)([.-]|$)")
 
 
 def _remove_entries(directory, names):
@@ -217,6 +219,37 @@ def _close_engine(engine, run_dirs, pid):
         engine.close()
     for d in run_dirs:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _param_names(groups):
+    """The names of the parameters of `groups` (param_groups, or a state
+    dict's), in order, where some group carries "param_names" (None for
+    the parameters of a group that does not); None where none does."""
+    if not any(isinstance(g, collections.abc.Mapping) and g.get("param_names") is not None
+               for g in groups):
+        return None
+    names = []
+    for g in groups:
+        given = g.get("param_names")
+        count = len(g["params"])
+        if given is None or len(given) != count:
+            given = [None] * count
+        names.extend(None if n is None else str(n) for n in given)
+    return names
+
+
+def _names_difference(theirs, mine):
+    """Where two lists of parameter names (_param_names) name a parameter
+    differently, as text, or None (also where either side is unnamed: an
+    optimizer may be constructed from parameters() one time and from
+    named_parameters() the next)."""
+    if theirs is None or mine is None:
+        return None
+    for pid, (a, b) in enumerate(zip(theirs, mine)):
+        if a is not None and b is not None and a != b:
+            return (f"parameter {pid} is {a!r} there and {b!r} here (the parameters in "
+                    f"another order, or another model's)")
+    return None
 
 
 def _copy_state(state):
@@ -532,7 +565,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         for name in _generic.HOOK_DICTS:
             setattr(self, name, getattr(optimizer, name))
         # Read-only, torch's layout (state_view.py): the state is the engine's.
-        self.state = _state_view.OffloadedState(self)
+        self.__dict__["_state_view"] = _state_view.OffloadedState(self)
         # GradScaler: unscaling happens inside the kernel (or the fp32
         # conversion of the generic path), not in place on the gradients.
         self._step_supports_amp_scaling = True
@@ -759,6 +792,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
         self._family = _hp.native_family(self.optimizer)
         if self._family is not None:
+            if self._generic_state_keys is not None:
+                raise ConfigError(
+                    f"generic_state_keys={list(self._generic_state_keys)!r} is for the "
+                    f"generic path, but {type(self.optimizer).__name__} runs on the native "
+                    f"kernels, whose state keys are fixed: leave it out")
             _hp.check_options(self.optimizer, self._family)
             self._group_hps = [_hp.group_hyperparams(self._family, g) for g in groups]
             self._num_arrays = self._uniform_arrays(self._group_hps)
@@ -779,6 +817,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._packed_trainable = {id(p): before.get(id(p), p.requires_grad)
                                   for sg in self._subgroups for p in sg.params}
         self._param_shapes = [list(p.shape) for p in params]
+        # The parameters' names where the groups carry them (an optimizer
+        # constructed from named_parameters()): the layouts record them, so
+        # that state saved with two parameters of one shape in the other
+        # order is refused instead of written into each other's.
+        self._param_names = _param_names(groups)
         # Of the parameters not in row-major order (channels_last): the
         # strides that place their values, which the records hold in memory
         # order ({index: strides}).
@@ -1055,14 +1098,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     raise StateMismatchError(
                         f"{_recovery.pystate_path(dirs[0], keys[0])} was committed by an "
                         f"older version: {old}")
-                _C.engine.check_run_layout(dirs, 1 + self._num_arrays, numel)
-                # A rank whose own subgroups an add_param_group left alone
-                # has engine files of one layout on both sides of it.
+                # Before the engine files' check: this names what differs (a
+                # rank whose own subgroups an add_param_group left alone has
+                # engine files of one layout on both sides of it, too).
                 difference = state and self._layout_difference(state.get("layout", {}))
                 if difference:
                     raise StateMismatchError(
                         f"{_recovery.pystate_path(dirs[0], keys[0])} was written for "
                         f"another model, optimizer or parameter groups: {difference}")
+                _C.engine.check_run_layout(dirs, 1 + self._num_arrays, numel)
             except StateMismatchError as e:
                 explained = self._explain_other_world(e, name)
                 if explained is e and "another" in str(e):
@@ -1675,6 +1719,23 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         raise TypeError("MLPOffloadOptimizer cannot be pickled: use state_dict() or "
                         "save_checkpoint()")
 
+    @property
+    def state(self):
+        """The offloaded state, read-only, in torch's layout (state_view.py)."""
+        view = self.__dict__.get("_state_view")
+        return view if view is not None else self.__dict__.get("_init_state")
+
+    @state.setter
+    def state(self, value):
+        if getattr(self, "_in_super_init", False):  # torch.optim.Optimizer.__init__'s
+            self.__dict__["_init_state"] = value
+            return
+        raise TypeError(
+            "opt.state cannot be replaced: the state is the engine's, and a new dict would "
+            "be ignored by the steps. To start the state afresh, load a state dict without "
+            "state: opt.load_state_dict({'state': {}, 'param_groups': "
+            "opt.state_dict()['param_groups']})")
+
     # ------------------------------------------------------ param group API
 
     def add_param_group(self, param_group):
@@ -2116,13 +2177,15 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                             f"of its own when the optimizer is built (subgroups never span "
                             f"param groups)")
                 else:
-                    hint = ("give parameters that get a gradient on some steps only (an "
-                            "auxiliary head, MoE experts) a param group of their own "
-                            "(subgroups never span param groups), or keep their gradients "
-                            "with zero_grad(set_to_none=False) once they have one: they then "
-                            "step with zero")
+                    hint = ("set requires_grad=False on parameters that never get a gradient "
+                            "(an unused layer, such as a pooler) before making the optimizer "
+                            "(frozen parameters are packed apart); give those that get one "
+                            "on some steps only (an auxiliary head, MoE experts) a param "
+                            "group of their own (subgroups never span param groups), or keep "
+                            "their gradients with zero_grad(set_to_none=False) once they "
+                            "have had one, so that they then step with a zero gradient")
                 raise OffloadError(
-                    f"parameters {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
+                    f"parameters {self._pids_text(missing)} have no "
                     f"gradient while others of their subgroup {sg.index} do; the offloaded "
                     f"state is updated per subgroup, so a subgroup's parameters need a "
                     f"gradient together or not at all: {hint}")
@@ -2773,12 +2836,29 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         want = self._layout_summary()
         for key in ("optimizer", "world_size", "dtype", "group_sizes", "num_state_arrays",
                     "param_shapes", "subgroups"):
-            if want[key] != got.get(key):
-                return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
+            if want[key] == got.get(key):
+                continue
+            if key == "num_state_arrays":
+                return (f"the state holds {got.get(key)!r} arrays per parameter there, "
+                        f"{want[key]!r} here (amsgrad, SGD momentum or the generic state "
+                        f"keys changed)")
+            if key == "subgroups" and isinstance(got.get(key), list):
+                theirs, ours = got[key], want[key]
+                k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                         min(len(ours), len(theirs)))
+                return (f"the parameters are packed into other subgroups: subgroup {k} "
+                        f"holds parameters {theirs[k] if k < len(theirs) else 'nothing'} "
+                        f"there, {ours[k] if k < len(ours) else 'nothing'} here (another "
+                        f"subgroup_numel, or other parameters frozen when the optimizer was "
+                        f"made, which are packed apart: make it with the same ones frozen)")
+            return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
         theirs = _ckpt.param_strides_of(got)
         if theirs != self._strides_list():
             return (f"param_strides (the parameters' memory formats) are {theirs!r} there, "
                     f"{self._strides_list()!r} here")
+        named = _names_difference(got.get("param_names"), self._param_names)
+        if named is not None:
+            return named
         if want["owners"] != _ckpt.owners_of(got):
             return self._round_robin_difference(got) or (
                 f"the subgroups' owner ranks are {_ckpt.owners_of(got)} there, "
@@ -3511,9 +3591,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if check_only and not all(present):
                     if any(present):
                         missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
-                        raise StateMismatchError(
-                            f"parameters {missing} have no state while others of their "
-                            f"subgroup {g} do; their state is stored together")
+                        raise self._partial_state_error(missing, g)
                     continue
                 master = None if check_only else _layout.flat_fp32(sg.params)
                 if masters:
@@ -3531,9 +3609,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     continue
                 if not all(present):
                     missing = [pid for pid, h in zip(sg.param_ids, present) if not h]
-                    raise StateMismatchError(
-                        f"parameters {missing} have no state while others of their subgroup "
-                        f"{g} do; their state is stored together")
+                    raise self._partial_state_error(missing, g)
                 arrays = [] if check_only else [torch.zeros(sg.numel, dtype=torch.float32)
                                                  for _ in range(self._num_arrays)]
                 steps = set()
@@ -3767,6 +3843,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     f"loaded state dict contains a parameter group that doesn't match "
                     f"the size of optimizer's group (group {gi}: {len(s['params'])} "
                     f"parameters, this optimizer's has {len(g['params'])})")
+        named = _names_difference(_param_names(saved_groups), self._param_names)
+        if named is not None:
+            raise StateMismatchError(f"the state dict does not match the optimizer: {named}")
         saved_ids = list(itertools.chain.from_iterable(g["params"] for g in saved_groups))
         shapes = self._param_shapes
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -3812,12 +3891,30 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         }
         if self._param_strides:  # absent where all are row-major, as before
             summary["param_strides"] = self._strides_list()
+        if self._param_names is not None:  # absent where no group names them
+            summary["param_names"] = self._param_names
         return summary
 
     def _strides_list(self):
         """Per parameter: its strides_of (None: row-major), as layouts list
         them."""
         return [self._param_strides.get(pid) for pid in range(len(self._param_shapes))]
+
+    def _partial_state_error(self, missing, g):
+        return StateMismatchError(
+            f"parameters {self._pids_text(missing)} have no state while others of their "
+            f"subgroup {g} do (parameters that got no gradient in the run that saved it, "
+            f"such as an unused layer?); their state is stored together: set "
+            f"requires_grad=False on those parameters before making this optimizer "
+            f"(frozen parameters are packed apart), then load")
+
+    def _pids_text(self, pids, limit=8):
+        """Parameter indices as text, each with its name where the groups
+        carry names: "[2 ('pooler.weight'), 3 ('pooler.bias')]"."""
+        names = self._param_names or ()
+        shown = [f"{pid} ({names[pid]!r})" if pid < len(names) and names[pid] else str(pid)
+                 for pid in pids[:limit]]
+        return f"[{', '.join(shown)}{'...' if len(pids) > limit else ''}]"
 
     def _layout_name(self, pid):
         return _layout.describe_strides(self._param_strides.get(pid))
@@ -3848,15 +3945,32 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._check_state_whole()
         self._check_no_failed_step("save_checkpoint", collective=True)
         directory = self._checkpoint_directory(directory, "save_checkpoint")
-        # Every rank raises if one cannot (none waits for it in a collective).
-        with self._together(f"create the checkpoint directory {directory}"):
-            try:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-            except OSError as e:
-                raise _recovery.os_error_to_tier_error(
-                    e, "create the checkpoint directory", directory) from e
-            if not os.path.isdir(directory):
-                raise ConfigError(f"checkpoint directory {directory} is not a directory")
+        lock = None
+        try:
+            # Every rank raises if one cannot (none waits for it in a collective).
+            with self._together(f"create the checkpoint directory {directory}"):
+                try:
+                    os.makedirs(directory, mode=0o700, exist_ok=True)
+                    if not os.path.isdir(directory):
+                        raise ConfigError(
+                            f"checkpoint directory {directory} is not a directory")
+                    # Two runs given one checkpoint_dir: each save would remove
+                    # the other's files (this rank's that its manifest does not
+                    # name).
+                    lock = _recovery.hold_checkpoint_lock(directory, self._rank)
+                except OSError as e:
+                    if isinstance(e, OffloadError):
+                        raise
+                    raise _recovery.os_error_to_tier_error(
+                        e, "create the checkpoint directory and its save lock",
+                        directory) from e
+            self._save_locked(directory)
+        finally:
+            if lock is not None:
+                os.close(lock)
+
+    def _save_locked(self, directory):
+        """save_checkpoint's save, under this rank's save lock."""
         self._refresh_hyperparams()
         self._ensure_initialized()
         self._retry_kept_commit("save_checkpoint")
@@ -4108,10 +4222,20 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._enter_collective("load_checkpoint")
         self._commit_completed_step("load_checkpoint")
         self._retry_kept_commit("load_checkpoint")
+        view, where = None, "does not exist"
         with self._together(f"read the checkpoint manifest in {directory}"):
-            view = _ckpt.saved_world(directory)  # None: no manifest of rank 0 here
+            if os.path.isdir(directory):
+                view, where = _ckpt.saved_world(directory), None  # None: no rank 0 manifest
+            elif os.path.lexists(directory):
+                where = "is not a directory"
         # The same decisions on every rank, from what every rank sees.
-        views = self._gather(view)
+        gathered = self._gather((view, where))
+        if all(w is not None for _, w in gathered):
+            # (Not "another model": a path that is wrong, or not mounted.)
+            raise TierNotFoundError(
+                f"checkpoint directory {directory} {where}"
+                f"{' on any rank' if self._process_group is not None else ''}")
+        views = [v for v, _ in gathered]
         shared = all(v is not None for v in views)
         other = sorted({v for v in views if v not in (None, self._world)})
         if other and not shared:
@@ -4234,6 +4358,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise StateMismatchError(
                 f"checkpoint in {directory} is for another model: "
                 f"{len(got['param_shapes'])} parameters there, {len(want['param_shapes'])} here")
+        named = _names_difference(got.get("param_names"), self._param_names)
+        if named is not None:
+            raise StateMismatchError(f"checkpoint in {directory} does not match: {named}")
         if want["subgroups"] != got["subgroups"]:
             k = next((k for k, (a, b) in enumerate(zip(want["subgroups"], got["subgroups"]))
                       if a != b), min(len(want["subgroups"]), len(got["subgroups"])))

@@ -37,6 +37,7 @@ import os
 import re
 import shutil
 import stat
+import socket
 import sys
 import time
 
@@ -95,6 +96,36 @@ def _hold_run_lock(d, held):
             f"run directory {d} is in use by a live engine (run lock {path} is held by "
             f"{who} (pid {holder})): it runs this run_name on these tiers; nothing was "
             f"removed") from None
+
+
+def hold_checkpoint_lock(directory, rank):
+    """Takes rank `rank`'s save lock of checkpoint directory `directory`
+    (LOCK.rank<rank>, a flock, which the kernel frees if the holder dies):
+    an open fd to close when the save is over. TierInUseError, naming the
+    holder, if another save of that rank into the directory holds it (two
+    runs given one checkpoint_dir: each save removes the files of the
+    other's)."""
+    path = os.path.join(directory, f"LOCK.rank{rank}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TierInUseError(
+            f"checkpoint directory {directory} is in use: another save of rank {rank} "
+            f"holds {path} (pid and host: {holder}); saves of two runs into one "
+            f"directory remove each other's files: give each run its own checkpoint_dir "
+            f"(nothing was changed)") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass  # only what an error names
+    return fd
 
 
 # Written into every tier's run directory before a fresh start removes a
