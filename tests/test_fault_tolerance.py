@@ -963,6 +963,28 @@ def test_a_resume_with_another_packing_or_state_arrays_says_which(tmp_path):
     assert tree(a, b) == before
 
 
+def test_a_resume_warns_of_the_settings_it_replaces(tmp_path, caplog):
+    # The committed settings win, as with torch's load_state_dict; before,
+    # an lr lowered at the restart was dropped without a word.
+    a = str(tmp_path / "a")
+    os.mkdir(a)
+    committed_run([a])
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        opt = wrap(make_model(), [a], run_name="r", commit_every=1, resume="require")
+    assert "committed settings" not in caplog.text
+    opt.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlp_offload"):
+        opt = wrap(make_model(), [a],
+                   lambda ps: torch.optim.AdamW(ps, lr=5e-3, weight_decay=0.1, eps=1e-6),
+                   run_name="r", commit_every=1, resume="require")
+    assert opt.param_groups[0]["lr"] == 1e-2
+    assert ("resumed at step 3 with the committed settings, not those the optimizer was "
+            "constructed with: group 0 lr: 0.01 (given 0.005); group 0 eps: 1e-08 (given "
+            "1e-06)") in caplog.text
+    opt.close()
+
+
 def test_a_fresh_start_that_died_part_way_is_taken_up_again(tmp_path, monkeypatch):
     # The fresh start marks every tier before it removes a commit record: a
     # crash after the first removal leaves tiers with and without one, which

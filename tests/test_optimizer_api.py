@@ -2698,3 +2698,27 @@ def test_replacing_opt_state_is_refused_and_the_documented_reset_works(tmp_path)
     opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
     assert len(opt.state) == 0 and opt.state_dict()["state"] == {}
     opt.close()
+
+
+def test_one_cycle_lr_switching_sgd_momentum_on_says_which_setting(tmp_path):
+    # OneCycleLR sets momentum on SGD (cycle_momentum=True, its default):
+    # the engine, made without momentum, has no array for it. Before, the
+    # error blamed the user ("switched on after construction") and said
+    # "1 state arrays".
+    model = torch.nn.Linear(4, 4)
+    opt = MLPOffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              tiers=[str(tmp_path)])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(errors.ConfigError,
+                       match=r"need 1 state array per parameter.*OneCycleLR and CyclicLR .* "
+                             r"construct the scheduler with cycle_momentum=False"):
+        opt.step()
+    opt.close()
+    opt = MLPOffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                              tiers=[str(tmp_path)])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10,
+                                                cycle_momentum=False)
+    opt.step()
+    sched.step()
+    opt.close()

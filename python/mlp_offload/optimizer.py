@@ -2994,6 +2994,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # A rank without subgroups takes an owner's (the ranks'
                 # hyperparameters must agree at each step).
                 groups = next(g for g in self._gather(groups) if g is not None)
+            if self._rank == 0:
+                self._warn_resumed_settings(groups, step)
             self._inner_load_state_dict({"state": {}, "param_groups": groups})
             self.optimizer.state.clear()
             self.param_groups = self.optimizer.param_groups
@@ -3018,6 +3020,31 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             _log.info("run %r: resumed from the %s at step %s", self._run_prefix,
                       "last committed step" if self.resumed_from == "committed_step"
                       else f"checkpoint in {self._checkpoint_dir}", self.resumed_step)
+
+    def _warn_resumed_settings(self, committed, step):
+        """A resume takes the committed param_groups' settings, as torch's
+        load_state_dict does: a warning names each that the optimizer was
+        constructed with otherwise (an lr lowered to recover from a
+        divergence would be lost without a word)."""
+        changed = []
+        for gi, (now, then) in enumerate(zip(self.optimizer.param_groups, committed)):
+            for key, value in now.items():
+                if key in ("params", "param_names") or key not in then:
+                    continue
+                old = then[key]
+                if isinstance(value, torch.Tensor) or isinstance(old, torch.Tensor):
+                    continue
+                try:
+                    same = bool(value == old)
+                except Exception:  # noqa: BLE001 - values that do not compare
+                    continue
+                if not same:
+                    changed.append(f"group {gi} {key}: {old!r} (given {value!r})")
+        if changed:
+            _log.warning("run %r: resumed at step %s with the committed settings, not those "
+                         "the optimizer was constructed with: %s; to change them, set "
+                         "opt.param_groups[i][key] after the resume", self._run_prefix, step,
+                         "; ".join(changed[:8]) + (" ..." if len(changed) > 8 else ""))
 
     @staticmethod
     def _uniform_arrays(hps):
@@ -3047,10 +3074,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         need = self._uniform_arrays(self._group_hps)
         if need > self._num_arrays:
             raise ConfigError(
-                f"the hyperparameters now need {need} state arrays per parameter, the "
-                f"engine was created with {self._num_arrays} (SGD momentum or amsgrad "
-                f"switched on after construction): create the optimizer with them on, "
-                f"then turn them off until they are wanted")
+                f"the hyperparameters now need {need} state array"
+                f"{'' if need == 1 else 's'} per parameter, the engine was created with "
+                f"{self._num_arrays} (SGD momentum or amsgrad switched on after "
+                f"construction; OneCycleLR and CyclicLR do so for SGD on their own, "
+                f"with cycle_momentum=True, their default): construct the scheduler with "
+                f"cycle_momentum=False, or create the optimizer with momentum on (e.g. "
+                f"SGD(momentum=0.9)), then turn it off until it is wanted")
 
     def _native_inputs(self):
         inputs = []
