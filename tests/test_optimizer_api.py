@@ -2722,3 +2722,20 @@ def test_one_cycle_lr_switching_sgd_momentum_on_says_which_setting(tmp_path):
     opt.step()
     sched.step()
     opt.close()
+
+
+def test_rebinding_param_groups_is_what_steps_and_what_is_saved(tmp_path):
+    # opt.param_groups = [...] set what the step used, but state_dict() and
+    # save_checkpoint() saved the wrapped optimizer's old list.
+    model = torch.nn.Linear(4, 4)
+    opt = MLPOffloadOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                              tiers=[str(tmp_path)])
+    opt.param_groups = [dict(g, lr=0.5) for g in opt.param_groups]
+    assert opt.optimizer.param_groups is opt.param_groups
+    before = model.weight.detach().clone()
+    model(torch.ones(2, 4)).sum().backward()
+    grad = model.weight.grad.clone()
+    opt.step()
+    torch.testing.assert_close(model.weight.detach(), before - 0.5 * grad)
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.5
+    opt.close()

@@ -611,7 +611,7 @@ def test_load_checkpoint_from_a_path_that_is_not_there_says_so(tmp_path):
                        match=r"checkpoint directory .*/typo does not exist"):
         opt.load_checkpoint(str(tmp_path / "typo"))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(errors.TierNotFoundError, match=r"/file is not a directory"):
+    with pytest.raises(errors.ConfigError, match=r"/file is not a directory"):
         opt.load_checkpoint(str(tmp_path / "file"))
     with pytest.raises(OSError):  # TierNotFoundError is one
         opt.load_checkpoint(str(tmp_path / "typo"))

@@ -1720,6 +1720,24 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         "save_checkpoint()")
 
     @property
+    def param_groups(self):
+        """The wrapped optimizer's own list: one list, whoever replaces it
+        (a scheduler or the user rebinding opt.param_groups: the steps and
+        the saved state then both take the new one)."""
+        inner = self.__dict__.get("optimizer")
+        if inner is None or self.__dict__.get("_in_super_init", False):
+            return self.__dict__.get("_init_param_groups")
+        return inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        inner = self.__dict__.get("optimizer")
+        if inner is None or self.__dict__.get("_in_super_init", False):
+            self.__dict__["_init_param_groups"] = value  # torch.optim.Optimizer.__init__'s
+            return
+        inner.param_groups = value
+
+    @property
     def state(self):
         """The offloaded state, read-only, in torch's layout (state_view.py)."""
         view = self.__dict__.get("_state_view")
@@ -4262,9 +4280,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         gathered = self._gather((view, where))
         if all(w is not None for _, w in gathered):
             # (Not "another model": a path that is wrong, or not mounted.)
-            raise TierNotFoundError(
-                f"checkpoint directory {directory} {where}"
-                f"{' on any rank' if self._process_group is not None else ''}")
+            kind = TierNotFoundError if where == "does not exist" else ConfigError
+            raise kind(f"checkpoint directory {directory} {where}"
+                       f"{' on any rank' if self._process_group is not None else ''}")
         views = [v for v, _ in gathered]
         shared = all(v is not None for v in views)
         other = sorted({v for v in views if v not in (None, self._world)})
