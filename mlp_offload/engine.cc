@@ -562,6 +562,9 @@ struct Engine::Impl {
     FaultInjectingEngine* faults = nullptr;
     std::unique_ptr<RunLock> run_lock;
     std::string manifest;  // the bytes of dir/MANIFEST, as written or read
+    // Whether this Create made `dir` (mkdir returned 0): only such a
+    // directory may go again when Create fails (RemoveMadeRunDirs).
+    bool made_dir = false;
   };
   std::vector<Tier> tiers;
   std::atomic<bool> interrupted{false};  // SetInterrupted
@@ -1432,6 +1435,11 @@ struct Engine::Impl {
   // without touching them; OpenTiers then creates the run directories.
   absl::Status CheckTiers();
   absl::Status OpenTiers();
+  // For a failed Create: removes the run directories it made (Tier::
+  // made_dir) that hold nothing but the LOCK file it took in them, and
+  // drops its run locks. A directory that existed before is never touched:
+  // it may hold a committed run's state.
+  void RemoveMadeRunDirs();
   std::vector<std::string> real_paths;
   absl::Status LoadCommitted();
 
@@ -1657,11 +1665,40 @@ absl::Status Engine::Impl::CheckTiers() {
 absl::Status Engine::Impl::OpenTiers() {
   const int num_tiers = static_cast<int>(config.tiers.size());
   const std::vector<std::string>& real = real_paths;
+  // What can be refused without the run directories (the io options, a
+  // missing tier lock directory) is, before any is made: a refused config
+  // leaves nothing behind. The engines are made here too (their options
+  // are checked by making them; io_uring may be unavailable).
+  std::vector<std::unique_ptr<IoEngine>> ios(num_tiers);
+  std::vector<std::string> throttle_paths(num_tiers), lock_prefixes(num_tiers);
+  for (int t = 0; t < num_tiers; ++t) {
+    MLP_ASSIGN_OR_RETURN(ios[t], CreateIoEngine(config.io));
+    if (config.tiers[t].throttle_shared) {
+      absl::StatusOr<std::string> state =
+          SharedThrottlePath(config.tier_lock_dir, real[t]);
+      if (!state.ok()) {
+        return Annotate(state.status(),
+                        absl::StrCat("tier ", t, ": shared throttle"));
+      }
+      throttle_paths[t] = *std::move(state);
+    }
+    if (config.techniques.tier_lock) {
+      // Node-local, shared by every run of this node on the tier.
+      absl::StatusOr<std::string> prefix =
+          TierLockPrefix(config.tier_lock_dir, real[t]);
+      if (!prefix.ok()) {
+        return Annotate(prefix.status(),
+                        absl::StrCat("tier ", t, ": tier lock"));
+      }
+      lock_prefixes[t] = *std::move(prefix);
+    }
+  }
   tiers.resize(num_tiers);
   for (int t = 0; t < num_tiers; ++t) {
     Tier& tier = tiers[t];
     tier.dir = absl::StrCat(real[t], "/", config.run_name);
     if (mkdir(tier.dir.c_str(), 0700) == 0) {
+      tier.made_dir = true;
       // A new directory survives a crash only once its parent is synced (the
       // commits written in it would go with it).
       absl::Status synced = SyncDirectory(real[t]);
@@ -1676,18 +1713,11 @@ absl::Status Engine::Impl::OpenTiers() {
                        " is not a directory (a planted symlink?)"));
     }
     MLP_ASSIGN_OR_RETURN(tier.run_lock, RunLock::Acquire(tier.dir + "/LOCK"));
-    MLP_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io,
-                         CreateIoEngine(config.io));
+    std::unique_ptr<IoEngine> io = std::move(ios[t]);
     const TierSpec& spec = config.tiers[t];
     if (spec.throttle_shared) {
       SharedThrottleOptions shared;
-      absl::StatusOr<std::string> state =
-          SharedThrottlePath(config.tier_lock_dir, real[t]);
-      if (!state.ok()) {
-        return Annotate(state.status(),
-                        absl::StrCat("tier ", t, ": shared throttle"));
-      }
-      shared.state_path = *state;
+      shared.state_path = throttle_paths[t];
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
@@ -1709,14 +1739,7 @@ absl::Status Engine::Impl::OpenTiers() {
     }
     std::vector<std::unique_ptr<TierLock>> locks;
     if (config.techniques.tier_lock) {
-      // Node-local, shared by every run of this node on the tier.
-      absl::StatusOr<std::string> prefix =
-          TierLockPrefix(config.tier_lock_dir, real[t]);
-      if (!prefix.ok()) {
-        return Annotate(prefix.status(),
-                        absl::StrCat("tier ", t, ": tier lock"));
-      }
-      const std::string& base = *prefix;
+      const std::string& base = lock_prefixes[t];
       std::vector<std::string> paths = {base};
       if (config.tier_lock_mode == TierLockMode::kPerDirection) {
         paths = {base + ".read", base + ".write"};
@@ -1733,6 +1756,36 @@ absl::Status Engine::Impl::OpenTiers() {
     MLP_RETURN_IF_ERROR(tier.channel->start_status());
   }
   return absl::OkStatus();
+}
+
+void Engine::Impl::RemoveMadeRunDirs() {
+  for (Tier& tier : tiers) {
+    if (!tier.made_dir) continue;
+    if (tier.run_lock != nullptr) {
+      // Only our LOCK in it: nothing else was written there. The LOCK goes
+      // while still held: a run of the same name that opened it meanwhile
+      // is refused by its flock, or, taking it once it is dropped, finds it
+      // gone from its path before its first commit (CheckStillAtPath); one
+      // that comes after the rmdir makes the directory anew.
+      bool only_lock = true;
+      if (DIR* d = opendir(tier.dir.c_str())) {
+        while (struct dirent* ent = readdir(d)) {
+          const std::string name = ent->d_name;
+          if (name != "." && name != ".." && name != "LOCK") only_lock = false;
+        }
+        closedir(d);
+      } else {
+        only_lock = false;
+      }
+      if (only_lock) unlink((tier.dir + "/LOCK").c_str());
+    }
+    // rmdir removes an empty directory only: one that holds anything (a
+    // LOCK another process took, a record) stays. Best effort, and not
+    // synced: a crash leaves an empty directory, as before this cleanup.
+    rmdir(tier.dir.c_str());
+    tier.run_lock.reset();
+    tier.made_dir = false;
+  }
 }
 
 absl::Status Engine::Impl::LoadCommitted() {
@@ -1960,6 +2013,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   }
   MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
   e.planner_input = std::move(in);
+  // From here on the run directories exist: a failed Create removes the
+  // ones it made and left empty (a private run's, whose name no later run
+  // takes up, would stay behind otherwise). Destroyed before `impl`.
+  struct RemoveMadeRunDirsOnError {
+    Impl* impl;
+    ~RemoveMadeRunDirsOnError() {
+      if (impl != nullptr) impl->RemoveMadeRunDirs();
+    }
+  } remove_made_dirs{&e};
   MLP_RETURN_IF_ERROR(e.OpenTiers());
   e.numel = config.subgroup_numel;
   e.payload_bytes.resize(n);
@@ -2052,6 +2114,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
                            AlignedBuffer::Allocate(e.plan.buffer_bytes));
     }
   }
+  remove_made_dirs.impl = nullptr;  // the run's now, kept
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 

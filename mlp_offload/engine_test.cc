@@ -512,6 +512,100 @@ TEST(EngineTest, TierInUseByAnotherLiveRunIsRefused) {
   EXPECT_TRUE(Engine::Create(cfg).ok());
 }
 
+// The names in `dir` other than . and .., sorted; empty if there is none.
+std::vector<std::string> NamesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (struct dirent* ent = readdir(d)) {
+      const std::string name = ent->d_name;
+      if (name != "." && name != "..") names.push_back(name);
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(EngineTest, AFailedCreateLeavesNoRunDirectoryItMadeButKeepsAnOlderOne) {
+  // A private run's name is never taken up again: a run directory that a
+  // failed Create left behind (its LOCK in it) would stay for ever.
+  struct Bad {
+    std::string what;  // in the error
+    std::function<void(EngineConfig&)> edit;
+  };
+  const std::vector<Bad> bad = {
+      {"queue_depth", [](EngineConfig& c) { c.io.queue_depth = 0; }},
+      {"block_size", [](EngineConfig& c) { c.io.block_size = 4097; }},
+      {"/nonexistent/locks",
+       [](EngineConfig& c) { c.tier_lock_dir = "/nonexistent/locks"; }},
+      {"shared throttle",
+       [](EngineConfig& c) {
+         c.techniques.tier_lock = false;
+         c.tier_lock_dir = "/nonexistent/locks";
+         c.tiers[1].throttle_shared = true;
+         c.tiers[1].throttle_read_bytes_per_sec = 1e9;
+       }},
+      // Refused once tier 0's run directory is made: tier 1's is a file.
+      {"is not a directory",
+       [](EngineConfig& c) {
+         std::FILE* f =
+             std::fopen((c.tiers[1].path + "/" + c.run_name).c_str(), "w");
+         ASSERT_NE(f, nullptr);
+         std::fclose(f);
+       }},
+      // Refused after every tier's: nothing to resume.
+      {"MANIFEST", [](EngineConfig& c) { c.resume = true; }},
+  };
+  for (const Bad& b : bad) {
+    EngineConfig cfg = SmallConfig(2);
+    cfg.run_name = "mlp_offload-1-0123abcd-g1-r0-kboot";
+    ASSERT_NO_FATAL_FAILURE(b.edit(cfg));
+    auto e = Engine::Create(cfg);
+    ASSERT_FALSE(e.ok()) << b.what;
+    EXPECT_NE(e.status().message().find(b.what), std::string::npos)
+        << e.status();
+    EXPECT_EQ(NamesIn(cfg.tiers[0].path), std::vector<std::string>{}) << b.what;
+    struct stat st;
+    EXPECT_TRUE(stat((cfg.tiers[1].path + "/" + cfg.run_name).c_str(), &st) !=
+                    0 ||
+                S_ISREG(st.st_mode))
+        << b.what;
+
+    // A run directory that was there before stays as it was, whatever it
+    // holds (a committed run's state), and so does its LOCK.
+    cfg = SmallConfig(2);
+    cfg.run_name = "mlp_offload-1-0123abcd-g1-r0-kboot";
+    const std::string dir0 = cfg.tiers[0].path + "/" + cfg.run_name;
+    ASSERT_EQ(mkdir(dir0.c_str(), 0700), 0);
+    for (const char* name : {"LOCK", "COMMIT"}) {
+      std::FILE* f = std::fopen(absl::StrCat(dir0, "/", name).c_str(), "w");
+      ASSERT_NE(f, nullptr);
+      std::fclose(f);
+    }
+    ASSERT_NO_FATAL_FAILURE(b.edit(cfg));
+    e = Engine::Create(cfg);
+    ASSERT_FALSE(e.ok()) << b.what;
+    EXPECT_EQ(NamesIn(dir0), (std::vector<std::string>{"COMMIT", "LOCK"}))
+        << b.what << ": " << e.status();
+    // An empty one too: it was not this Create's to remove.
+    ASSERT_EQ(unlink((dir0 + "/COMMIT").c_str()), 0);
+    ASSERT_EQ(unlink((dir0 + "/LOCK").c_str()), 0);
+    e = Engine::Create(cfg);
+    ASSERT_FALSE(e.ok()) << b.what;
+    EXPECT_EQ(stat(dir0.c_str(), &st), 0) << b.what << ": " << e.status();
+  }
+  // The run lock of a live run is refused as before: its directory stays.
+  EngineConfig cfg = SmallConfig(1);
+  auto first = Engine::Create(cfg);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(Engine::Create(cfg).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(
+      NamesIn(cfg.tiers[0].path + "/" + cfg.run_name),
+      (std::vector<std::string>{"LOCK", "MANIFEST", "sg_0.state", "sg_1.state",
+                                "sg_2.state", "sg_3.state"}));
+}
+
 Engine& Initialized(std::unique_ptr<Engine>& e, const EngineConfig& cfg,
                     uint32_t seed) {
   std::mt19937 rng(seed);
