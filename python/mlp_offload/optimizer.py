@@ -238,6 +238,16 @@ def _param_names(groups):
     return names
 
 
+def _first_subgroup_difference(theirs, ours):
+    """Two packings (lists of subgroups' parameter indices) that differ:
+    the first subgroup k where they do, and what each holds there (the
+    parameter indices, or "nothing")."""
+    k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+             min(len(ours), len(theirs)))
+    return (k, theirs[k] if k < len(theirs) else "nothing",
+            ours[k] if k < len(ours) else "nothing")
+
+
 def _names_difference(theirs, mine):
     """Where two lists of parameter names (_param_names) name a parameter
     differently, as text, or None (also where either side is unnamed: an
@@ -555,7 +565,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         super().__init__([p for g in optimizer.param_groups for p in g["params"]],
                          dict(optimizer.defaults))
         self._in_super_init = False
-        self.param_groups = optimizer.param_groups
+        self.__dict__.pop("_init_param_groups", None)  # the property reads the wrapped list
         self.defaults = optimizer.defaults
         # The wrapped optimizer's own hooks (step, state_dict and
         # load_state_dict ones, registered before wrapping or after) are the
@@ -1801,7 +1811,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         try:
             with self._together("add the parameter group"):
                 self.optimizer.add_param_group(param_group)  # torch's checks
-                self.param_groups = self.optimizer.param_groups
                 rebuilt = True
                 self._rebuild(held, repacked_from)
         except BaseException as exc:
@@ -2861,12 +2870,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                         f"{want[key]!r} here (amsgrad, SGD momentum or the generic state "
                         f"keys changed)")
             if key == "subgroups" and isinstance(got.get(key), list):
-                theirs, ours = got[key], want[key]
-                k = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                         min(len(ours), len(theirs)))
+                k, theirs, ours = _first_subgroup_difference(got[key], want[key])
                 return (f"the parameters are packed into other subgroups: subgroup {k} "
-                        f"holds parameters {theirs[k] if k < len(theirs) else 'nothing'} "
-                        f"there, {ours[k] if k < len(ours) else 'nothing'} here (another "
+                        f"holds parameters {theirs} there, {ours} here (another "
                         f"subgroup_numel, or other parameters frozen when the optimizer was "
                         f"made, which are packed apart: make it with the same ones frozen)")
             return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
@@ -3016,7 +3022,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self._warn_resumed_settings(groups, step)
             self._inner_load_state_dict({"state": {}, "param_groups": groups})
             self.optimizer.state.clear()
-            self.param_groups = self.optimizer.param_groups
             self._refresh_hyperparams()
             if engine is not None:
                 self._py_state.update({int(k): v for k, v in state["py_state"].items()})
@@ -3793,7 +3798,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             replaced = True
             self._inner_load_state_dict({"state": {}, "param_groups": saved_groups})
             self.optimizer.state.clear()
-            self.param_groups = self.optimizer.param_groups
             if self._family is not None:
                 _hp.check_options(self.optimizer, self._family)
             self._refresh_hyperparams()
@@ -3848,7 +3852,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
 
     def _restore_groups(self, previous, replaced):
         if replaced:
-            self.optimizer.param_groups = self.param_groups = previous
+            self.optimizer.param_groups = previous
             self._refresh_hyperparams()
 
     def _checked_states(self, state_dict):
@@ -4410,10 +4414,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if named is not None:
             raise StateMismatchError(f"checkpoint in {directory} does not match: {named}")
         if want["subgroups"] != got["subgroups"]:
-            k = next((k for k, (a, b) in enumerate(zip(want["subgroups"], got["subgroups"]))
-                      if a != b), min(len(want["subgroups"]), len(got["subgroups"])))
-            theirs = got["subgroups"][k] if k < len(got["subgroups"]) else "nothing"
-            ours = want["subgroups"][k] if k < len(want["subgroups"]) else "nothing"
+            k, theirs, ours = _first_subgroup_difference(got["subgroups"], want["subgroups"])
             raise StateMismatchError(
                 f"checkpoint in {directory} packs parameters into other subgroups: its "
                 f"subgroup {k} holds parameters {theirs}, here {ours} (another "
@@ -4450,7 +4451,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._inner_load_state_dict({"state": {},
                                         "param_groups": python_states[0]["param_groups"]})
         self.optimizer.state.clear()
-        self.param_groups = self.optimizer.param_groups
         self._refresh_hyperparams()
         if self._engine is not None and not reshard:
             self._engine.load_checkpoint(os.path.join(directory, manifests[0]["engine_dir"]))

@@ -362,7 +362,7 @@ def lost_commit_records(dirs):
            for name in names}
     if any(has["COMMIT"]) or any(has[DISCARD_MARK]):
         return None
-    left = [f"{os.path.join(d, name)}" for name in (COMMITTED_MARK, "COMMIT.prev")
+    left = [os.path.join(d, name) for name in (COMMITTED_MARK, "COMMIT.prev")
             for d, present in zip(dirs, has[name]) if present]
     if not left:
         return None
