@@ -676,3 +676,54 @@ def test_a_save_without_owners_is_read_round_robin(tmp_path):
     with pytest.raises(StateMismatchError, match="subgroup 1 holds 8 parameters, the "
                                                  "reader expects 256"):
         mlp_offload.master_weights(wrong)
+
+
+def repack_worker(rank, tiers, out, numel):
+    """Two ranks load the two ranks' save (subgroup_numel 200: four
+    subgroups) into another packing: each rank's subgroups take their
+    parameters from whichever rank's records hold them."""
+    want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
+    torch.manual_seed(99)  # other weights: restore_params sets them
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 8))
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=numel, compute_threads=1)
+    assert [sg.param_ids for sg in opt._subgroups] == \
+        {300: [[0], [1, 2, 3]], 1 << 20: [[0, 1, 2, 3]]}[numel]
+    opt.load_checkpoint(os.path.join(out, "by2"), restore_params=True)
+    assert_loaded(opt, model, want, (rank, numel))
+    ref = make_model()
+    ref.load_state_dict(want["model"])
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(want["optimizer"]))
+    train_same_batches(range(3, 5), ((ref_opt, ref), (opt, model)))
+    assert_params_match(model, ref, rank)
+    # Each rank's files alone (a node-local directory): the subgroups here
+    # need records of both ranks. Refused on every rank, saying why.
+    with pytest.raises(StateMismatchError, match=r"re-packing it reads the files of every "
+                                                 r"rank that saved it"):
+        opt.load_checkpoint(os.path.join(out, f"node{rank}"))
+    opt.close()
+
+
+def test_a_checkpoint_loads_into_another_packing_on_any_rank_count(tmp_path):
+    tiers, out = tier_dirs(tmp_path), str(tmp_path)
+    spawn(reshard_worker, "save", tiers, out, "adamw")
+    want = torch.load(os.path.join(out, "want.pt"), weights_only=True)
+    # One process, one subgroup: the records of both ranks' parts.
+    model = make_model()
+    opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](model.parameters()), tiers=tiers,
+                              subgroup_numel=1 << 20, compute_threads=1)
+    opt.load_checkpoint(os.path.join(out, "by2"), restore_params=True)
+    assert_loaded(opt, model, want, "one process")
+    opt.close()
+    for k in range(WORLD):
+        node = os.path.join(out, f"node{k}")
+        os.mkdir(node)
+        for entry in os.listdir(os.path.join(out, "by2")):
+            if entry.startswith((f"engine-r{k}-", f"python-r{k}-", f"manifest.rank{k}.")):
+                src = os.path.join(out, "by2", entry)
+                (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
+                    src, os.path.join(node, entry))
+    for numel in (300, 1 << 20):  # (the second: rank 1 owns no subgroup)
+        spawn(repack_worker, tiers, out, numel)

@@ -519,9 +519,10 @@ def test_a_group_value_a_checkpoint_cannot_hold_is_named_when_saved(tmp_path):
 
 def test_a_checkpoint_of_other_frozen_parameters_names_the_subgroups(tmp_path):
     # Parameters frozen when the optimizer is made are packed apart: a save
-    # with the backbone frozen does not load into an optimizer made with it
-    # trainable, and the error says why and what to do (before: "subgroup_numel
-    # differs", which it did not); made with the same ones frozen, it loads.
+    # with the backbone frozen (never stepped) does not load into an
+    # optimizer made with it trainable, and the error says why and what to
+    # do (before: "subgroup_numel differs", which it did not); made with the
+    # same ones frozen, it loads.
     def make(frozen):
         model = make_model()
         for p in model[0].parameters():
@@ -535,9 +536,12 @@ def test_a_checkpoint_of_other_frozen_parameters_names_the_subgroups(tmp_path):
     opt.save_checkpoint(tmp_path / "ckpt")
     opt.close()
     model, opt = make(frozen=False)
+    # (A checkpoint of another packing loads re-packed, but these parameters
+    # have other step counts there, which one subgroup cannot hold.)
     with pytest.raises(errors.StateMismatchError,
-                       match=r"its subgroup 0 holds parameters \[0, 1\], here \[0, 1, 2, 3\] "
-                             r"\(another subgroup_numel, or other parameters frozen"):
+                       match=r"parameters \[0, 1\] at step 0, \[2, 3\] at step 2; here they "
+                             r"are in one subgroup \(0\).*make this one with the same "
+                             r"parameters frozen, load, then unfreeze"):
         opt.load_checkpoint(tmp_path / "ckpt")
     opt.close()
     model, opt = make(frozen=True)
@@ -649,3 +653,58 @@ def test_a_second_save_into_a_checkpoint_dir_in_use_is_refused(tmp_path):
         assert torch.equal(p, q)
     opt.close()
     checkpoint.export_master_weights(ckpt, str(tmp_path / "w.safetensors"))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpoint_loads_into_another_packing_exactly(tmp_path, name):
+    # A checkpoint saved with one subgroup_numel loads into an optimizer
+    # with another (records re-packed on the way, one record there at a
+    # time): before, StateMismatchError, and the state of a model that
+    # does not fit in memory had no way across. The state is exactly the
+    # saved one, and the steps after it are those of the run that saved it.
+    make = OPTIMIZERS[name]
+    model = make_model()
+    opt = wrap(make(model.parameters()), tier_dirs(tmp_path, 2, "a"), subgroup_numel=290)
+    assert [sg.param_ids for sg in opt._subgroups] == [[0], [1, 2], [3]]
+    run(model, opt, range(3))
+    opt.save_checkpoint(tmp_path / "ckpt")
+    saved = opt.state_dict()
+    run(model, opt, range(3, 5))
+    for numel, packing in ((100, [[0], [1], [2], [3]]), (1 << 20, [[0, 1, 2, 3]])):
+        other = make_model(seed=5)
+        opt2 = wrap(make(other.parameters()), tier_dirs(tmp_path, 2, f"n{numel}"),
+                    subgroup_numel=numel, host_cache_bytes=0)
+        assert [sg.param_ids for sg in opt2._subgroups] == packing
+        run(other, opt2, range(1))  # state of its own, which the load replaces
+        opt2.load_checkpoint(tmp_path / "ckpt")
+        loaded = opt2.state_dict()
+        assert loaded["state"].keys() == saved["state"].keys()
+        for pid, st in saved["state"].items():
+            assert loaded["state"][pid].keys() == st.keys()
+            for key, value in st.items():
+                assert torch.equal(loaded["state"][pid][key], value), (numel, pid, key)
+        run(other, opt2, range(3, 5))
+        assert_same_params(other, model, rtol=0.0)  # bit-identical
+        opt2.close()
+    opt.close()
+
+
+def test_a_checkpoint_packed_otherwise_with_damaged_records_changes_nothing(tmp_path):
+    # The re-packing load checks every record it needs before it changes
+    # anything: a record that is gone leaves the state as it was.
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "a"))
+    run(model, opt, range(2))
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.close()
+    other = make_model(seed=3)
+    opt2 = wrap(torch.optim.Adam(other.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "b"),
+                subgroup_numel=100)
+    run(other, opt2, range(1))
+    before = opt2.state_dict()
+    (record,) = [p for p in (tmp_path / "ckpt").rglob("sg_1.ckpt")]
+    record.unlink()
+    with pytest.raises(errors.TierError, match="sg_1.ckpt"):
+        opt2.load_checkpoint(tmp_path / "ckpt")
+    assert_same_state(opt2.state_dict(), before)
+    opt2.close()

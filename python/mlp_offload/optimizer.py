@@ -2874,7 +2874,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 return (f"the parameters are packed into other subgroups: subgroup {k} "
                         f"holds parameters {theirs} there, {ours} here (another "
                         f"subgroup_numel, or other parameters frozen when the optimizer was "
-                        f"made, which are packed apart: make it with the same ones frozen)")
+                        f"made, which are packed apart: make it with the same ones frozen; "
+                        f"or start afresh and load_checkpoint a save of that run, which "
+                        f"re-packs it)")
             return f"{key} is {got.get(key)!r} there, {want[key]!r} here"
         theirs = _ckpt.param_strides_of(got)
         if theirs != self._strides_list():
@@ -4256,7 +4258,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Loads a checkpoint written by save_checkpoint.
 
         Refuses (StateMismatchError, naming the difference) a checkpoint of
-        another model, optimizer, dtype or subgroup size. A checkpoint saved
+        another model, optimizer or dtype. One packed into other subgroups
+        (another subgroup_numel, other parameters frozen at construction) is
+        re-packed exactly, a record at a time (refused where the parameters
+        of one subgroup here have different step counts there). A checkpoint saved
         by another number of ranks (or by an older version, whose subgroups
         went to the ranks round-robin) is resharded: each rank reads its
         subgroups' records from the files of the ranks that saved them
@@ -4316,11 +4321,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 # Another rank count (one process), or nothing complete: the
                 # error names what is missing.
                 manifests = _ckpt.newest_complete_save(directory, reader=reader)
+            elif (world == self._world and world > 1 and shared
+                  and mine["layout"].get("subgroups") != self._subgroup_param_ids()):
+                # Another packing, re-packed from the records of every
+                # saving rank (any of them may hold a subgroup's parameters).
+                manifests = _ckpt.save_manifests(directory, key, world, reader=reader)
             elif world == self._world and (
                     _ckpt.owners_of(mine["layout"]) == self._owners
                     or mine["layout"].get("subgroups")
                     != self._subgroup_param_ids()):
-                # (Another packing: this rank's manifest says how it differs.)
+                # (Another packing, from a directory some rank does not see:
+                # this rank's manifest says how it differs.)
                 manifests = [mine]
             elif world == self._world and not shared:
                 # Owners of an older version's save: the records of this
@@ -4336,7 +4347,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             else:
                 # Saved by another number of ranks: every part of that save.
                 manifests = _ckpt.save_manifests(directory, key, world, reader=reader)
-            python_states = self._check_checkpoint_files(directory, manifests)
+            python_states, repack = self._check_checkpoint_files(directory, manifests)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
         # Every rank has checked its part before any changes its state: a
@@ -4346,7 +4357,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             checked = not self._any_rank(not checked)
         if checked:
             try:
-                self._apply_checkpoint_files(directory, manifests, python_states)
+                self._apply_checkpoint_files(directory, manifests, python_states, repack)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
         # A failure after some rank's state was touched leaves every rank's
@@ -4386,8 +4397,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _check_checkpoint_files(self, directory, manifests):
         """The first part of load_checkpoint on this rank, which changes
         nothing: checks the checkpoint against this optimizer and reads its
-        Python-side states (returned). `manifests`: this rank's manifest, or
-        every saving rank's (another rank count: resharded)."""
+        Python-side states and, for a checkpoint packed into other subgroups,
+        how to re-pack it (_plan_repack; else None). `manifests`: this rank's
+        manifest, or every saving rank's (another rank count: resharded;
+        another packing on several ranks)."""
         want, got = self._layout_summary(), manifests[0]["layout"]
         reshard = self._resharded(manifests)
         if reshard and len(manifests) != got.get("world_size"):
@@ -4413,14 +4426,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         named = _names_difference(got.get("param_names"), self._param_names)
         if named is not None:
             raise StateMismatchError(f"checkpoint in {directory} does not match: {named}")
+        repack = None
         if want["subgroups"] != got["subgroups"]:
-            k, theirs, ours = _first_subgroup_difference(got["subgroups"], want["subgroups"])
-            raise StateMismatchError(
-                f"checkpoint in {directory} packs parameters into other subgroups: its "
-                f"subgroup {k} holds parameters {theirs}, here {ours} (another "
-                f"subgroup_numel, or other parameters frozen when the optimizer was made, "
-                f"which are packed apart: make it with the same ones frozen, load, then "
-                f"unfreeze)")
+            if len(manifests) != got.get("world_size"):
+                k, theirs, ours = _first_subgroup_difference(got["subgroups"],
+                                                             want["subgroups"])
+                raise StateMismatchError(
+                    f"checkpoint in {directory} packs parameters into other subgroups (its "
+                    f"subgroup {k} holds parameters {theirs}, here {ours}: another "
+                    f"subgroup_numel, or other parameters frozen when the optimizer was "
+                    f"made): re-packing it reads the files of every rank that saved it, "
+                    f"but some rank does not see them all: copy every rank's files of "
+                    f"this save into one directory that every rank sees, and load that")
         for pid, (a, b) in enumerate(zip(self._strides_list(), _ckpt.param_strides_of(got))):
             if a != b:
                 raise StateMismatchError(
@@ -4435,24 +4452,125 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # The engine's own checks (its manifests, every record's file
             # there, whole, with a header that agrees): a checkpoint they
             # refuse changes nothing, hyperparameters included.
-            if not reshard:
+            if want["subgroups"] != got["subgroups"]:
+                repack = self._plan_repack(directory, manifests, got)
+            elif not reshard:
                 self._engine.check_checkpoint(
                     os.path.join(directory, manifests[0]["engine_dir"]))
             else:
                 sources = _ckpt.record_sources(directory, manifests)
                 self._engine.check_checkpoint_records([sources[g] for g in self._owned])
-        return python_states
+        return python_states, repack
 
-    def _apply_checkpoint_files(self, directory, manifests, python_states):
+    def _plan_repack(self, directory, manifests, got):
+        """How to load a checkpoint whose layout `got` packs the parameters
+        into other subgroups (another subgroup_numel, other parameters frozen
+        at construction), for this rank's subgroups: {"numel": the record
+        length of each subgroup there, "sources": each one's (engine dir,
+        record index), "subgroups": {g here: ([(offset here, subgroup
+        there, offset there, numel)], step)}}. Reads the header of every
+        record it needs (checked against that save's manifest), not the
+        payloads; changes nothing. Each subgroup here takes one step count:
+        StateMismatchError where its parameters have several there."""
+        shapes = got["param_shapes"]
+        where, numel = {}, []
+        for j, pids in enumerate(got["subgroups"]):
+            off = 0
+            for pid in pids:
+                where[pid] = (j, off)
+                off += math.prod(shapes[pid])
+            numel.append(off)
+        sources = _ckpt.record_sources(directory, manifests)
+        steps, plan = {}, {}
+        for g in self._owned:
+            pieces = []
+            for _, pid, off, n in self._subgroups[g].slices():
+                if pid not in where:
+                    raise StateMismatchError(
+                        f"checkpoint in {directory} holds no state for parameter "
+                        f"{self._pids_text([pid])}: its layout is damaged")
+                j, there = where[pid]
+                if j not in steps:
+                    src, idx = sources[j]
+                    steps[j] = _C.engine.read_checkpoint_record(src, idx, numel[j], 0, [],
+                                                                False)
+                pieces.append((off, j, there, n))
+            held = sorted({steps[j] for _, j, _, _ in pieces})
+            if len(held) > 1:
+                by_step = {}
+                for (_, j, _, _), pid in zip(pieces, self._subgroups[g].param_ids):
+                    by_step.setdefault(steps[j], []).append(pid)
+                text = ", ".join(f"{self._pids_text(pids)} at step {step}"
+                                 for step, pids in sorted(by_step.items()))
+                raise StateMismatchError(
+                    f"checkpoint in {directory} packs parameters into other subgroups, "
+                    f"and their step counts there differ: parameters {text}; here they are "
+                    f"in one subgroup ({g}), whose state has one step count (parameters "
+                    f"frozen when the saving optimizer was made are packed apart and not "
+                    f"stepped: make this one with the same parameters frozen, load, then "
+                    f"unfreeze)")
+            plan[g] = (pieces, held[0])
+        return {"numel": numel, "sources": sources, "subgroups": plan}
+
+    def _load_repacked(self, repack):
+        """Loads this rank's subgroups from the records of a checkpoint
+        packed otherwise (_plan_repack), exactly (each parameter's master
+        copy and state arrays as they were saved, its subgroup's step
+        count): in parameter order, one record there read (checksummed) at
+        a time, the subgroups here written in batches every tier takes at
+        once (write_subgroups). Memory: one record there, and a batch of
+        records here."""
+        k = self._num_arrays
+        numel, sources, plan = repack["numel"], repack["sources"], repack["subgroups"]
+        # Both packings follow the parameter order, so one record there is
+        # read once in this order (kept while the next subgroup here needs it).
+        order = sorted(plan, key=lambda g: self._subgroups[g].param_ids[0])
+        record_bytes = {g: 4 * (1 + k) * self._subgroups[g].numel for g in order}
+        limit = _io_batch_bytes(max(record_bytes.values()),
+                                len(set(self._engine.plan.tier_of_subgroup)))
+        current = {}  # j: (master, arrays) of the record there last read
+        records, held, size = [], [], 0
+        for g in order:
+            pieces, step = plan[g]
+            sg = self._subgroups[g]
+            master = torch.empty(sg.numel, dtype=torch.float32)
+            arrays = [torch.empty(sg.numel, dtype=torch.float32) for _ in range(k)]
+            for off, j, there, n in pieces:
+                if j not in current:
+                    current.clear()  # before the next one is allocated
+                    src, idx = sources[j]
+                    flat = torch.empty((1 + k) * numel[j], dtype=torch.float32)
+                    parts = flat.split(numel[j])
+                    _C.engine.read_checkpoint_record(
+                        src, idx, numel[j], parts[0].data_ptr(),
+                        [a.data_ptr() for a in parts[1:]], True)
+                    current[j] = parts
+                for dst, part in zip([master, *arrays], current[j]):
+                    dst[off:off + n].copy_(part[there:there + n])
+            ptr, ptrs, count = _fp32_buffers(master, arrays)
+            records.append((self._local[g], ptr, ptrs, step, count))
+            held.append((master, arrays))  # alive until written
+            size += record_bytes[g]
+            if size >= limit:
+                self._engine.write_subgroups(records)
+                records, held, size = [], [], 0
+        current.clear()
+        if records:
+            self._engine.write_subgroups(records)
+
+    def _apply_checkpoint_files(self, directory, manifests, python_states, repack=None):
         """The second part of load_checkpoint on this rank, once every rank
-        checked its part (_check_checkpoint_files): the load itself."""
+        checked its part (_check_checkpoint_files): the load itself
+        (`repack`: how to re-pack a checkpoint packed otherwise)."""
         reshard = self._resharded(manifests)
         self._load_started = True  # from here a failure leaves the state part loaded
         self._inner_load_state_dict({"state": {},
                                         "param_groups": python_states[0]["param_groups"]})
         self.optimizer.state.clear()
         self._refresh_hyperparams()
-        if self._engine is not None and not reshard:
+        if self._engine is not None and repack is not None:
+            self._load_repacked(repack)
+        elif self._engine is not None and not reshard:
             self._engine.load_checkpoint(os.path.join(directory, manifests[0]["engine_dir"]))
         elif self._engine is not None:
             sources = _ckpt.record_sources(directory, manifests)
