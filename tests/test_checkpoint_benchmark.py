@@ -20,7 +20,8 @@ def test_reports_save_and_load_against_their_bounds(request, tmp_path):
     rounds, result = rows[:-1], rows[-1]
     assert [r["round"] for r in rounds] == [0, 1]
     assert all(r["save_seconds"] > 0 and r["load_seconds"] > 0
-               and r["load_restore_params_seconds"] > 0 for r in rounds)
+               and r["load_restore_params_seconds"] > 0 and r["repacked_load_seconds"] > 0
+               for r in rounds)
     assert result["subgroups"] == 8 and result["params"] == 4_000_000
     # 12 B/param of AdamW state (master, m, v) plus a 4 KiB header per record.
     assert result["state_bytes"] == 4_000_000 * 12 + 8 * 4096
