@@ -510,7 +510,9 @@ def test_a_group_value_a_checkpoint_cannot_hold_is_named_when_saved(tmp_path):
     with pytest.raises(errors.ConfigError, match=r"\['param_groups'\]\[0\]\['mask'\] is a "
                                                  r"numpy.ndarray"):
         opt.save_checkpoint(ckpt)
-    assert not os.path.exists(ckpt) or os.listdir(ckpt) == ["LOCK.rank0"]  # the save lock
+    # The save lock, and the lock a save takes to remove older saves' files.
+    assert not os.path.exists(ckpt) or sorted(os.listdir(ckpt)) == ["LOCK.rank0",
+                                                                    "LOCK.readers"]
     del opt.param_groups[0]["mask"]
     run(model, opt, [1])
     opt.save_checkpoint(ckpt)
@@ -707,4 +709,61 @@ def test_a_checkpoint_packed_otherwise_with_damaged_records_changes_nothing(tmp_
     with pytest.raises(errors.TierError, match="sg_1.ckpt"):
         opt2.load_checkpoint(tmp_path / "ckpt")
     assert_same_state(opt2.state_dict(), before)
+    opt2.close()
+
+
+def test_a_save_while_a_checkpoint_is_read_leaves_the_files_being_read(tmp_path, monkeypatch):
+    # A save that completes removes the files of the saves before it: before,
+    # also while an export or a load_checkpoint of the directory was reading
+    # them, which then failed part-way (a load left its state half loaded).
+    # Readers now hold LOCK.readers shared, and a save leaves the old files
+    # while they do; the next save removes them.
+    model = make_model()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), tier_dirs(tmp_path, 2, "a"))
+    assert len(opt.subgroups) == 2
+    ckpt = tmp_path / "ckpt"
+    run(model, opt, range(2))
+    opt.save_checkpoint(ckpt)
+    first = checkpoint.master_weights(ckpt)
+    run(model, opt, [2])
+    engine_dirs = lambda: sorted(n for n in os.listdir(ckpt) if n.startswith("engine-"))
+    old = engine_dirs()
+
+    read_masters = checkpoint._read_masters
+    calls = []
+
+    def save_during_the_read(*args):
+        if not calls:
+            opt.save_checkpoint(ckpt)  # another process's save, meanwhile
+        calls.append(args)
+        return read_masters(*args)
+
+    monkeypatch.setattr(checkpoint, "_read_masters", save_during_the_read)
+    for got, want in zip(checkpoint.master_weights(ckpt), first):
+        assert torch.equal(got, want)
+    assert len(calls) == 2
+    assert set(old) < set(engine_dirs())  # left for a later save
+    monkeypatch.undo()
+    opt.save_checkpoint(ckpt)
+    assert len(engine_dirs()) == 1 and not set(old) & set(engine_dirs())
+
+    # A load_checkpoint reading a save while another save completes.
+    from mlp_offload import optimizer as impl
+    other = make_model(seed=3)
+    opt2 = wrap(torch.optim.Adam(other.parameters(), lr=1e-2), tier_dirs(tmp_path, 2, "b"))
+    apply = impl.MLPOffloadOptimizer._apply_checkpoint_files
+    run(model, opt, [3])
+
+    def save_then_apply(self, *args, **kwargs):
+        opt.save_checkpoint(ckpt)
+        return apply(self, *args, **kwargs)
+
+    saved = opt.state_dict()
+    opt.save_checkpoint(ckpt)
+    run(model, opt, [4])
+    monkeypatch.setattr(impl.MLPOffloadOptimizer, "_apply_checkpoint_files", save_then_apply)
+    opt2.load_checkpoint(ckpt)
+    monkeypatch.undo()
+    assert_same_state(opt2.state_dict(), saved)
+    opt.close()
     opt2.close()

@@ -326,12 +326,13 @@ def master_weights(directory, verify_checksums=True):
     """The fp32 master weights of the newest complete save in `directory`
     (any rank count), as a list of tensors in the optimizer's parameter
     order. Needs memory for the weights (4 bytes per parameter)."""
-    directory, manifests, layout = _open_save(directory)
-    out = [None] * len(layout["param_shapes"])
-    for pids, shapes, src, j in _subgroups(directory, manifests, layout):
-        flat = _read_masters(src, j, shapes, verify_checksums)
-        for pid, piece in zip(pids, _pieces(flat, shapes)):
-            out[pid] = piece
+    with _recovery.reading_checkpoint(os.fspath(directory)):
+        directory, manifests, layout = _open_save(directory)
+        out = [None] * len(layout["param_shapes"])
+        for pids, shapes, src, j in _subgroups(directory, manifests, layout):
+            flat = _read_masters(src, j, shapes, verify_checksums)
+            for pid, piece in zip(pids, _pieces(flat, shapes)):
+                out[pid] = piece
     return out
 
 
@@ -341,6 +342,11 @@ def load_master_weights(directory, params, verify_checksums=True):
     model's `parameters()`; any dtype and device), one subgroup at a time.
     StateMismatchError if their number or shapes differ."""
     params = list(params)
+    with _recovery.reading_checkpoint(os.fspath(directory)):
+        _load_master_weights(directory, params, verify_checksums)
+
+
+def _load_master_weights(directory, params, verify_checksums):
     directory, manifests, layout = _open_save(directory)
     shapes = [tuple(s) for s in layout["param_shapes"]]
     if len(params) != len(shapes):
@@ -374,6 +380,11 @@ def export_master_weights(directory, out, dtype=torch.float32, names=None,
     if dtype not in _SAFETENSORS_DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(map(str, _SAFETENSORS_DTYPES))}, "
                           f"got {dtype}")
+    with _recovery.reading_checkpoint(os.fspath(directory)):
+        return _export_master_weights(directory, out, dtype, names, verify_checksums)
+
+
+def _export_master_weights(directory, out, dtype, names, verify_checksums):
     directory, manifests, layout = _open_save(directory)
     shapes = [tuple(s) for s in layout["param_shapes"]]
     if names is None:

@@ -4091,17 +4091,25 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             os.remove(self._manifest_path(directory, prev=True))
         except FileNotFoundError:
             pass
-        mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
-        _remove_entries(directory, [name for name in os.listdir(directory)
-                                    if name.startswith(mine)
-                                    and name not in (engine_dir, python_file)])
-        if self._rank == 0:
-            # A save by more ranks before: their files are no save's now
-            # (manifests first, so none is left naming removed files).
-            stale = sorted((name for name in os.listdir(directory)
-                            if (m := _RANK_FILE.match(name)) and int(m.group(2)) >= self._world),
-                           key=lambda name: not name.startswith("manifest."))
-            _remove_entries(directory, stale)
+        with _recovery.removing_old_saves(directory, self._rank) as free:
+            if not free:
+                # A reader (a load, an export) may be reading them.
+                _log.info("rank %d left the files of earlier saves in %s: a reader of the "
+                          "directory is at work (a later save removes them)",
+                          self._rank, directory)
+                return
+            mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
+            _remove_entries(directory, [name for name in os.listdir(directory)
+                                        if name.startswith(mine)
+                                        and name not in (engine_dir, python_file)])
+            if self._rank == 0:
+                # A save by more ranks before: their files are no save's now
+                # (manifests first, so none is left naming removed files).
+                stale = sorted((name for name in os.listdir(directory)
+                                if (m := _RANK_FILE.match(name))
+                                and int(m.group(2)) >= self._world),
+                               key=lambda name: not name.startswith("manifest."))
+                _remove_entries(directory, stale)
 
     def _write_save(self, directory, save_id, old, engine_dir, python_file):
         """This rank's part of a save: its engine's records, its Python
@@ -4196,9 +4204,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
         manifests = tuple(os.path.basename(self._manifest_path(directory, prev=p)) + ".tmp-"
                           for p in (False, True))
-        _remove_entries(directory, [n for n in os.listdir(directory)
-                                    if (n.startswith(mine) and n not in keep)
-                                    or n.startswith(manifests)])
+        with _recovery.removing_old_saves(directory, self._rank) as free:
+            if free:  # (else a reader may be reading a save they hold)
+                _remove_entries(directory, [n for n in os.listdir(directory)
+                                            if (n.startswith(mine) and n not in keep)
+                                            or n.startswith(manifests)])
 
     def _read_manifest(self, directory, missing_ok=False, prev=False):
         return _ckpt.read_manifest(directory, self._rank, prev=prev, missing_ok=missing_ok)
@@ -4276,6 +4286,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """
         self._check_open()
         directory = self._checkpoint_directory(directory, "load_checkpoint")
+        # A save into the directory meanwhile leaves the files this reads.
+        with _recovery.reading_checkpoint(directory):
+            self._load_checkpoint_from(directory, restore_params)
+
+    def _load_checkpoint_from(self, directory, restore_params):
         self._enter_collective("load_checkpoint")
         self._commit_completed_step("load_checkpoint")
         self._retry_kept_commit("load_checkpoint")

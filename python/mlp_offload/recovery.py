@@ -27,6 +27,7 @@ of an engine error to the tier it happened on, so that every error raised
 by a step names the tier, its path and the operation.
 """
 
+import contextlib
 import copy
 import errno
 import fcntl
@@ -38,6 +39,7 @@ import re
 import shutil
 import stat
 import socket
+import struct
 import sys
 import time
 
@@ -126,6 +128,87 @@ def hold_checkpoint_lock(directory, rank):
     except OSError:
         pass  # only what an error names
     return fd
+
+
+# Locked by every reader of a checkpoint directory while it reads a save
+# (load_checkpoint, the master-weight readers, `mlp-offload export`): a read
+# lock over the whole file. A save of rank k removes the files of the saves
+# before it only where it can take a write lock on byte k: with a reader at
+# work it leaves them, for a later save to remove, instead of removing the
+# records under the reader. (Open-file-description locks: the ranks' saves
+# do not exclude each other, and a reader and a save in one process do;
+# the kernel frees them if the holder dies.)
+READERS_LOCK = "LOCK.readers"
+
+
+def _open_readers_lock(directory, write=False):
+    """An fd of `directory`'s READERS_LOCK (made if missing; open for
+    writing, which a write lock needs, with `write`), or None where it
+    cannot be opened (a read-only directory without one: no save can
+    remove anything there either)."""
+    path = os.path.join(directory, READERS_LOCK)
+    mode = os.O_RDWR if write else os.O_RDONLY
+    for flags in (mode, mode | os.O_CREAT):
+        try:
+            return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _byte_range_lock(fd, kind, start, length, wait):
+    """An open-file-description lock (fcntl.F_RDLCK or F_WRLCK) of bytes
+    [start, start + length) of `fd` (length 0: to the end, however far).
+    False where another holder's lock is in the way (without `wait`)."""
+    request = struct.pack("@hhqqi4x", kind, os.SEEK_SET, start, length, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, request)
+    except OSError as e:
+        if not wait and e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+@contextlib.contextmanager
+def reading_checkpoint(directory):
+    """Holds a read lock of `directory`'s READERS_LOCK while the body reads
+    a save in it (waiting while a save removes old files, which takes
+    moments). Without one to be had (a read-only directory, a file system
+    without such locks), the body reads unguarded, as before there was one."""
+    fd = _open_readers_lock(directory) if os.path.isdir(directory) else None
+    try:
+        if fd is not None:
+            try:
+                _byte_range_lock(fd, fcntl.F_RDLCK, 0, 0, wait=True)
+            except OSError:
+                pass
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def removing_old_saves(directory, rank):
+    """Yields whether rank `rank`'s save may remove the files of older saves
+    in `directory` now: True while it holds the write lock of its byte of
+    READERS_LOCK (no reader at work; or no lock to be had, as before there
+    was one), False where a reader holds a read lock."""
+    fd = _open_readers_lock(directory, write=True)
+    try:
+        free = True
+        if fd is not None:
+            try:
+                free = _byte_range_lock(fd, fcntl.F_WRLCK, rank, 1, wait=False)
+            except OSError:
+                pass
+        yield free
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 # Written into every tier's run directory before a fresh start removes a
