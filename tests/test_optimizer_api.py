@@ -2739,3 +2739,98 @@ def test_rebinding_param_groups_is_what_steps_and_what_is_saved(tmp_path):
     torch.testing.assert_close(model.weight.detach(), before - 0.5 * grad)
     assert opt.state_dict()["param_groups"][0]["lr"] == 0.5
     opt.close()
+
+
+def test_the_wrapped_optimizers_own_state_dict_and_loaded_state_are_refused(tmp_path):
+    # While the wrapper is open the wrapped optimizer holds no state (the
+    # engine does). Before, inner.state_dict() returned torch's format with
+    # an empty "state" (a checkpoint of it lost the moments, and loading it
+    # later reset them), and state loaded with inner.load_state_dict() was
+    # left out of every step and save, silently: the steps went on from the
+    # engine's moments with the loaded hyperparameters.
+    model, ref = make_model(), make_model()
+    inner, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    (tmp_path / "t").mkdir()
+    opt = wrap(inner, tmp_path / "t")
+    for k in range(2):
+        step_both(ref, ref_opt, model, opt, k)
+    with pytest.raises(errors.OffloadError, match=r"this AdamW is wrapped by an "
+                                                   r"MLPOffloadOptimizer.*call the wrapper's "
+                                                   r"state_dict\(\)"):
+        inner.state_dict()
+    sd = opt.state_dict()  # the wrapper's own call of it passes
+    assert sd["state"][0]["step"] == 2
+    inner.load_state_dict(ref_opt.state_dict())
+    for call in (opt.step, opt.state_dict, lambda: opt.save_checkpoint(tmp_path / "ckpt")):
+        with pytest.raises(errors.OffloadError,
+                           match=r"the wrapped AdamW holds state of its own \(of 4 parameters\)"
+                                 r".*wrapper's load_state_dict\(\), or close\(\)"):
+            call()
+    assert not (tmp_path / "ckpt").exists()
+    # The way back to plain torch: the wrapped optimizer has its own again.
+    opt.close()
+    assert inner.state_dict()["state"][0]["step"] == 2
+    assert "state_dict" not in inner.__dict__
+
+
+@pytest.mark.parametrize("cls", [torch.optim.RMSprop, torch.optim.RAdam, torch.optim.Adadelta])
+def test_a_state_dict_with_step_counts_as_numbers_loads_on_the_generic_path(tmp_path, cls):
+    # torch < 1.12 saved 'step' as a number, which torch's optimizers turn
+    # into a tensor when they load it; the generic path kept the number,
+    # and the next step failed ("state_steps argument must contain a list
+    # of singleton tensors").
+    model, ref = make_model(), make_model()
+    ref_opt = cls(ref.parameters(), lr=1e-2)
+    for k in range(2):
+        ref_opt.zero_grad()
+        loss_of(ref, k).backward()
+        ref_opt.step()
+    sd = ref_opt.state_dict()
+    for st in sd["state"].values():
+        st["step"] = int(st["step"])
+    ref_opt.load_state_dict(copy.deepcopy(sd))
+    model.load_state_dict(ref.state_dict())
+    opt = wrap(cls(model.parameters(), lr=1e-2), tmp_path)
+    opt.load_state_dict(copy.deepcopy(sd))
+    for k in range(2, 4):
+        step_both(ref, ref_opt, model, opt, k)
+    assert_close(model, ref, rtol=1e-6)
+    assert opt.state_dict()["state"][0]["step"] == 4
+    opt.close()
+
+
+def test_a_group_value_out_of_the_kernels_range_names_its_param_group(tmp_path):
+    # torch checks lr and the like in its constructor only; the kernels
+    # refuse a negative one set later. Before, the error named the engine's
+    # subgroup index ("subgroup 2: optimizer hyperparameter lr"), which the
+    # user cannot map to a param group.
+    model = make_model()
+    params = list(model.parameters())
+    opt = wrap(torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2),
+               tmp_path)
+    loss_of(model, 0).backward()
+    for key, value, text in (("lr", -1e-3, r"lr=-0.001: .* finite values >= 0"),
+                             ("betas", (0.9, 1.0), r"betas\[1\]=1.0: .* in \[0, 1\)"),
+                             ("weight_decay", float("nan"), r"weight_decay=nan")):
+        saved = opt.param_groups[1][key]
+        opt.param_groups[1][key] = value
+        with pytest.raises(errors.ConfigError, match=r"^param group 1: " + text):
+            opt.step()
+        opt.param_groups[1][key] = saved
+    before = [p.detach().clone() for p in params]
+    opt.step()  # the values put back: it steps
+    assert all(not torch.equal(p, q) for p, q in zip(params, before))
+    opt.close()
+
+
+def test_loading_a_state_dict_with_sgd_momentum_says_the_load_turned_it_on(tmp_path):
+    # A wrapper made without momentum has no array for it: the load is
+    # refused. Before, the message spoke of schedulers only.
+    model = make_model()
+    ref_opt = torch.optim.SGD(make_model().parameters(), lr=0.1, momentum=0.9)
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), tmp_path)
+    with pytest.raises(errors.ConfigError, match=r"A state dict or checkpoint of an optimizer "
+                                                 r"made with it on turns it on as it loads"):
+        opt.load_state_dict(ref_opt.state_dict())
+    assert opt.param_groups[0]["momentum"] == 0
+    opt.close()

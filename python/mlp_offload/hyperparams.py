@@ -7,6 +7,8 @@ a newer torch added and this mapping does not know) is a ConfigError naming
 it, never silently ignored.
 """
 
+import math
+
 import torch
 
 from mlp_offload.errors import ConfigError
@@ -122,6 +124,34 @@ def group_hyperparams(family, group):
             "maximize": bool(group.get("maximize", False)),
         }
     raise ConfigError(f"no native kernel family {family!r}")
+
+
+# The ranges the kernels take (kernels/optimizer_kernels.cc,
+# ValidateHyperparams), by the names a param group gives them.
+_NON_NEGATIVE = {"lr": "lr", "weight_decay": "weight_decay", "eps": "eps",
+                 "momentum": "momentum", "lr_decay": "lr_decay",
+                 "initial_accumulator_value": "initial_accumulator_value"}
+_BETAS = {"beta1": "betas[0]", "beta2": "betas[1]"}
+
+
+def check_ranges(hp):
+    """ConfigError naming a value of `hp` (group_hyperparams) outside the
+    kernels' ranges. torch checks them in the constructor only, so a value
+    set on a group later (a schedule, by hand) reaches the step; refused
+    here, when the wrapper reads the group, with the group's names."""
+    for key, name in _NON_NEGATIVE.items():
+        value = hp.get(key)
+        if value is not None and (not value >= 0.0 or math.isinf(value)):
+            raise ConfigError(f"{name}={value!r}: the offloaded kernels take finite values "
+                              f">= 0 (torch checks this in its constructor only)")
+    for key, name in _BETAS.items():
+        value = hp.get(key)
+        if value is not None and not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name}={value!r}: the offloaded kernels take values in "
+                              f"[0, 1) (torch checks this in its constructor only)")
+    if "dampening" in hp and not math.isfinite(hp["dampening"]):
+        raise ConfigError(f"dampening={hp['dampening']!r}: must be finite")
+    return hp
 
 
 def num_state_arrays(hp):

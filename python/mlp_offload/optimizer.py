@@ -38,6 +38,7 @@ import weakref
 import zlib
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 from mlp_offload import checkpoint as _ckpt
 from mlp_offload import config as _config
@@ -196,6 +197,18 @@ def _restore_amp_flag(inner_ref, previous):
         setattr(optimizer, _AMP_FLAG, previous)
 
 
+def _unguard_method(optimizer, name, guard, previous):
+    """Puts back the wrapped optimizer's method `name` as it was before
+    wrapping (`previous`: its instance attribute then, or None) where
+    `guard`, this wrapper's own, is still in its place."""
+    if optimizer is None or optimizer.__dict__.get(name) is not guard:
+        return
+    if previous is None:
+        delattr(optimizer, name)
+    else:
+        setattr(optimizer, name, previous)
+
+
 def _unguard_step(optimizer, guard, previous):
     """Puts back the wrapped optimizer's step as it was before wrapping
     (`previous`: its instance attribute then, or None) where `guard`, this
@@ -280,9 +293,20 @@ def _generic_py_state(state):
             out[k] = v.detach().to(device="cpu", dtype=torch.float32, copy=True)
         elif isinstance(v, torch.Tensor):
             out[k] = v.detach().to(device="cpu", copy=True)
+        elif k == "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+            # A count saved as a number (torch < 1.12, other tools): torch's
+            # optimizers make it a tensor when they load it (__setstate__),
+            # and their steps take nothing else.
+            out[k] = torch.tensor(float(v), dtype=_scalar_dtype())
         else:
             out[k] = copy.deepcopy(v)
     return out
+
+
+def _scalar_dtype():
+    """The dtype torch's optimizers keep their step counts in."""
+    get = getattr(_torch_optimizer, "_get_scalar_dtype", None)
+    return get() if get is not None else torch.float32
 
 
 def _loaded_step(value, pid):
@@ -583,6 +607,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._engine = None
         self._finalizer = None
         self._closed = False
+        self._reading_inner = False  # the wrapper's own inner.state_dict() call
         self.last_step_stats = None
         self._mark_warned = ""  # the COMMITTED mark's failure last logged
         # generic.StepValues of a generic step that failed part-way, for its
@@ -632,6 +657,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self.close()
                 raise
         self._guard_inner_step()
+        self._guard_inner_state_dict()
 
     def _guard_inner_step(self):
         """The wrapped optimizer's own step() refuses while this wrapper is
@@ -679,6 +705,45 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         self._amp_flag_restore = weakref.finalize(
             self, _restore_amp_flag, inner_ref, inner.__dict__.get(_AMP_FLAG, _NO_ATTRIBUTE))
         setattr(inner, _AMP_FLAG, True)
+
+    def _guard_inner_state_dict(self):
+        """The wrapped optimizer's own state_dict() refuses while this
+        wrapper is open: it has no state (the engine holds it), so a
+        checkpoint of it would hold none, and loading that one later resets
+        the moments, silently. The wrapper's own calls (its param_groups)
+        pass. close() puts back what was there."""
+        inner = self.optimizer
+        previous = inner.__dict__.get("state_dict")
+        holder = weakref.ref(self)
+        inner_ref = weakref.ref(inner)
+        kind = type(inner).__name__
+
+        def guard(*args, **kwargs):
+            wrapper = _open_wrapper(holder)
+            if wrapper is not None and not wrapper._reading_inner:
+                raise OffloadError(
+                    f"this {kind} is wrapped by an MLPOffloadOptimizer, which holds its "
+                    f"state: its own state_dict() has none (a checkpoint of it would lose "
+                    f"the optimizer state); call the wrapper's state_dict()")
+            opt = inner_ref()
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(opt).state_dict(opt, *args, **kwargs)
+
+        setattr(guard, _STEP_GUARD, holder)
+        inner.state_dict = guard
+        self._inner_state_dict_guard = (guard, previous)
+
+    def _check_inner_stateless(self, what):
+        """OffloadError where the wrapped optimizer holds state of its own,
+        which the engine's steps and saves would leave out."""
+        if len(self.optimizer.state) > 0:
+            raise OffloadError(
+                f"{what}: the wrapped {type(self.optimizer).__name__} holds state of its own "
+                f"(of {len(self.optimizer.state)} parameters), which this wrapper does not "
+                f"use: the engine holds the state (loaded by the wrapped optimizer's "
+                f"load_state_dict()?). Load state through the wrapper's load_state_dict(), "
+                f"or close() the wrapper to hand the wrapped optimizer back")
 
     # ----------------------------------------------------------------- setup
 
@@ -1681,6 +1746,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if guard is not None:
             _unguard_step(self.optimizer, *guard)
             self._amp_flag_restore()
+        guard = getattr(self, "_inner_state_dict_guard", None)
+        if guard is not None:
+            _unguard_method(self.optimizer, "state_dict", *guard)
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
@@ -2345,6 +2413,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         # (the closure, a gradient refused) is raised on every rank below.
         early_failure = None
         try:
+            self._check_inner_stateless("step")
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
@@ -3086,7 +3155,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         hps = []
         for i, g in enumerate(self.param_groups):
             try:
-                hps.append(_hp.group_hyperparams(self._family, g))
+                hps.append(_hp.check_ranges(_hp.group_hyperparams(self._family, g)))
             except KeyError as e:
                 raise ConfigError(
                     f"param group {i} has no {e.args[0]!r}, which "
@@ -3101,9 +3170,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"the hyperparameters now need {need} state array"
                 f"{'' if need == 1 else 's'} per parameter, the engine was created with "
-                f"{self._num_arrays} (SGD momentum or amsgrad switched on after "
-                f"construction; OneCycleLR and CyclicLR do so for SGD on their own, "
-                f"with cycle_momentum=True, their default): construct the scheduler with "
+                f"{self._num_arrays}: SGD momentum or amsgrad is on now and was off when "
+                f"the optimizer was made. A state dict or checkpoint of an optimizer made "
+                f"with it on turns it on as it loads (create this one with it on); "
+                f"OneCycleLR and CyclicLR turn SGD momentum on by themselves "
+                f"(cycle_momentum=True, their default): construct the scheduler with "
                 f"cycle_momentum=False, or create the optimizer with momentum on (e.g. "
                 f"SGD(momentum=0.9)), then turn it off until it is wanted")
 
@@ -3758,9 +3829,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 else contextlib.nullcontext():
             for hook in self._optimizer_state_dict_pre_hooks.values():
                 hook(self)
-            if len(self.optimizer.state) > 0:
-                raise OffloadError("the wrapped optimizer has state of its own: it must "
-                                   "only be stepped through the MLPOffloadOptimizer")
+            self._check_inner_stateless("state_dict")
         sd = self._inner_state_dict()  # torch's param_groups, empty state
         sharded = self._state_dict_type == "sharded" and self._process_group is not None
         sd["state"] = self._read_all_states(sharded)
@@ -3845,8 +3914,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _inner_state_dict(self):
         """The wrapped optimizer's state_dict (its param_groups), without
         the hooks, which are the wrapper's."""
-        with _generic.hooks_off(self.optimizer) as inner:
-            return inner.state_dict()
+        self._reading_inner = True
+        try:
+            with _generic.hooks_off(self.optimizer) as inner:
+                return inner.state_dict()
+        finally:
+            self._reading_inner = False
 
     def _inner_load_state_dict(self, state_dict):
         with _generic.hooks_off(self.optimizer) as inner:
@@ -4004,6 +4077,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # Every rank raises if one cannot (none waits for it in a collective).
             with self._together(f"create the checkpoint directory {directory}"):
                 try:
+                    self._check_inner_stateless("save_checkpoint")
                     os.makedirs(directory, mode=0o700, exist_ok=True)
                     if not os.path.isdir(directory):
                         raise ConfigError(
