@@ -4,12 +4,14 @@ The wrapped optimizer keeps doing its own math. For each subgroup the
 engine makes resident, the parameters and state tensors handed to it are
 views of the engine's fp32 record (the master copy and one array per
 per-parameter state tensor), so its in-place updates land directly in
-offloaded memory. State that is not shaped like the parameter (a step
-counter, a scalar product, a factored moment) stays in Python, per
-parameter.
+offloaded memory. The parameters' views stand in for them: nn.Parameters
+(where theirs are) that require grad as theirs do. State that is not
+shaped like the parameter (a step counter, a scalar product, a factored
+moment) stays in Python, per parameter.
 
 Which state tensors are shaped like the parameter is found once by running
-a throwaway instance of the optimizer's class on a small probe parameter.
+a throwaway instance of the optimizer's class, with all that the param
+group holds, on a small probe parameter.
 """
 
 import collections
@@ -74,16 +76,47 @@ def _own_copy(value):
         return value
 
 
-def _constructor_kwargs(cls, group):
-    hp = {k: _own_copy(v) for k, v in group.items() if k != "params"}
+def _group_values(group):
+    """Own copies of what param group `group` holds besides its parameters
+    (and their names: the probe's parameter has none)."""
+    return {k: _own_copy(v) for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _constructor_kwargs(cls, values):
+    """Of a group's `values`, those the constructor of `cls` takes."""
     try:
         sig = inspect.signature(cls.__init__)
     except (TypeError, ValueError):
-        return hp
+        return dict(values)
     params = sig.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return hp
-    return {k: v for k, v in hp.items() if k in params}
+        return dict(values)
+    return {k: v for k, v in values.items() if k in params}
+
+
+def _probe_instance(cls, group, probe):
+    """A throwaway instance of `cls` stepping `probe`, with own copies of all
+    that `group` holds: built as torch takes a param group, from
+    [{"params": [probe], **values}] and the values its constructor takes,
+    so that a key the constructor does not take, set through the param
+    groups (`cls([{"params": ps, "scale": 2.0}])`), is there too. A
+    constructor that takes tensors only (it looks at each parameter itself)
+    gets [probe], and its groups then get the keys they lack. Raises what
+    the constructor raised with the param group dict."""
+    values = _group_values(group)
+    kwargs = _constructor_kwargs(cls, values)
+    try:
+        return cls([dict(values, params=[probe])], **kwargs)
+    except Exception as e:  # noqa: BLE001 - user code
+        first = e
+    try:
+        throwaway = cls([probe], **kwargs)
+    except Exception:  # noqa: BLE001 - the param group dict's failure says more
+        raise first from None
+    for g in throwaway.param_groups:
+        for k, v in values.items():
+            g.setdefault(k, v)
+    return throwaway
 
 
 def discover_state_keys(optimizer, group_index):
@@ -92,28 +125,29 @@ def discover_state_keys(optimizer, group_index):
     dtype, bf16 moments, float64 accumulators, stays in host memory as it
     is, which a copy through fp32 would change).
 
-    Runs a throwaway instance of type(optimizer) with param group
-    `group_index`'s hyperparameters for a few steps on a probe parameter.
+    Runs a throwaway instance of type(optimizer), with all that param group
+    `group_index` holds, for a few steps on a probe parameter.
     """
     cls = type(optimizer)
     group = optimizer.param_groups[group_index]
-    kwargs = _constructor_kwargs(cls, group)
     gen = torch.Generator().manual_seed(1234)
     keys = []
+    skip = (f"pass generic_state_keys=[...] naming the per-parameter state tensors of "
+            f"{cls.__name__} to offload ([] for none), which skips the probe")
     for shape in _probe_shapes(group["params"]):
         probe = torch.nn.Parameter(torch.randn(shape, generator=gen))
         try:
-            throwaway = cls([probe], **kwargs)
+            throwaway = _probe_instance(cls, group, probe)
         except Exception as e:  # any failure of user code: say what to do
             raise ConfigError(
                 f"cannot construct a probe instance of {cls.__name__} with the "
-                f"hyperparameters of param group {group_index} ({e}); pass "
-                f"generic_state_keys=[...] naming its per-parameter state tensors"
-            ) from e
+                f"hyperparameters of param group {group_index} ({type(e).__name__}: "
+                f"{e}); {skip}") from e
         for _ in range(_PROBE_STEPS):
             probe.grad = torch.randn(shape, generator=gen)
             try:
-                step_without_hooks(throwaway)
+                with torch.no_grad():  # as update_subgroup steps it
+                    step_without_hooks(throwaway)
             except Exception as e:  # noqa: BLE001 - user code: say what it means
                 raise ConfigError(
                     f"{cls.__name__}.step() failed on a probe parameter "
@@ -121,7 +155,10 @@ def discover_state_keys(optimizer, group_index):
                     f"own step() on dense fp32 tensors, without a closure, one subgroup "
                     f"at a time; an optimizer that cannot run that way (this error's "
                     f"cause; or one that needs the closure or all parameters at once, "
-                    f"as LBFGS) cannot be offloaded") from e
+                    f"as LBFGS) cannot be offloaded. The probe (a throwaway instance "
+                    f"with param group {group_index}'s values, stepping one parameter "
+                    f"of shape {tuple(shape)}) finds which state to offload; if only "
+                    f"the probe fails, {skip}") from e
             for key, value in throwaway.state.get(probe, {}).items():
                 if (isinstance(value, torch.Tensor) and tuple(value.shape) == shape
                         and value.dtype == torch.float32 and key not in keys):
@@ -456,6 +493,19 @@ def step_without_hooks(optimizer):
         return type(optimizer).step(optimizer)
 
 
+def _stand_in(view, p):
+    """What the optimizer's step sees of parameter `p`: `view` (of the master
+    copy; no copy is made) as a tensor of p's kind, an nn.Parameter if p is
+    one, that requires grad as p does. An optimizer that skips parameters by
+    their requires_grad (`if not p.requires_grad: continue`, a common guard)
+    then updates those that train and skips those that do not, as in torch.
+    The step runs under torch.no_grad() (update_subgroup), where its in-place
+    updates of a leaf that requires grad are allowed."""
+    if isinstance(p, torch.nn.Parameter):
+        return torch.nn.Parameter(view, requires_grad=p.requires_grad)
+    return view.detach().requires_grad_(p.requires_grad)
+
+
 @contextlib.contextmanager
 def only_params(optimizer, group_index, params):
     """Makes `optimizer` see `params` in group `group_index` and nothing else."""
@@ -479,7 +529,8 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
     whether its state exists (else the optimizer initialises it). grad32:
     the engine's fp32 copy of the gradients (baseline mode), else None.
     Returns the parameters' new values: views of `master`, shaped as the
-    subgroup's parameters, in its order.
+    subgroup's parameters, in its order. The step sees each parameter as a
+    stand-in (_stand_in) over its view.
     """
     temps = []
     targets = []  # per parameter: its view of master (t, unless rebound)
@@ -488,8 +539,9 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
     for p, pid, off, n in subgroup.slices():
         if p.grad is None:
             raise OffloadError(f"parameter {pid} has no gradient")
-        t = _layout.shaped_like(master[off:off + n], p)
-        targets.append(t.detach())  # the same memory, kept if the step rebinds t.data
+        target = _layout.shaped_like(master[off:off + n], p)
+        targets.append(target)  # the same memory, kept if the step rebinds t.data
+        t = _stand_in(target, p)
         if grad32 is not None:
             grad = _layout.shaped_like(grad32[off:off + n], p) * grad_scale
         else:
@@ -520,7 +572,7 @@ def update_subgroup(optimizer, subgroup, keys, master, arrays, py_state, has_sta
                                                          subgroup.slices()):
             st = optimizer.state.get(t, {})
             if t.data_ptr() != target.data_ptr():  # the step rebound .data
-                target.copy_(t)
+                target.copy_(t.detach())  # t may require grad
             present = []
             for ki, (k, arr) in enumerate(zip(keys, arrays)):
                 value = st.get(k)
