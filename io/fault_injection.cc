@@ -175,13 +175,14 @@ void FaultInjectingEngine::SetInterrupted(bool interrupted) {
 
 namespace {
 
-// One engine's own clocks, one per direction. Virtual scheduling (GCRA
-// without burst): each piece is released when the bytes before it have had
-// their time at the capped rate. An idle period does not bank credit, since
-// the clock restarts from now.
+// One engine's own clocks, one per direction (one for both when half
+// duplex). Virtual scheduling (GCRA without burst): each piece is released
+// when the bytes before it have had their time at the capped rate. An idle
+// period does not bank credit, since the clock restarts from now.
 class LocalClock final : public internal_io::PaceClock {
  public:
-  LocalClock(double read_bps, double write_bps) : rate_{read_bps, write_bps} {}
+  LocalClock(double read_bps, double write_bps, bool half_duplex)
+      : rate_{read_bps, write_bps}, half_duplex_(half_duplex) {}
 
   bool Capped(IoOp op) const override {
     return rate_[static_cast<int>(op)] > 0;
@@ -189,7 +190,7 @@ class LocalClock final : public internal_io::PaceClock {
 
   absl::StatusOr<MonoTime> Reserve(IoOp op, size_t bytes) override {
     ::mlp_offload::MutexLock lock(&mu_);
-    MonoTime& next = next_release_[static_cast<int>(op)];
+    MonoTime& next = next_release_[half_duplex_ ? 0 : static_cast<int>(op)];
     const MonoTime release = std::max(next, MonoNow());
     next = release +
            std::chrono::duration_cast<MonoClock::duration>(
@@ -210,12 +211,14 @@ class LocalClock final : public internal_io::PaceClock {
           std::chrono::duration_cast<MonoClock::duration>(
               std::chrono::duration<double>(
                   static_cast<double>(internal_io::kPaceChunk) / rate_[o]));
-      next_release_[o] = std::min(next_release_[o], last_piece_done);
+      MonoTime& next = next_release_[half_duplex_ ? 0 : o];
+      next = std::min(next, last_piece_done);
     }
   }
 
  private:
   const double rate_[2];  // bytes/s, indexed by IoOp
+  const bool half_duplex_;
   ::mlp_offload::Mutex mu_;
   MonoTime next_release_[2] ABSL_GUARDED_BY(mu_) = {MonoTime::min(),
                                                     MonoTime::min()};
@@ -225,10 +228,12 @@ class LocalClock final : public internal_io::PaceClock {
 
 std::unique_ptr<IoEngine> MakeThrottledEngine(std::unique_ptr<IoEngine> inner,
                                               double read_bytes_per_sec,
-                                              double write_bytes_per_sec) {
+                                              double write_bytes_per_sec,
+                                              bool half_duplex) {
   return internal_io::MakePacedEngine(
       std::move(inner),
-      std::make_unique<LocalClock>(read_bytes_per_sec, write_bytes_per_sec),
+      std::make_unique<LocalClock>(read_bytes_per_sec, write_bytes_per_sec,
+                                   half_duplex),
       "throttle");
 }
 

@@ -67,10 +67,14 @@ class FaultInjectingEngine : public IoEngine {
 // token bucket, to emulate a slower tier on a fast disk. Requests are cut into
 // 1 MiB pieces released to `inner` at the capped rate (no burst allowance, so
 // the cap holds over any window longer than a piece), from a timer thread:
-// Submit never blocks.
+// Submit never blocks. Each direction has its cap to itself (a full-duplex
+// device), unless `half_duplex`: then reads and writes take turns on one
+// clock (a read of n bytes and a write of m take n / read cap + m / write
+// cap together, as on a device that does one at a time).
 std::unique_ptr<IoEngine> MakeThrottledEngine(std::unique_ptr<IoEngine> inner,
                                               double read_bytes_per_sec,
-                                              double write_bytes_per_sec);
+                                              double write_bytes_per_sec,
+                                              bool half_duplex = false);
 
 }  // namespace mlp_offload
 

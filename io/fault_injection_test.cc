@@ -211,6 +211,33 @@ TEST_P(FaultInjectionTest, ThrottledEngineRoundTripsAndNamesItself) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A full-duplex throttle paces reads and writes on a clock each; a half-duplex
+// one on one clock: a read and a write of 4 pieces each, submitted at once,
+// take at least the time of 4 pieces at the cap (full duplex) or of all 8
+// (half duplex). (The bound is what the pacing guarantees; the first piece
+// of each clock is released at once.)
+TEST_P(FaultInjectionTest, AHalfDuplexThrottleMakesReadsAndWritesTakeTurns) {
+  constexpr double kRate = 20e6;  // bytes/s: 52 ms per 1 MiB piece
+  const double piece = static_cast<double>(kSize) / kRate;
+  for (const bool half : {false, true}) {
+    std::unique_ptr<IoEngine> engine =
+        MakeThrottledEngine(Inner(), kRate, kRate, half);
+    ASSERT_TRUE(engine->Submit(Req(IoOp::kWrite, 0, kSize)).Wait().ok());
+    // Past the clocks' start: each is free again after a piece's time.
+    absl::SleepFor(absl::Seconds(2 * piece));
+    const MonoTime start = MonoNow();
+    std::vector<IoFuture> futures;
+    for (int r = 0; r < 4; ++r) {
+      futures.push_back(engine->Submit(Req(IoOp::kRead, 0, kSize)));
+      futures.push_back(engine->Submit(Req(IoOp::kWrite, 0, kSize)));
+    }
+    for (IoFuture& f : futures) ASSERT_TRUE(f.Wait().ok());
+    const double elapsed = SecondsSince(start);
+    EXPECT_GE(elapsed, (half ? 7 : 3) * piece * 0.99) << "half duplex " << half;
+    engine->Shutdown();
+  }
+}
+
 // Interrupted, a throttle fails the pieces it holds back at once with
 // Cancelled (the request whose pieces the device has is completed as usual),
 // and new ones too; once the interruption is over, the time the dropped

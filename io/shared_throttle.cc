@@ -125,6 +125,7 @@ class SharedClock final : public internal_io::PaceClock {
   SharedClock(const SharedThrottleOptions& options, int fd)
       : rate_{options.read_bytes_per_sec, options.write_bytes_per_sec},
         contention_(options.contention),
+        half_duplex_(options.half_duplex),
         lock_timeout_(options.lock_timeout),
         path_(options.state_path),
         fd_(fd) {}
@@ -154,8 +155,9 @@ class SharedClock final : public internal_io::PaceClock {
     const int64_t cost_ns = static_cast<int64_t>(static_cast<double>(bytes) *
                                                  factor / rate_[o] * 1e9);
     const int64_t now = MonotonicNs();
-    const int64_t start = std::max(record.next_free_ns[o], now);
-    record.next_free_ns[o] = start + cost_ns;
+    const int clock = half_duplex_ ? 0 : o;  // half duplex: one clock for both
+    const int64_t start = std::max(record.next_free_ns[clock], now);
+    record.next_free_ns[clock] = start + cost_ns;
     record.streaming = std::max(0, record.streaming - owed_);
     MLP_RETURN_IF_ERROR(WriteRecord(fd_, path_, record));
     owed_ = 0;
@@ -195,6 +197,7 @@ class SharedClock final : public internal_io::PaceClock {
 
   const double rate_[2];
   const double contention_;
+  const bool half_duplex_;
   const absl::Duration lock_timeout_;
   const std::string path_;
   const int fd_;

@@ -27,6 +27,11 @@ struct SharedThrottleOptions {
   // concurrent streams (seeks, a parallel file system's lock traffic, an
   // SSD's mixed streams). Must be >= 0.
   double contention = 0;
+  // One clock for both directions: a device that reads or writes, not both
+  // at once (a read of n bytes and a write of m take n / read cap + m /
+  // write cap together). false: each direction has its cap to itself (a
+  // full-duplex device). Every engine sharing the file should say the same.
+  bool half_duplex = false;
   // How long a request waits for the state file's lock, which another
   // process holds only for a read and a write of 32 bytes: a holder that is
   // stopped (SIGSTOP) or hung in I/O fails the waiting request with

@@ -1721,6 +1721,7 @@ absl::Status Engine::Impl::OpenTiers() {
       shared.read_bytes_per_sec = spec.throttle_read_bytes_per_sec;
       shared.write_bytes_per_sec = spec.throttle_write_bytes_per_sec;
       shared.contention = spec.throttle_contention;
+      shared.half_duplex = spec.throttle_half_duplex;
       // A rank stopped inside the file's 32-byte section holds the others
       // up no longer than one stopped while holding the tier lock.
       shared.lock_timeout = config.tier_lock_timeout;
@@ -1730,7 +1731,8 @@ absl::Status Engine::Impl::OpenTiers() {
     } else if (spec.throttle_read_bytes_per_sec > 0 ||
                spec.throttle_write_bytes_per_sec > 0) {
       io = MakeThrottledEngine(std::move(io), spec.throttle_read_bytes_per_sec,
-                               spec.throttle_write_bytes_per_sec);
+                               spec.throttle_write_bytes_per_sec,
+                               spec.throttle_half_duplex);
     }
     if (config.fault_injection) {
       auto fi = std::make_unique<FaultInjectingEngine>(std::move(io));

@@ -546,8 +546,11 @@ absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {
   for (int t = 0; t < num_tiers; ++t) {
     const TierSpec& spec = in.tiers[t];
     double r = spec.read_bytes_per_sec, w = spec.write_bytes_per_sec;
+    // Throttled caps of both directions are a full-duplex device unless
+    // they say otherwise; a measured bandwidth is taken as half duplex.
     bool throttled = spec.throttle_read_bytes_per_sec > 0 &&
-                     spec.throttle_write_bytes_per_sec > 0;
+                     spec.throttle_write_bytes_per_sec > 0 &&
+                     !spec.throttle_half_duplex;
     if (spec.throttle_read_bytes_per_sec > 0) {
       r = r > 0 ? std::min(r, spec.throttle_read_bytes_per_sec)
                 : spec.throttle_read_bytes_per_sec;

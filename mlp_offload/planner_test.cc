@@ -250,6 +250,15 @@ TEST(PlannerTest, ThrottledTiersAreDuplex) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_NEAR(plan->traffic[0].seconds, plan->traffic[0].bytes_read / 100e6,
               1e-9);
+  // Caps that say half duplex: reads and writes take turns.
+  in.tiers[0].throttle_half_duplex = true;
+  plan = MakePlan(in);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_GT(plan->traffic[0].bytes_written, 0);
+  EXPECT_NEAR(
+      plan->traffic[0].seconds,
+      (plan->traffic[0].bytes_read + plan->traffic[0].bytes_written) / 100e6,
+      1e-9);
 }
 
 // Placement of equal-size subgroups over a grid of configurations, hashed per

@@ -26,6 +26,11 @@ struct TierSpec {
   // For a shared throttle: with k processes streaming at once the device
   // gives cap / (1 + contention * (k - 1)) in total; 0: no loss. >= 0.
   double throttle_contention = 0;
+  // Whether the caps emulate a half-duplex device: reads and writes take
+  // turns on one clock (a read of n bytes and a write of m take n / read cap
+  // + m / write cap together). false: each direction has its cap to itself
+  // (full duplex, as an SSD that reads and writes at once at full speed).
+  bool throttle_half_duplex = false;
   // Tiers with the same non-empty pool share one bandwidth (two directories
   // on one device); the planner then splits the pool's bandwidth.
   std::string bandwidth_pool;

@@ -70,6 +70,10 @@ ABSL_FLAG(int, ranks, 1,
 ABSL_FLAG(double, contention, 0,
           "with --ranks > 1: a tier streamed by k ranks at once gives "
           "cap / (1 + contention * (k - 1)) in total");
+ABSL_FLAG(bool, half_duplex, false,
+          "the caps emulate devices that read or write, not both at once "
+          "(one clock for both directions); default: full duplex, each "
+          "direction with its cap to itself");
 ABSL_FLAG(std::string, tier_lock_dir, "",
           "directory of the tier locks' files (default: a temporary one, "
           "removed at the end)");
@@ -188,6 +192,7 @@ struct Setup {
   uint64_t budget = 0;  // per rank
   int ranks = 1;
   double contention = 0;
+  bool half_duplex = false;
   int threads = 2;  // per rank
 };
 
@@ -237,6 +242,7 @@ class Worker {
       spec.name = t == 0 ? "fast" : "slow";
       spec.throttle_read_bytes_per_sec = spec.throttle_write_bytes_per_sec =
           t == 0 ? setup.fast : setup.slow;
+      spec.throttle_half_duplex = setup.half_duplex;
       spec.shared_by = setup.ranks;
       if (setup.ranks > 1) {
         spec.throttle_shared = true;
@@ -576,6 +582,7 @@ int Run() {
   }
   setup.fast = absl::GetFlag(FLAGS_fast_mbps) * 1e6;
   setup.slow = setup.fast * absl::GetFlag(FLAGS_slow_ratio);
+  setup.half_duplex = absl::GetFlag(FLAGS_half_duplex);
   const uint64_t state_bytes = params * 12;
   const uint64_t budget =
       static_cast<uint64_t>(state_bytes * absl::GetFlag(FLAGS_budget_fraction));
@@ -590,9 +597,17 @@ int Run() {
         state_bytes / 1e9, budget / 1e9);
     std::printf(
         "tiers: %s capped at %.0f MB/s read and write; %s capped at %.0f MB/s "
-        "(caps together %.0f MB/s)\n",
+        "(%s)\n",
         setup.dirs[0].c_str(), setup.fast / 1e6, setup.dirs[1].c_str(),
-        setup.slow / 1e6, 2 * (setup.fast + setup.slow) / 1e6);
+        setup.slow / 1e6,
+        setup.half_duplex
+            ? absl::StrFormat("half duplex: reads and writes share each cap, "
+                              "%.0f MB/s together",
+                              (setup.fast + setup.slow) / 1e6)
+                  .c_str()
+            : absl::StrFormat("full duplex: caps together %.0f MB/s",
+                              2 * (setup.fast + setup.slow) / 1e6)
+                  .c_str());
     if (ranks > 1) {
       std::printf(
           "%d ranks, each %.3g params, %d compute thread(s) and %.2f GB of "
@@ -628,14 +643,17 @@ int Run() {
     }
     const Summary& s = *result;
     // The I/O lower bound: the slowest tier moving all ranks' bytes at its
-    // full cap (no contention loss: what perfect turn-taking achieves).
+    // full cap (no contention loss: what perfect turn-taking achieves), both
+    // directions at once (full duplex) or one after the other.
     double br = 0, bw = 0, lower = 0;
     for (int t = 0; t < 2; ++t) {
       br += s.bytes_read[t];
       bw += s.bytes_written[t];
       const double cap = t == 0 ? setup.fast : setup.slow;
-      lower =
-          std::max(lower, std::max(s.bytes_read[t], s.bytes_written[t]) / cap);
+      const double moved = setup.half_duplex
+                               ? s.bytes_read[t] + s.bytes_written[t]
+                               : std::max(s.bytes_read[t], s.bytes_written[t]);
+      lower = std::max(lower, moved / cap);
     }
     if (absl::GetFlag(FLAGS_json)) {
       std::printf(
@@ -648,11 +666,12 @@ int Run() {
           "\"write_wait_seconds\": %.4f, \"grad_offload_seconds\": %.4f, "
           "\"cache_hits\": %d, \"num_cached\": %d, \"fast_cap_bytes_per_sec\": "
           "%.0f, "
-          "\"slow_cap_bytes_per_sec\": %.0f}\n",
+          "\"slow_cap_bytes_per_sec\": %.0f, \"half_duplex\": %s}\n",
           name.c_str(), static_cast<unsigned long long>(params), n,
           absl::GetFlag(FLAGS_steps), ranks, setup.contention, s.step, lower,
           s.predicted, br, bw, s.read_wait, s.compute, s.write_wait, s.grads,
-          s.cache_hits, s.num_cached, setup.fast, setup.slow);
+          s.cache_hits, s.num_cached, setup.fast, setup.slow,
+          setup.half_duplex ? "true" : "false");
     } else {
       rows.push_back(absl::StrFormat(
           "%-24s %8.2f %8.2f %8.2f %7.2f %7.2f %7.2f %7.2f %8.2f %8.2f", name,

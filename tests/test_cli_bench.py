@@ -196,3 +196,20 @@ def test_bench_tier_that_is_a_file_is_one_line_error_without_a_bar(tmp_path, cap
     assert code == 1
     assert err == f"mlp-offload bench: error: tier directory {tmp_path / 'file'} is not a " \
         f"directory\n", err
+
+
+def test_bench_half_duplex_caps_make_reads_and_writes_take_turns(tmp_path, capsys):
+    # --half-duplex: one clock per tier for reads and writes (a device that
+    # does one at a time), and the I/O bound is their sum at the cap.
+    code = cli.main(["bench", "--json", "--out", "", "--half-duplex", "--configs",
+                     "baseline,mlp"] + TINY)
+    assert code == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    caps = (400e6, 200e6)
+    for r in results:
+        assert r["half_duplex"] is True
+        moved = r["bytes_read"] + r["bytes_written"]
+        # The tiers' bound: (reads + writes) / cap on the slowest tier; all
+        # bytes on the fast tier at most, so at least moved / (fast + slow).
+        assert r["io_lower_bound_seconds"] >= moved / sum(caps) * 0.999
+        assert r["step_seconds_median"] >= r["io_lower_bound_seconds"] * 0.95

@@ -44,6 +44,7 @@ def refused(tiers, match, **kwargs):
     ("throttle_contention", float("nan")), ("throttle_contention", -3),
     ("shared_by", 0), ("shared_by", -1), ("shared_by", 2.0),
     ("capacity_bytes", 2 ** 64), ("throttle_shared", "yes"), ("path", 3),
+    ("throttle_half_duplex", 1),
 ])
 def test_bad_tier_value_is_a_config_error_naming_it(tmp_path, key, value):
     a, b = tier_dirs(tmp_path)
@@ -70,12 +71,13 @@ def test_good_tier_values_are_kept():
     tiers = config.normalize_tiers(
         [{"path": "/a", "read_bytes_per_sec": None, "write_bytes_per_sec": 3,
           "throttle_read_bytes_per_sec": 0, "throttle_contention": 0.5, "shared_by": 2,
-          "capacity_bytes": 1 << 40},
+          "capacity_bytes": 1 << 40, "throttle_half_duplex": True},
          "/b", "/c"],
         tier_bandwidths=[None, (1e9, 2e9), 4e9], shared_by=3)
     assert tiers[0]["read_bytes_per_sec"] == config.DEFAULT_TIER_BYTES_PER_SEC
     assert tiers[0]["write_bytes_per_sec"] == 3.0 and tiers[0]["shared_by"] == 2
     assert tiers[0]["throttle_read_bytes_per_sec"] == 0.0
+    assert tiers[0]["throttle_half_duplex"] is True
     assert tiers[1]["read_bytes_per_sec"] == 1e9 and tiers[1]["write_bytes_per_sec"] == 2e9
     assert tiers[2]["read_bytes_per_sec"] == tiers[2]["write_bytes_per_sec"] == 4e9
     assert tiers[1]["shared_by"] == 3

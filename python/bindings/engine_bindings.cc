@@ -121,6 +121,7 @@ TierSpec TierFromDict(py::handle obj, int index) {
   r.Read("throttle_write_bytes_per_sec", &t.throttle_write_bytes_per_sec);
   r.Read("throttle_shared", &t.throttle_shared);
   r.Read("throttle_contention", &t.throttle_contention);
+  r.Read("throttle_half_duplex", &t.throttle_half_duplex);
   r.Read("bandwidth_pool", &t.bandwidth_pool);
   r.Finish();
   return t;
@@ -145,6 +146,7 @@ py::dict TierToDict(const TierSpec& t) {
   d["throttle_write_bytes_per_sec"] = t.throttle_write_bytes_per_sec;
   d["throttle_shared"] = t.throttle_shared;
   d["throttle_contention"] = t.throttle_contention;
+  d["throttle_half_duplex"] = t.throttle_half_duplex;
   d["bandwidth_pool"] = t.bandwidth_pool;
   return d;
 }

@@ -185,11 +185,14 @@ def check_plans(params, subgroup_numel, budget_fraction, configs):
 
 def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                   fast_bytes_per_sec=120e6, slow_ratio=0.5, budget_fraction=0.25,
-                  steps=3, threads=2, configs=CONFIGS, seed=1, progress=None):
+                  steps=3, threads=2, configs=CONFIGS, seed=1, progress=None,
+                  half_duplex=False):
     """Runs the benchmark; returns one result dict per configuration.
 
     `tiers`: two directories (None: two fresh temporary directories, removed
     afterwards). `progress(config, done, total)` is called after each step.
+    `half_duplex`: the caps emulate devices that read or write, not both at
+    once (one clock for both directions; else each has its cap to itself).
     Result keys match the C++ benchmark's --json output.
     """
     configs = list(configs)
@@ -235,7 +238,8 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
             tier_specs = [
                 {"path": tiers[t], "name": ("fast", "slow")[t],
                  "throttle_read_bytes_per_sec": caps[t],
-                 "throttle_write_bytes_per_sec": caps[t]}
+                 "throttle_write_bytes_per_sec": caps[t],
+                 "throttle_half_duplex": bool(half_duplex)}
                 for t in range(2)]
             run_name = f"bench_{config}_{os.getpid()}_k{boot or 'unknown'}"
             engine = _C.engine.Engine.create(
@@ -269,7 +273,10 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                     grad_s.append(stats["grad_offload_seconds"])
                     last = stats
                 plan = engine.plan
-                lower = max(max(last["bytes_read"][t], last["bytes_written"][t]) / caps[t]
+                # Each tier moving its bytes at its cap: both directions at
+                # once (full duplex), or one after the other.
+                both = (lambda r, w: r + w) if half_duplex else max
+                lower = max(both(last["bytes_read"][t], last["bytes_written"][t]) / caps[t]
                             for t in range(2))
                 results.append({
                     "config": config,
@@ -290,6 +297,7 @@ def run_benchmark(params=20_000_000, subgroup_numel=250_000, tiers=None,
                     "num_cached": plan.num_cached,
                     "fast_cap_bytes_per_sec": fast,
                     "slow_cap_bytes_per_sec": slow,
+                    "half_duplex": bool(half_duplex),
                     "host_budget_bytes": budget,
                     "state_bytes": state_bytes,
                 })

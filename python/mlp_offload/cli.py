@@ -422,8 +422,9 @@ def _cmd_bench(args, out):
                       f"{units.format_bytes(state)}, host budget "
                       f"{units.format_bytes(state * args.budget_fraction)}\n")
             out.write(f"tiers: fast {dirs[0]} capped at {args.fast_mbps:g} MB/s, slow "
-                      f"{dirs[1]} at {args.fast_mbps * args.slow_ratio:g} MB/s (read and "
-                      f"write each); 1 warm-up + {_n(args.steps, 'measured step')} per "
+                      f"{dirs[1]} at {args.fast_mbps * args.slow_ratio:g} MB/s ("
+                      f"{'reads and writes sharing it: half duplex' if args.half_duplex else 'read and write each'}"
+                      f"); 1 warm-up + {_n(args.steps, 'measured step')} per "
                       f"config\n")
             out.flush()
         # After _tier_dirs's checks: no bar is left drawn above an error.
@@ -434,7 +435,8 @@ def _cmd_bench(args, out):
                 params=args.params, subgroup_numel=args.subgroup_numel, tiers=dirs,
                 fast_bytes_per_sec=args.fast_mbps * 1e6, slow_ratio=args.slow_ratio,
                 budget_fraction=args.budget_fraction, steps=args.steps, threads=args.threads,
-                configs=args.configs, seed=args.seed, progress=progress)
+                configs=args.configs, seed=args.seed, progress=progress,
+                half_duplex=args.half_duplex)
         finally:
             bar.close()
     png = None
@@ -700,6 +702,9 @@ def build_parser():
                    help="cap of the fast tier, MB/s, reads and writes each")
     p.add_argument("--slow-ratio", type=_number(lo=0, lo_open=True), default=0.5,
                    help="the slow tier's cap relative to the fast one")
+    p.add_argument("--half-duplex", action="store_true",
+                   help="the caps emulate devices that read or write, not both at once "
+                        "(default: each direction has its cap to itself)")
     p.add_argument("--budget-fraction", type=_number(lo=0), default=0.25,
                    help="host budget as a fraction of the state")
     p.add_argument("--steps", type=_positive_int, default=3,

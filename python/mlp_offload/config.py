@@ -29,6 +29,7 @@ _TIER_KEYS = (
     "throttle_write_bytes_per_sec",
     "throttle_shared",
     "throttle_contention",
+    "throttle_half_duplex",
     "bandwidth_pool",
 )
 
@@ -139,6 +140,8 @@ _TIER_CHECKS = {
         lambda name, v: check_number(name, v, what=" (bytes/s; 0: no cap)"),
     "throttle_shared": check_bool,
     "throttle_contention": check_number,
+    # The caps emulate a device that reads or writes, not both at once.
+    "throttle_half_duplex": check_bool,
     "bandwidth_pool": check_str,
 }
 

@@ -1109,8 +1109,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         keys = ("read_bytes_per_sec", "write_bytes_per_sec", "capacity_bytes", "shared_by",
                 "throttle_read_bytes_per_sec", "throttle_write_bytes_per_sec",
                 "bandwidth_pool")
+        # (A half-duplex throttle is listed only where it is on: the text of
+        # a commit made before the option stays the same.)
         return json.dumps([self._techniques["multipath"],
-                           [[t.get(k) for k in keys] for t in self._tiers]])
+                           [[t.get(k) for k in keys]
+                            + ([True] if t.get("throttle_half_duplex") else [])
+                            for t in self._tiers]])
 
     def _settle_placement(self):
         """After a resume (the constructor; collective with 'replan'): where
