@@ -2319,3 +2319,86 @@ def test_a_damaged_checkpoint_newer_than_the_commit(tmp_path, caplog, damage):
     assert (opt.resumed_from, opt.resumed_step) == ("committed_step", 2)
     assert_equal(params_of(model), at_commit, "the commit")
     opt.close()
+
+
+def _ctrl_c_in(monkeypatch, owner, name, after=False):
+    """Makes owner.name send this process SIGINT once, at its start (or, with
+    `after`, once it has returned): Ctrl-C arriving there. The default
+    handler raises KeyboardInterrupt at the next point Python handles
+    signals: right there, unless the wrapper holds signals back."""
+    real = getattr(owner, name)
+    sent = []
+
+    def once(*args, **kwargs):
+        if not sent and not after:
+            sent.append(1)
+            signal.raise_signal(signal.SIGINT)
+        out = real(*args, **kwargs)
+        if not sent and after:
+            sent.append(1)
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(owner, name, once)
+    return sent
+
+
+@pytest.mark.parametrize("where", ["native bookkeeping", "generic update", "generic tail"])
+def test_ctrl_c_anywhere_in_a_step_then_the_retry_applies_it_once(tmp_path, monkeypatch,
+                                                                   where):
+    # The README: after a Ctrl-C in step(), step() again with the same
+    # gradients finishes it, with the uninterrupted result. A review that
+    # sent Ctrl-C at every line of a step found the update applied twice:
+    # on the generic path when it came between a subgroup's update in place
+    # and the engine's done() (the retry updated that subgroup again), and on
+    # both paths when it came in the bookkeeping after the engine's step had
+    # completed (the exception left step() with nothing held back).
+    from mlp_offload import generic, optimizer as impl
+    make = None if where == "native bookkeeping" else \
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5))
+    want_params, want_sd = reference(tmp_path, 2, make)
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path), make=make)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 1)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        if where == "native bookkeeping":
+            sent = _ctrl_c_in(monkeypatch, impl.MLPOffloadOptimizer, "_keys_after_step")
+        elif where == "generic update":
+            sent = _ctrl_c_in(monkeypatch, generic, "update_subgroup", after=True)
+        else:
+            sent = _ctrl_c_in(monkeypatch, impl.MLPOffloadOptimizer, "_warn_unmarked_commit")
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        assert sent
+        monkeypatch.undo()
+        opt.step()  # the same gradients: finishes it
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert_equal(params_of(model), want_params, f"Ctrl-C in the {where}, then the retry")
+    assert_states_equal(opt.state_dict(), want_sd)
+    opt.close()
+
+
+def test_ctrl_c_while_a_save_takes_its_lock_leaves_no_lock_held(tmp_path, monkeypatch):
+    # Before, a Ctrl-C after the save lock's flock (as its holder's name was
+    # written) leaked the descriptor, and every later save of the process
+    # raised TierInUseError naming an unknown holder.
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path))
+    backward(model, 0)
+    opt.step()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_in(monkeypatch, recovery.os, "ftruncate")
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGINT, previous)
+    opt.save_checkpoint(tmp_path / "ckpt")
+    opt.load_checkpoint(tmp_path / "ckpt")
+    opt.close()

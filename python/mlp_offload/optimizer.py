@@ -32,6 +32,8 @@ import os
 import pickle
 import re
 import shutil
+import signal
+import threading
 import time
 import uuid
 import weakref
@@ -171,6 +173,38 @@ def _remove_entries(directory, names):
 # The attribute that marks a wrapped optimizer's guarded step (its value: a
 # weak reference to the wrapper).
 _STEP_GUARD = "_mlp_offload_wrapper"
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Holds back the Python handlers of SIGINT and SIGTERM (Ctrl-C's
+    KeyboardInterrupt, or what a program's handler raises) for the block: a
+    signal that comes meanwhile is recorded, and handled as the block ends,
+    as if it had come then. For the stretches of a step that an exception
+    would leave half done for a retry to do twice (a generic subgroup's
+    update until the engine has it back). Only the main thread runs signal
+    handlers: elsewhere nothing is held back, and nothing needs to be."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    held = {}
+
+    def record(signum, frame):
+        pending.append((signum, frame))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            held[sig] = handler
+            signal.signal(sig, record)
+    try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        for signum, frame in pending:
+            held[signum](signum, frame)
 
 
 def _open_wrapper(holder):
@@ -548,6 +582,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "fault_injection", fault_injection)
             self._want_resume = resume != "never"
             self._failed_step = None
+            self._step_unreturned = None  # a step applied, until step() returns
             # Each owned subgroup's parameters' version counters when the
             # engine's master copy last matched them (_note_param_versions).
             self._param_versions = {}
@@ -2380,9 +2415,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
+        self._step_unreturned = None
         try:
             loss = self._step(closure)
         except BaseException:
+            applied, self._step_unreturned = self._step_unreturned, None
+            if applied is not None and self._failed_step is None and not self._closed:
+                # The step was applied, and what raised came after (a
+                # Ctrl-C in the bookkeeping that follows): held back as a
+                # completed step, as one whose commit failed is, so that
+                # calling step() again finishes it without applying the
+                # gradients a second time.
+                with _signals_held():
+                    self._hold_back(applied["before"], completed=True)
             # GradScaler deletes the grad_scale and found_inf it set only
             # after a step that returned, and multiplies a grad_scale left
             # over into the next: its retry of a step that raised would
@@ -2391,6 +2436,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 self.__dict__.pop(name, None)
             raise
         else:
+            self._step_unreturned = None  # (no call before: no signal is handled)
             if self._staging is not None:
                 # A step that returned (done, skipped, without gradients, or
                 # a failed one's commit retried) used its clip; one that
@@ -2729,6 +2775,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 if self._family is not None and self._commits_next():
                     self._write_pystate(start + 1, stepping=True)
                 stats = self._engine_step(grad_scale, skip_nonfinite, amp, scale, prepared)
+            if self._commit_every > 0 and engine.steps > start \
+                    and engine.committed_step == engine.steps:
+                self._prune_pystate()
+            if redo or engine.steps > start:
+                # Applied: an exception from here until step() returns (a
+                # Ctrl-C in its bookkeeping) holds it back as completed, so
+                # that the retry does not apply it again (step()).
+                self._step_unreturned = {"before": before}
         except BaseException as exc:
             try:
                 completed = redo or engine.steps > start
@@ -2745,9 +2799,6 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             if err is exc:
                 raise
             raise err from exc
-        if self._commit_every > 0 and engine.steps > start \
-                and engine.committed_step == engine.steps:
-            self._prune_pystate()
         return stats, before
 
     def _abandon_failed_step(self):
@@ -3240,8 +3291,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         engine = self._engine
         values = self._generic_step_values()
         steps = engine.steps
-        engine.begin_step(self._skip_flags())
         try:
+            # (Inside: an interrupt as it returns aborts the step begun.)
+            engine.begin_step(self._skip_flags())
             while True:
                 view = engine.next()
                 if view.subgroup < 0:
@@ -3254,14 +3306,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
                 keys = self._keys[sg.group]
                 grad32 = _layout.float_view(view.grad32, view.numel) if view.grad32 else None
-                values.before_call()
-                updated = _generic.update_subgroup(self.optimizer, sg, keys, master,
-                                                   arrays[:len(keys)], self._py_state,
-                                                   self._has_state, grad_scale, grad32)
-                values.after_call(sg.group)
-                _layout.copy_all(sg.params, updated)
-                del master, arrays, grad32, updated
-                engine.done()
+                # From the update in place to the engine's done(): a Ctrl-C
+                # in between would leave the record updated but not done, and
+                # the retry would update it again. Handled once it is done.
+                with _signals_held():
+                    values.before_call()
+                    updated = _generic.update_subgroup(self.optimizer, sg, keys, master,
+                                                       arrays[:len(keys)], self._py_state,
+                                                       self._has_state, grad_scale, grad32)
+                    values.after_call(sg.group)
+                    _layout.copy_all(sg.params, updated)
+                    del master, arrays, grad32, updated
+                    engine.done()
             values.finish()
             if self._commits_next():
                 # Every record is final: the Python side of the step goes

@@ -109,24 +109,28 @@ def hold_checkpoint_lock(directory, rank):
     other's)."""
     path = os.path.join(directory, f"LOCK.rank{rank}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # Whatever raises before the fd is handed back (a Ctrl-C included)
+    # closes it: a leaked one would hold the lock for the process's life.
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise TierInUseError(
-            f"checkpoint directory {directory} is in use: another save of rank {rank} "
-            f"holds {path} (pid and host: {holder}); saves of two runs into one "
-            f"directory remove each other's files: give each run its own checkpoint_dir "
-            f"(nothing was changed)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            mine = holder.split(" ")[0] == str(os.getpid())
+            raise TierInUseError(
+                f"checkpoint directory {directory} is in use: another save of rank {rank} "
+                f"holds {path} (pid and host: {holder}"
+                f"{', this process: a save of another optimizer, or of another thread' if mine else ''}"
+                f"); saves of two runs into one directory remove each other's files: "
+                f"give each run its own checkpoint_dir (nothing was changed)") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # only what an error names
     except BaseException:
         os.close(fd)
         raise
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-    except OSError:
-        pass  # only what an error names
     return fd
 
 
