@@ -56,8 +56,12 @@ class SharedThrottleTest : public testing::Test {
     return EngineWith(0, lock_timeout);
   }
 
+  // An engine capped at kCap each way, with `contention`, whose waits for
+  // the state file's lock last `lock_timeout` at most; `half_duplex`: one
+  // clock for reads and writes.
   absl::StatusOr<std::unique_ptr<IoEngine>> EngineWith(
-      double contention, absl::Duration lock_timeout) {
+      double contention, absl::Duration lock_timeout,
+      bool half_duplex = false) {
     IoEngineOptions inner;
     inner.kind = IoEngineOptions::Kind::kThreadPool;
     inner.block_size = kMiB;
@@ -67,6 +71,7 @@ class SharedThrottleTest : public testing::Test {
     options.write_bytes_per_sec = kCap;
     options.contention = contention;
     options.lock_timeout = lock_timeout;
+    options.half_duplex = half_duplex;
     return MakeSharedThrottledEngine(*CreateIoEngine(inner), options);
   }
 
@@ -154,6 +159,34 @@ TEST_F(SharedThrottleTest, ConcurrentStreamsPayTheContention) {
       b->Submit({IoOp::kWrite, fb.get(), 0, kSize, buf_b.data()}).Wait().ok());
   const double took = SecondsSince(turns);
   EXPECT_GE(took, MinSeconds(16));
+}
+
+// Half duplex, reads and writes take turns on one clock: a read and a write
+// of 8 MiB each, submitted at once, take 16 MiB of device time (the last of
+// their 16 pieces is released after the other 15). Full duplex, each
+// direction has its own clock: 8 MiB of device time at least.
+TEST_F(SharedThrottleTest, AHalfDuplexDeviceMakesReadsAndWritesTakeTurns) {
+  std::unique_ptr<File> fr = Open("read"), fw = Open("write");
+  AlignedBuffer in = *AlignedBuffer::Allocate(kSize);
+  AlignedBuffer out = *AlignedBuffer::Allocate(kSize);
+  for (const bool half : {false, true}) {
+    SCOPED_TRACE(half ? "half duplex" : "full duplex");
+    // A state file of its own: both clocks start free.
+    state_ = absl::StrCat(dir_, "/device_", half ? "half" : "full");
+    absl::StatusOr<std::unique_ptr<IoEngine>> engine =
+        EngineWith(0, absl::InfiniteDuration(), half);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const MonoTime start = MonoNow();
+    IoFuture read =
+        (*engine)->Submit({IoOp::kRead, fr.get(), 0, kSize, in.data()});
+    IoFuture write =
+        (*engine)->Submit({IoOp::kWrite, fw.get(), 0, kSize, out.data()});
+    const absl::StatusOr<size_t> rr = read.Wait(), rw = write.Wait();
+    EXPECT_TRUE(rr.ok()) << rr.status();
+    EXPECT_TRUE(rw.ok()) << rw.status();
+    EXPECT_GE(SecondsSince(start), MinSeconds(half ? 16 : 8));
+    (*engine)->Shutdown();
+  }
 }
 
 // The clock lives in the file: a child process's engine and ours share it.

@@ -487,6 +487,49 @@ absl::Status RemoveStaleRecords(const std::string& run_dir, int tier,
   return absl::OkStatus();
 }
 
+// Removes from run directory `run_dir` the temporary files that
+// WriteFileAtomically leaves behind when its process dies before the rename:
+// `<name>.tmp.<pid>` for each file of the run it writes (COMMIT, COMMIT.prev,
+// kCommittedMark, MANIFEST). Called with the run's lock held, so no live
+// process writes there: each is a dead writer's, which nothing else ever
+// removes. Only regular files of exactly those names go (a symlink or a
+// directory of such a name stays, and none is followed). Best effort, and
+// not synced: one that stays, or comes back after a crash, goes at the next
+// start.
+void RemoveDeadWritersTemporaries(const std::string& run_dir) {
+  DIR* d = opendir(run_dir.c_str());
+  if (d == nullptr) return;
+  const int dir_fd = dirfd(d);
+  std::vector<std::string> dead;
+  while (struct dirent* ent = readdir(d)) {
+    const absl::string_view name = ent->d_name;
+    bool temporary = false;
+    for (const absl::string_view written :
+         {"COMMIT", "COMMIT.prev", kCommittedMark, "MANIFEST"}) {
+      absl::string_view pid = name;
+      if (!absl::ConsumePrefix(&pid, written) ||
+          !absl::ConsumePrefix(&pid, ".tmp.")) {
+        continue;
+      }
+      // getpid() as StrCat writes it: decimal, no sign or leading zero.
+      int32_t value = 0;
+      temporary = !pid.empty() && pid.size() <= 10 && pid[0] != '0' &&
+                  std::all_of(pid.begin(), pid.end(), absl::ascii_isdigit) &&
+                  absl::SimpleAtoi(pid, &value) && value > 0;
+      break;
+    }
+    if (!temporary) continue;
+    struct stat st;
+    if (fstatat(dir_fd, ent->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(st.st_mode)) {
+      dead.push_back(std::string(name));
+    }
+  }
+  // unlinkat removes the name itself, never what a link names.
+  for (const std::string& name : dead) unlinkat(dir_fd, name.c_str(), 0);
+  closedir(d);
+}
+
 }  // namespace
 
 namespace internal_engine {
@@ -1713,6 +1756,8 @@ absl::Status Engine::Impl::OpenTiers() {
                        " is not a directory (a planted symlink?)"));
     }
     MLP_ASSIGN_OR_RETURN(tier.run_lock, RunLock::Acquire(tier.dir + "/LOCK"));
+    // No live process writes in the directory now that the lock is ours.
+    RemoveDeadWritersTemporaries(tier.dir);
     std::unique_ptr<IoEngine> io = std::move(ios[t]);
     const TierSpec& spec = config.tiers[t];
     if (spec.throttle_shared) {

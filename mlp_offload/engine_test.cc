@@ -1487,6 +1487,90 @@ TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
   EXPECT_TRUE(Take(e, cfg.subgroup_numel) == at4);
 }
 
+TEST(EngineTest, AStartRemovesTheTemporaryFilesOfDeadWritersOnly) {
+  // A process killed while it writes a commit record, the COMMITTED mark or
+  // the MANIFEST leaves `<name>.tmp.<pid>` in the run directory. Once the
+  // run's lock is taken no live process writes there, so a start (a resume,
+  // or a fresh start under the run's name) removes them: before, they
+  // stayed for ever, one more with each killed process.
+  const std::vector<std::string> dead = {
+      "COMMIT.tmp.4242", "COMMIT.prev.tmp.31337", "COMMITTED.tmp.7",
+      "MANIFEST.tmp.123456", absl::StrCat("COMMIT.tmp.", getpid())};
+  // Names that WriteFileAtomically does not write, and a symlink named like
+  // one of its temporary files, which it never makes (it opens them with
+  // O_NOFOLLOW): these stay, and so does what the link names.
+  const std::vector<std::string> others = {
+      "COMMIT.tmp.notes", "OTHER.tmp.123", "MANIFEST.tmp.12x",
+      "COMMIT.tmp.0123",  "COMMIT.tmp.",   "sg_0.state.tmp.123",
+      "COMMIT.tmp.1.2",   "LOCK.tmp.99"};
+  const std::string link = "COMMITTED.tmp.555";
+  for (const bool resume : {true, false}) {
+    SCOPED_TRACE(resume ? "resume" : "fresh start");
+    EngineConfig cfg = SmallConfig(2);
+    cfg.commit_every = 1;
+    cfg.run_name = "dead_writers";
+    Model model(cfg.subgroup_numel, 31);
+    {
+      std::unique_ptr<Engine> e = CreateFrom(cfg, model);
+      ASSERT_NE(e, nullptr);
+      ASSERT_NO_FATAL_FAILURE(RunSteps(*e, model, 1, 1));
+      ASSERT_EQ(e->committed_step(), 1);
+    }
+    const std::string outside = TempDir("dead_writers_outside") + "/target";
+    {
+      std::FILE* f = std::fopen(outside.c_str(), "w");
+      ASSERT_NE(f, nullptr);
+      std::fputs("not the run's", f);
+      std::fclose(f);
+    }
+    for (int t = 0; t < 2; ++t) {
+      for (const std::vector<std::string>* names : {&dead, &others}) {
+        for (const std::string& name : *names) {
+          const std::string path = absl::StrCat(RunDir(cfg, t), "/", name);
+          std::FILE* f = std::fopen(path.c_str(), "w");
+          ASSERT_NE(f, nullptr) << path;
+          std::fputs("partial", f);
+          std::fclose(f);
+        }
+      }
+      ASSERT_EQ(symlink(outside.c_str(),
+                        absl::StrCat(RunDir(cfg, t), "/", link).c_str()),
+                0);
+    }
+    cfg.resume = resume;
+    std::unique_ptr<Engine> e;
+    if (resume) {
+      absl::StatusOr<std::unique_ptr<Engine>> resumed = Engine::Create(cfg);
+      ASSERT_TRUE(resumed.ok()) << resumed.status();
+      e = *std::move(resumed);
+      EXPECT_TRUE(e->resumed());
+      EXPECT_EQ(e->step(), 1);
+    } else {
+      e = CreateFrom(cfg, model);
+      ASSERT_NE(e, nullptr);
+    }
+    for (int t = 0; t < 2; ++t) {
+      SCOPED_TRACE(absl::StrCat("tier ", t));
+      const std::vector<std::string> names = NamesIn(RunDir(cfg, t));
+      const std::set<std::string> left(names.begin(), names.end());
+      for (const std::string& name : dead)
+        EXPECT_EQ(left.count(name), 0) << name;
+      for (const std::string& name : others)
+        EXPECT_EQ(left.count(name), 1) << name;
+      struct stat st;
+      ASSERT_EQ(lstat(absl::StrCat(RunDir(cfg, t), "/", link).c_str(), &st), 0);
+      EXPECT_TRUE(S_ISLNK(st.st_mode));
+    }
+    absl::StatusOr<std::string> target = ReadSmallFile(outside);
+    ASSERT_TRUE(target.ok()) << target.status();
+    EXPECT_EQ(*target, "not the run's");
+    // The run goes on, its commits written as before.
+    const int64_t before = e->step();
+    ASSERT_NO_FATAL_FAILURE(RunSteps(*e, model, 2, 2));
+    EXPECT_EQ(e->committed_step(), before + 1);
+  }
+}
+
 // Two tiers, a commit every step, every record written every step.
 EngineConfig CommitEveryStep(const std::string& name) {
   EngineConfig cfg = SmallConfig(2);
