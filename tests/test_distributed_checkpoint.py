@@ -638,6 +638,19 @@ def test_a_checkpoint_loads_on_another_rank_count(tmp_path, name):
     spawn(reshard_worker, "load_fewer", tiers, out, name)
 
 
+def copy_each_ranks_part(out, save, prefix):
+    """Copies each rank k's files of the save in out/<save> alone into
+    out/<prefix><k>: the directory a node-local save would leave."""
+    for k in range(WORLD):
+        node = os.path.join(out, f"{prefix}{k}")
+        os.mkdir(node)
+        for entry in os.listdir(os.path.join(out, save)):
+            if entry.startswith((f"engine-r{k}-", f"python-r{k}-", f"manifest.rank{k}.")):
+                src = os.path.join(out, save, entry)
+                (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
+                    src, os.path.join(node, entry))
+
+
 def test_a_save_without_owners_is_read_round_robin(tmp_path):
     """Saves by older versions list no owners: their subgroups went to the
     ranks round-robin. The same number of ranks, now balanced by size,
@@ -652,14 +665,7 @@ def test_a_save_without_owners_is_read_round_robin(tmp_path):
     for (key, value), got in zip(want["model"].items(),
                                  mlp_offload.master_weights(os.path.join(out, "old"))):
         assert torch.equal(got, value), key
-    for k in range(WORLD):
-        node = os.path.join(out, f"old_node{k}")
-        os.mkdir(node)
-        for entry in os.listdir(os.path.join(out, "old")):
-            if entry.startswith((f"engine-r{k}-", f"python-r{k}-", f"manifest.rank{k}.")):
-                src = os.path.join(out, "old", entry)
-                (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
-                    src, os.path.join(node, entry))
+    copy_each_ranks_part(out, "old", "old_node")
     spawn(reshard_worker, "load_old", tiers, out, "adamw")
     # Owners that do not match the files (a hand-edited manifest, its
     # checksum recomputed): a record of another size is refused, by name,
@@ -718,13 +724,6 @@ def test_a_checkpoint_loads_into_another_packing_on_any_rank_count(tmp_path):
     opt.load_checkpoint(os.path.join(out, "by2"), restore_params=True)
     assert_loaded(opt, model, want, "one process")
     opt.close()
-    for k in range(WORLD):
-        node = os.path.join(out, f"node{k}")
-        os.mkdir(node)
-        for entry in os.listdir(os.path.join(out, "by2")):
-            if entry.startswith((f"engine-r{k}-", f"python-r{k}-", f"manifest.rank{k}.")):
-                src = os.path.join(out, "by2", entry)
-                (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
-                    src, os.path.join(node, entry))
+    copy_each_ranks_part(out, "by2", "node")
     for numel in (300, 1 << 20):  # (the second: rank 1 owns no subgroup)
         spawn(repack_worker, tiers, out, numel)
