@@ -2373,9 +2373,10 @@ def test_ctrl_c_anywhere_in_a_step_then_the_retry_applies_it_once(tmp_path, monk
             sent = _ctrl_c_in(monkeypatch, impl.MLPOffloadOptimizer, "_warn_unmarked_commit")
         with pytest.raises(KeyboardInterrupt):
             opt.step()
-        assert sent
+        assert sent and opt.step_pending
         monkeypatch.undo()
         opt.step()  # the same gradients: finishes it
+        assert not opt.step_pending
     finally:
         signal.signal(signal.SIGINT, previous)
     assert_equal(params_of(model), want_params, f"Ctrl-C in the {where}, then the retry")
@@ -2402,3 +2403,62 @@ def test_ctrl_c_while_a_save_takes_its_lock_leaves_no_lock_held(tmp_path, monkey
     opt.save_checkpoint(tmp_path / "ckpt")
     opt.load_checkpoint(tmp_path / "ckpt")
     opt.close()
+
+
+def test_a_ctrl_c_as_step_returns_leaves_no_step_pending(tmp_path):
+    # A Ctrl-C handled after step()'s own code (in the frames that wrap it,
+    # or here in a step post-hook) reaches the caller from a step that was
+    # applied: step_pending says not to retry it.
+    want_params, _ = reference(tmp_path, 2)
+    model = make_model()
+    opt = wrap(model, tier_dirs(tmp_path))
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    backward(model, 1)
+
+    def ctrl_c(optimizer, args, kwargs):
+        raise KeyboardInterrupt
+
+    handle = opt.register_step_post_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    handle.remove()
+    assert not opt.step_pending
+    assert_equal(params_of(model), want_params, "a step applied as it returned")
+    opt.close()
+
+
+def test_signals_held_puts_back_every_handler_whatever_a_handler_raises(monkeypatch):
+    # A signal.signal() call runs the handlers of signals that came
+    # meanwhile as it returns: one raising in the middle of the swaps left
+    # the hold's recording handler installed for good (Ctrl-C ignored).
+    from mlp_offload import optimizer as impl
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def term(signum, frame):
+        raise SystemExit(143)
+
+    real = signal.signal
+    calls = []
+
+    def flaky(sig, handler):
+        out = real(sig, handler)
+        calls.append(sig)
+        if len(calls) == 1:  # as the first swap returns: a SIGTERM's handler
+            term(signal.SIGTERM, None)
+        return out
+
+    try:
+        real(signal.SIGINT, signal.default_int_handler)
+        real(signal.SIGTERM, term)
+        monkeypatch.setattr(impl.signal, "signal", flaky)
+        with pytest.raises(SystemExit):
+            with impl._signals_held():
+                pass
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is term
+    finally:
+        for s, h in saved.items():
+            real(s, h)

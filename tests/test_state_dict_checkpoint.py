@@ -703,8 +703,16 @@ def test_a_checkpoint_packed_otherwise_with_damaged_records_changes_nothing(tmp_
     opt2 = wrap(torch.optim.Adam(other.parameters(), lr=1e-2), tier_dirs(tmp_path, 1, "b"),
                 subgroup_numel=100)
     run(other, opt2, range(1))
+    opt2.param_groups[0]["lr"] = 5e-4
     before = opt2.state_dict()
     (record,) = [p for p in (tmp_path / "ckpt").rglob("sg_1.ckpt")]
+    # Cut short (before, the header read did not look at the length: the
+    # load failed part-way, the hyperparameters replaced), then gone.
+    with open(record, "r+b") as f:
+        f.truncate(os.path.getsize(record) - 64)
+    with pytest.raises(errors.CorruptStateError, match=r"sg_1.ckpt: .* \(cut short\)"):
+        opt2.load_checkpoint(tmp_path / "ckpt")
+    assert_same_state(opt2.state_dict(), before)
     record.unlink()
     with pytest.raises(errors.TierError, match="sg_1.ckpt"):
         opt2.load_checkpoint(tmp_path / "ckpt")

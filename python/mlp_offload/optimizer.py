@@ -62,6 +62,10 @@ _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
 _RESUME_PLACEMENTS = ("keep", "replan")
+# The header of a checkpoint record (mlp_offload/state_store.h,
+# kRecordHeaderBytes); its payload follows: the master, then each state
+# array, fp32.
+_RECORD_HEADER_BYTES = 4096
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
 # add_param_group holds a copy of this rank's state while it rebuilds the
@@ -193,16 +197,24 @@ def _signals_held():
     def record(signum, frame):
         pending.append((signum, frame))
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if callable(handler):
-            held[sig] = handler
-            signal.signal(sig, record)
+    # A handler can run as each signal.signal() returns (a signal that came
+    # meanwhile): whatever it raises, every handler swapped is put back.
     try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                held[sig] = handler
+                signal.signal(sig, record)
         yield
     finally:
+        raised = None
         for sig, handler in held.items():
-            signal.signal(sig, handler)
+            try:
+                signal.signal(sig, handler)
+            except BaseException as exc:  # noqa: BLE001 - a handler's, raised below
+                raised = raised or exc
+        if raised is not None:
+            raise raised
         for signum, frame in pending:
             held[signum](signum, frame)
 
@@ -1823,6 +1835,17 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def engine(self):
         """The engine of this rank's shard (None if it owns no subgroup)."""
         return self._engine
+
+    @property
+    def step_pending(self):
+        """Whether a step() that raised (an I/O error, a Ctrl-C, another
+        rank's failure) is held back for the next step() to finish: call
+        step() again with the same gradients. False after a step that
+        returned, and after one that raised only as it returned (a Ctrl-C
+        handled in the frames that wrap step(), or in a step hook): its
+        gradients are applied, and a retry would apply them again."""
+        return self._failed_step is not None or (
+            self._engine is not None and self._engine.step_incomplete)
 
     @property
     def plan(self):
@@ -4221,17 +4244,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     self._take_back_save(directory, old, old_prev, engine_dir, python_file)
                 raise
         # Every rank has the new save: this rank's earlier ones are garbage.
-        try:
-            os.remove(self._manifest_path(directory, prev=True))
-        except FileNotFoundError:
-            pass
         with _recovery.removing_old_saves(directory, self._rank) as free:
             if not free:
-                # A reader (a load, an export) may be reading them.
+                # A reader (a load, an export) may be reading them, and
+                # looks for the save it reads in the .prev manifest too.
                 _log.info("rank %d left the files of earlier saves in %s: a reader of the "
                           "directory is at work (a later save removes them)",
                           self._rank, directory)
                 return
+            try:
+                os.remove(self._manifest_path(directory, prev=True))
+            except FileNotFoundError:
+                pass
             mine = (f"engine-r{self._rank}-", f"python-r{self._rank}-")
             _remove_entries(directory, [name for name in os.listdir(directory)
                                         if name.startswith(mine)
@@ -4643,6 +4667,19 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                     src, idx = sources[j]
                     steps[j] = _C.engine.read_checkpoint_record(src, idx, numel[j], 0, [],
                                                                 False)
+                    # (The header read does not look at the length: a record
+                    # cut short is refused here, before anything changes, as
+                    # the engine's own check does for a plain load.)
+                    path = os.path.join(src, f"sg_{idx}.ckpt")
+                    need = _RECORD_HEADER_BYTES + 4 * (1 + self._num_arrays) * numel[j]
+                    try:
+                        size = os.stat(path).st_size
+                    except OSError as e:
+                        raise _recovery.os_error_to_tier_error(
+                            e, "read the checkpoint record", path) from e
+                    if size < need:
+                        raise CorruptStateError(f"{path}: {size} bytes, its record needs "
+                                                f"{need} (cut short)")
                 pieces.append((off, j, there, n))
             held = sorted({steps[j] for _, j, _, _ in pieces})
             if len(held) > 1:
