@@ -71,13 +71,12 @@ def test_good_tier_values_are_kept():
     tiers = config.normalize_tiers(
         [{"path": "/a", "read_bytes_per_sec": None, "write_bytes_per_sec": 3,
           "throttle_read_bytes_per_sec": 0, "throttle_contention": 0.5, "shared_by": 2,
-          "capacity_bytes": 1 << 40, "throttle_half_duplex": True},
+          "capacity_bytes": 1 << 40},
          "/b", "/c"],
         tier_bandwidths=[None, (1e9, 2e9), 4e9], shared_by=3)
     assert tiers[0]["read_bytes_per_sec"] == config.DEFAULT_TIER_BYTES_PER_SEC
     assert tiers[0]["write_bytes_per_sec"] == 3.0 and tiers[0]["shared_by"] == 2
     assert tiers[0]["throttle_read_bytes_per_sec"] == 0.0
-    assert tiers[0]["throttle_half_duplex"] is True
     assert tiers[1]["read_bytes_per_sec"] == 1e9 and tiers[1]["write_bytes_per_sec"] == 2e9
     assert tiers[2]["read_bytes_per_sec"] == tiers[2]["write_bytes_per_sec"] == 4e9
     assert tiers[1]["shared_by"] == 3
@@ -287,3 +286,17 @@ def test_parameters_of_two_dtypes_are_refused_naming_the_first_of_each(tmp_path)
                        match=r"one dtype, got bfloat16 \(parameter 0 first\), float32 "
                              r"\(parameter 2 first\).*optimizer of their own"):
         wrap(model, tier_dirs(tmp_path, 1))
+
+
+def test_a_half_duplex_throttle_needs_both_caps(tmp_path):
+    # It says how the two caps share one device: with one cap or none it
+    # did nothing, silently.
+    a, b = tier_dirs(tmp_path)
+    for caps in ({}, {"throttle_read_bytes_per_sec": 1e8}):
+        refused([{"path": a, "throttle_half_duplex": True, **caps}, b],
+                r"tier 0: 'throttle_half_duplex' says how the throttle's read and write caps "
+                r"share one device: give both")
+    tiers = config.normalize_tiers([{"path": a, "throttle_half_duplex": True,
+                                     "throttle_read_bytes_per_sec": 1e8,
+                                     "throttle_write_bytes_per_sec": 5e7}])
+    assert tiers[0]["throttle_half_duplex"] is True

@@ -211,6 +211,13 @@ def normalize_tiers(tiers, tier_bandwidths=None, shared_by=1):
         for key, check in _TIER_CHECKS.items():
             if key in spec:
                 spec[key] = check(f"tier {i}: '{key}'", spec[key])
+        if spec.get("throttle_half_duplex") and not (
+                spec.get("throttle_read_bytes_per_sec", 0) > 0
+                and spec.get("throttle_write_bytes_per_sec", 0) > 0):
+            # (One clock for two caps: without both, it would do nothing.)
+            raise ConfigError(f"tier {i}: 'throttle_half_duplex' says how the throttle's "
+                              f"read and write caps share one device: give both "
+                              f"throttle_read_bytes_per_sec and throttle_write_bytes_per_sec")
         if tier_bandwidths is not None and tier_bandwidths[i] is not None:
             read, write = _tier_bandwidth(i, tier_bandwidths[i])
             spec.setdefault("read_bytes_per_sec", read)
