@@ -534,6 +534,16 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
     int fd;
     ~Closer() { close(fd); }
   } closer{fd};
+  // The whole record is there, also where only the header is read (a
+  // reader's check before it changes anything: a record cut short is found
+  // then, not part-way through a load).
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
+  if (static_cast<uint64_t>(st.st_size) < kRecordHeaderBytes + payload) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": ", st.st_size, " bytes, its record needs ",
+                     kRecordHeaderBytes + payload, " (cut short)"));
+  }
 
   std::vector<char> page(kRecordHeaderBytes);
   MLP_RETURN_IF_ERROR(ReadFileAt(fd, page.data(), page.size(), 0, path));

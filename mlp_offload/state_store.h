@@ -158,12 +158,14 @@ absl::StatusOr<Manifest> ReadCheckpointManifest(const std::string& dir);
 // without an engine: the master parameters into `master` and state array k
 // into state[k] (null pointers, or fewer arrays than the record has, skip
 // them), streaming 1 MiB at a time, after checking it against the manifest
-// and its header; with `verify`, DataLoss naming the file if the payload
-// checksum does not match (the destinations then hold garbage). Without it
-// only the arrays asked for are read (the checksum covers the whole payload):
-// a third of the bytes for Adam's master weights alone. `*step`: the record's
-// updates. `numel` is the length of each destination: FailedPrecondition
-// (nothing written) when the record holds another number of parameters.
+// and its header, and that the file holds the whole record (DataLoss "cut
+// short" otherwise, also when nothing is read); with `verify`, DataLoss naming
+// the file if the payload checksum does not match (the destinations then hold
+// garbage). Without it only the arrays asked for are read (the checksum covers
+// the whole payload): a third of the bytes for Adam's master weights alone.
+// `*step`: the record's updates. `numel` is the length of each destination:
+// FailedPrecondition (nothing written) when the record holds another number of
+// parameters.
 absl::Status ReadCheckpointRecord(const std::string& dir, int subgroup,
                                   uint64_t numel, float* master,
                                   const std::vector<float*>& state, bool verify,

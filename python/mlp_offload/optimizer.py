@@ -62,10 +62,6 @@ _NONFINITE = ("raise", "skip", "ignore")
 _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
 _RESUME_PLACEMENTS = ("keep", "replan")
-# The header of a checkpoint record (mlp_offload/state_store.h,
-# kRecordHeaderBytes); its payload follows: the master, then each state
-# array, fp32.
-_RECORD_HEADER_BYTES = 4096
 # The key of a sharded state dict that says whose shard it is.
 _SHARD_KEY = "mlp_offload_shard"
 # add_param_group holds a copy of this rank's state while it rebuilds the
@@ -179,44 +175,73 @@ def _remove_entries(directory, names):
 _STEP_GUARD = "_mlp_offload_wrapper"
 
 
+class _SignalGate:
+    """Passes SIGINT and SIGTERM on to their Python handlers (Ctrl-C's
+    KeyboardInterrupt, or what a program's handler raises), except while
+    held: a signal that comes then is recorded, and handled as the hold
+    ends, as if it had come then. Installed once (_signal_gate) over a
+    stretch with several holds (a generic step: one per subgroup, from its
+    update in place until the engine has the record back, which an
+    exception would leave for a retry to update twice)."""
+
+    def __init__(self):
+        self.handlers = {}  # signal: the handler the gate stands in for
+        self.holding = False
+        self.pending = []
+
+    def handle(self, signum, frame):
+        if self.holding:
+            self.pending.append((signum, frame))
+        else:
+            self.handlers[signum](signum, frame)
+
+    @contextlib.contextmanager
+    def hold(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+            pending, self.pending = self.pending, []
+            for signum, frame in pending:
+                self.handlers[signum](signum, frame)
+
+
 @contextlib.contextmanager
-def _signals_held():
-    """Holds back the Python handlers of SIGINT and SIGTERM (Ctrl-C's
-    KeyboardInterrupt, or what a program's handler raises) for the block: a
-    signal that comes meanwhile is recorded, and handled as the block ends,
-    as if it had come then. For the stretches of a step that an exception
-    would leave half done for a retry to do twice (a generic subgroup's
-    update until the engine has it back). Only the main thread runs signal
-    handlers: elsewhere nothing is held back, and nothing needs to be."""
+def _signal_gate():
+    """A _SignalGate in front of SIGINT's and SIGTERM's Python handlers for
+    the block. Only the main thread runs signal handlers: elsewhere the gate
+    stands in for none, and its holds hold nothing, nor need to."""
+    gate = _SignalGate()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield gate
         return
-    pending = []
-    held = {}
-
-    def record(signum, frame):
-        pending.append((signum, frame))
-
     # A handler can run as each signal.signal() returns (a signal that came
     # meanwhile): whatever it raises, every handler swapped is put back.
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             handler = signal.getsignal(sig)
             if callable(handler):
-                held[sig] = handler
-                signal.signal(sig, record)
-        yield
+                gate.handlers[sig] = handler
+                signal.signal(sig, gate.handle)
+        yield gate
     finally:
         raised = None
-        for sig, handler in held.items():
+        for sig, handler in gate.handlers.items():
             try:
                 signal.signal(sig, handler)
             except BaseException as exc:  # noqa: BLE001 - a handler's, raised below
                 raised = raised or exc
         if raised is not None:
             raise raised
-        for signum, frame in pending:
-            held[signum](signum, frame)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT's and SIGTERM's Python handlers held back for the block (one
+    hold of a _SignalGate installed for it)."""
+    with _signal_gate() as gate, gate.hold():
+        yield
 
 
 def _open_wrapper(holder):
@@ -3317,30 +3342,34 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         try:
             # (Inside: an interrupt as it returns aborts the step begun.)
             engine.begin_step(self._skip_flags())
-            while True:
-                view = engine.next()
-                if view.subgroup < 0:
-                    break
-                sg = self._subgroups[self._owned[view.subgroup]]
-                if self._skip.get(sg.index):
-                    engine.done(updated=False)
-                    continue
-                master = _layout.float_view(view.master, view.numel)
-                arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
-                keys = self._keys[sg.group]
-                grad32 = _layout.float_view(view.grad32, view.numel) if view.grad32 else None
-                # From the update in place to the engine's done(): a Ctrl-C
-                # in between would leave the record updated but not done, and
-                # the retry would update it again. Handled once it is done.
-                with _signals_held():
-                    values.before_call()
-                    updated = _generic.update_subgroup(self.optimizer, sg, keys, master,
-                                                       arrays[:len(keys)], self._py_state,
-                                                       self._has_state, grad_scale, grad32)
-                    values.after_call(sg.group)
-                    _layout.copy_all(sg.params, updated)
-                    del master, arrays, grad32, updated
-                    engine.done()
+            # The signal handlers behind one gate for the step (installed
+            # once: each subgroup's hold only flips it).
+            with _signal_gate() as gate:
+                while True:
+                    view = engine.next()
+                    if view.subgroup < 0:
+                        break
+                    sg = self._subgroups[self._owned[view.subgroup]]
+                    if self._skip.get(sg.index):
+                        engine.done(updated=False)
+                        continue
+                    master = _layout.float_view(view.master, view.numel)
+                    arrays = [_layout.float_view(ptr, view.numel) for ptr in view.state]
+                    keys = self._keys[sg.group]
+                    grad32 = _layout.float_view(view.grad32, view.numel) if view.grad32 else None
+                    # From the update in place to the engine's done(): a
+                    # Ctrl-C in between would leave the record updated but not
+                    # done, and the retry would update it again. Handled once
+                    # it is done.
+                    with gate.hold():
+                        values.before_call()
+                        updated = _generic.update_subgroup(self.optimizer, sg, keys, master,
+                                                           arrays[:len(keys)], self._py_state,
+                                                           self._has_state, grad_scale, grad32)
+                        values.after_call(sg.group)
+                        _layout.copy_all(sg.params, updated)
+                        del master, arrays, grad32, updated
+                        engine.done()
             values.finish()
             if self._commits_next():
                 # Every record is final: the Python side of the step goes
@@ -4665,21 +4694,10 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 j, there = where[pid]
                 if j not in steps:
                     src, idx = sources[j]
+                    # (Its header, and the file's length: a record cut short
+                    # is refused here, before anything changes.)
                     steps[j] = _C.engine.read_checkpoint_record(src, idx, numel[j], 0, [],
                                                                 False)
-                    # (The header read does not look at the length: a record
-                    # cut short is refused here, before anything changes, as
-                    # the engine's own check does for a plain load.)
-                    path = os.path.join(src, f"sg_{idx}.ckpt")
-                    need = _RECORD_HEADER_BYTES + 4 * (1 + self._num_arrays) * numel[j]
-                    try:
-                        size = os.stat(path).st_size
-                    except OSError as e:
-                        raise _recovery.os_error_to_tier_error(
-                            e, "read the checkpoint record", path) from e
-                    if size < need:
-                        raise CorruptStateError(f"{path}: {size} bytes, its record needs "
-                                                f"{need} (cut short)")
                 pieces.append((off, j, there, n))
             held = sorted({steps[j] for _, j, _, _ in pieces})
             if len(held) > 1:
