@@ -540,9 +540,9 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
   struct stat st;
   if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
   if (static_cast<uint64_t>(st.st_size) < kRecordHeaderBytes + payload) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": ", st.st_size, " bytes, its record needs ",
-                     kRecordHeaderBytes + payload, " (cut short)"));
+    return absl::DataLossError(absl::StrCat(
+        path, ": truncated, ", st.st_size, " bytes where its record needs ",
+        kRecordHeaderBytes + payload, " (cut short)"));
   }
 
   std::vector<char> page(kRecordHeaderBytes);
