@@ -32,6 +32,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
@@ -39,6 +40,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "io/aligned_buffer.h"
@@ -408,6 +411,78 @@ absl::StatusOr<TierCommitFiles> ReadTierCommitFiles(const std::string& dir,
     }
   }
   return files;
+}
+
+// kCommittedMark's text, naming commit `id`: the newest commit known to
+// have reached every tier (a mark of the first format names none).
+std::string EncodeCommittedMark(const CommitId& id) {
+  return absl::StrCat("a commit of this run reached every tier\ncommit ",
+                      id.epoch, " ", id.step, "\n");
+}
+
+// The commit that the mark of run directory `dir` names, with the mark's
+// path; nullopt where there is none, it names none (the first format), or
+// it cannot be read (a mark adds evidence; a commit never depends on it).
+std::optional<std::pair<CommitId, std::string>> ReadCommittedMark(
+    const std::string& dir) {
+  const std::string path = dir + "/" + kCommittedMark;
+  absl::StatusOr<std::string> bytes = ReadSmallFile(path);
+  if (!bytes.ok()) return std::nullopt;
+  const size_t at = bytes->find("\ncommit ");
+  if (at == std::string::npos) return std::nullopt;
+  std::vector<absl::string_view> fields = absl::StrSplit(
+      absl::StripAsciiWhitespace(absl::string_view(*bytes).substr(at + 8)),
+      ' ');
+  CommitId id;
+  if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], &id.epoch) ||
+      !absl::SimpleAtoi(fields[1], &id.step) || id.step < 0) {
+    return std::nullopt;
+  }
+  return std::make_pair(id, path);
+}
+
+// The newest commit that the marks of the tiers `dirs` name (nullopt: none).
+std::optional<std::pair<CommitId, std::string>> NewestCommittedMark(
+    const std::vector<std::string>& dirs) {
+  std::optional<std::pair<CommitId, std::string>> newest;
+  for (const std::string& dir : dirs) {
+    auto mark = ReadCommittedMark(dir);
+    if (mark.has_value() &&
+        (!newest.has_value() || newest->first < mark->first)) {
+      newest = std::move(mark);
+    }
+  }
+  return newest;
+}
+
+// DataLoss naming the tier whose last commit record (`latest[t]`, of tier
+// directory `dirs[t]`) is older than a commit that a mark says reached
+// every tier: that tier's files are an older copy (restored from a backup,
+// a snapshot, a file system of another time), and a resume of the newest
+// commit every tier holds would roll the run back without a word. A crash
+// between the tiers' records leaves them apart before any mark names the
+// newer commit; a resume that goes back on purpose rewrites the marks.
+absl::Status CheckNoTierBehindTheMarks(const std::vector<std::string>& dirs,
+                                       const std::vector<CommitId>& latest) {
+  const auto newest = NewestCommittedMark(dirs);
+  if (!newest.has_value()) return absl::OkStatus();
+  std::vector<std::string> behind;
+  for (size_t t = 0; t < dirs.size(); ++t) {
+    if (latest[t] < newest->first) {
+      behind.push_back(absl::StrCat(
+          dirs[t], " (its COMMIT: ", DescribeCommit(latest[t]), ")"));
+    }
+  }
+  if (behind.empty()) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "the commit of ", DescribeCommit(newest->first),
+      " reached every tier of the run (", newest->second, "), but ",
+      absl::StrJoin(behind, " and "), behind.size() == 1 ? " holds" : " hold",
+      " an older copy of the run's files (restored from a backup or a "
+      "snapshot?): resuming would roll the run back silently. Restore "
+      "those files as of that commit; to resume the older commit anyway, "
+      "remove the ",
+      kCommittedMark, " file of every tier"));
 }
 
 std::atomic<internal_engine::TierFreeBytesFn> g_tier_free_bytes{nullptr};
@@ -1649,26 +1724,29 @@ absl::Status Engine::Impl::WriteCommit() {
   committed = id;
   failed_commit.reset();
   commit_partial.assign(tiers.size(), false);
-  if (!committed_marked) {
-    // The commit reached every tier: say so on each, so that a resume tells
-    // a tier that lost its COMMIT since (refused) from a first commit that
-    // reached some tiers only (nothing to resume) where no COMMIT.prev does
-    // it (the run's first commit, or a re-packing's in its new directory).
-    // Best effort: the commit is whole without it, and the next one tries
-    // again.
-    mark_error = absl::OkStatus();
-    for (const auto& tier : tiers) {
-      const std::string mark = tier.dir + "/" + kCommittedMark;
-      const absl::Status written = WriteFileAtomically(
-          mark, "a commit of this run reached every tier\n");
-      if (!written.ok() && mark_error.ok()) {
-        mark_error = absl::Status(
-            written.code(),
-            absl::StrCat("writing ", mark, ": ", written.message()));
-      }
+  // The commit reached every tier: say so on each, so that a resume tells
+  // a tier that lost its COMMIT since (refused) from a first commit that
+  // reached some tiers only (nothing to resume) where no COMMIT.prev does it
+  // (the run's first commit, or a re-packing's in its new directory), and a
+  // tier whose files were replaced by an older copy from a crash between
+  // the tiers' records (CheckNoTierBehindTheMarks). Best effort: the commit
+  // is whole without it, and the next one tries again. Durable the first
+  // time only: a later mark lost in a crash leaves an earlier commit named
+  // (a weaker check, never a wrong one), and every tier's record of this
+  // commit is durable before any mark names it.
+  mark_error = absl::OkStatus();
+  const std::string mark_text = EncodeCommittedMark(id);
+  for (const auto& tier : tiers) {
+    const std::string mark = tier.dir + "/" + kCommittedMark;
+    const absl::Status written =
+        WriteFileAtomically(mark, mark_text, /*durable=*/!committed_marked);
+    if (!written.ok() && mark_error.ok()) {
+      mark_error =
+          absl::Status(written.code(),
+                       absl::StrCat("writing ", mark, ": ", written.message()));
     }
-    committed_marked = mark_error.ok();
   }
+  committed_marked = committed_marked || mark_error.ok();
   return absl::OkStatus();
 }
 
@@ -1873,6 +1951,12 @@ absl::Status Engine::Impl::LoadCommitted() {
     }
     commits.push_back(std::move(tc));
   }
+  {
+    std::vector<CommitId> latest;
+    for (const TierCommitFiles& c : commits)
+      latest.push_back(c.latest.record.id);
+    MLP_RETURN_IF_ERROR(CheckNoTierBehindTheMarks(dirs, latest));
+  }
   // The newest commit every tier can give, or the one asked for. Commits
   // are matched by epoch and step: two commits of one step count (one
   // before, one after a load of an older checkpoint) are different states.
@@ -1913,7 +1997,19 @@ absl::Status Engine::Impl::LoadCommitted() {
     commit_bytes[t] = use->bytes;
   }
   // Rolled back tiers (all checked first): their COMMIT must not name slots
-  // that this run will now rewrite.
+  // that this run will now rewrite. The marks go back first (durably): a
+  // mark naming a newer commit than every tier's record would refuse the
+  // next resume (CheckNoTierBehindTheMarks).
+  if (auto newest = NewestCommittedMark(dirs);
+      newest.has_value() && want < newest->first) {
+    for (size_t t = 0; t < tiers.size(); ++t) {
+      const std::string mark = tiers[t].dir + "/" + kCommittedMark;
+      MLP_RETURN_IF_ERROR(
+          Annotate(WriteFileAtomically(mark, EncodeCommittedMark(want)),
+                   absl::StrCat("going back to the commit of ",
+                                DescribeCommit(want), ": rewriting ", mark)));
+    }
+  }
   for (size_t t = 0; t < tiers.size(); ++t) {
     if (commits[t].latest.record.id != want) {
       MLP_RETURN_IF_ERROR(
@@ -1945,10 +2041,11 @@ absl::Status Engine::Impl::LoadCommitted() {
 
 absl::StatusOr<std::vector<CommitId>> ReadKeptCommits(
     const std::vector<std::string>& tier_dirs) {
-  std::vector<CommitId> kept;
+  std::vector<CommitId> kept, latest;
   for (size_t t = 0; t < tier_dirs.size(); ++t) {
     MLP_ASSIGN_OR_RETURN(TierCommitFiles tc,
                          ReadTierCommitFiles(tier_dirs[t], -1));
+    latest.push_back(tc.latest.record.id);
     std::vector<CommitId> held = {tc.latest.record.id};
     // A damaged COMMIT.prev holds nothing that a resume could use.
     if (tc.previous.has_value()) held.push_back(tc.previous->record.id);
@@ -1963,6 +2060,7 @@ absl::StatusOr<std::vector<CommitId>> ReadKeptCommits(
                  kept.end());
     }
   }
+  MLP_RETURN_IF_ERROR(CheckNoTierBehindTheMarks(tier_dirs, latest));
   std::sort(kept.begin(), kept.end(),
             [](const CommitId& a, const CommitId& b) { return b < a; });
   kept.erase(std::unique(kept.begin(), kept.end()), kept.end());

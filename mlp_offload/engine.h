@@ -50,8 +50,10 @@ absl::StatusOr<std::string> SharedThrottlePath(const std::string& lock_dir,
 // (in tier order) without opening the run: the commits a resume of it can
 // ask for (EngineConfig::resume_epoch/resume_step), for a caller choosing
 // between run directories. No manifest check (CheckRunLayout).
-// FailedPrecondition if a tier has no COMMIT, DataLoss if one is damaged;
-// empty if the tiers share none.
+// FailedPrecondition if a tier has no COMMIT, DataLoss if one is damaged
+// or older than a commit that the COMMITTED marks say reached every tier (a
+// tier's files replaced by an older copy; a resume refuses it too); empty
+// if the tiers share none.
 absl::StatusOr<std::vector<CommitId>> ReadKeptCommits(
     const std::vector<std::string>& tier_dirs);
 // Whether the run in `tier_dirs` holds state of this layout (state arrays
@@ -379,12 +381,12 @@ class Engine {
   int64_t committed_step() const;
   // The epoch of that commit (see CommitId in state_store.h).
   int64_t committed_epoch() const;
-  // Why the COMMITTED mark (a commit of this run reached every tier; see
-  // recovery.py) could not be written on some tier after the last commit
-  // that tried (one that reached every tier while the marks were not all
-  // written yet); OK if they were, or none tried. Without the mark, a tier
-  // that loses the run's only commit record looks like a first commit that
-  // reached some tiers only. Each later commit tries again.
+  // Why the COMMITTED mark (the newest commit of this run that reached
+  // every tier; see recovery.py) could not be written on some tier after
+  // the last commit; OK if it was, or no commit was made yet. Without the
+  // mark, a tier that loses the run's only commit record looks like a first
+  // commit that reached some tiers only, and a tier restored from an older
+  // copy like a crash between the tiers' records. Each commit writes it.
   absl::Status commit_mark_error() const;
   // The commits that every tier holds, newest first: the last one and,
   // where every tier kept it (COMMIT.prev), the one before, as of the last

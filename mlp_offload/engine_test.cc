@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <random>
@@ -1466,6 +1467,23 @@ std::string RunDir(const EngineConfig& cfg, int tier) {
   return absl::StrCat(cfg.tiers[tier].path, "/", cfg.run_name);
 }
 
+// A crash between the tiers' commit records comes before any COMMITTED
+// mark names that commit: a test making one from a later state puts the
+// marks back to `id`, the last commit that reached every tier.
+void MarkCommitted(const std::vector<std::string>& run_dirs, CommitId id) {
+  for (const std::string& dir : run_dirs) {
+    ASSERT_TRUE(WriteFileAtomically(
+                    dir + "/COMMITTED",
+                    absl::StrCat("a commit of this run reached every tier\n"
+                                 "commit ",
+                                 id.epoch, " ", id.step, "\n"))
+                    .ok());
+  }
+}
+void MarkCommitted(const EngineConfig& cfg, CommitId id) {
+  MarkCommitted({RunDir(cfg, 0), RunDir(cfg, 1)}, id);
+}
+
 TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
   Model model({1000, 2000, 3000, 1500}, 21);
   Snapshot at2, at4;
@@ -1475,6 +1493,7 @@ TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {
       ReadSmallFile(RunDir(cfg, 1) + "/COMMIT.prev");
   ASSERT_TRUE(prev.ok()) << prev.status();
   ASSERT_TRUE(WriteFileAtomically(RunDir(cfg, 1) + "/COMMIT", *prev).ok());
+  ASSERT_NO_FATAL_FAILURE(MarkCommitted(cfg, {0, 2}));
 
   cfg.resume = true;
   auto engine = Engine::Create(cfg);
@@ -1685,6 +1704,7 @@ TEST(EngineTest, AStepCountRepeatedAfterALoadIsNeverResumedAsAMix) {
   // The crash: tier 1's record of (1, 3) never landed.
   ASSERT_TRUE(WriteFileAtomically(RunDir(cfg, 1) + "/COMMIT", *commit).ok());
   ASSERT_TRUE(WriteFileAtomically(RunDir(cfg, 1) + "/COMMIT.prev", *prev).ok());
+  ASSERT_NO_FATAL_FAILURE(MarkCommitted(cfg, {0, 3}));
   cfg.resume = true;
   cfg.resume_epoch = 1;  // asked for: not on tier 1
   cfg.resume_step = 3;
@@ -2105,11 +2125,91 @@ TEST(EngineTest, ResumeStepGoesBackOneCommitAndNoFurther) {
     EXPECT_EQ((*engine)->kept_commits(), (std::vector<CommitId>{{0, 2}}));
     EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
   }
-  // Going back rewrote the commit records: step 4 is gone for good.
+  // Going back rewrote the commit records: step 4 is gone for good. The
+  // COMMITTED marks too, which named step 4 (else this resume would take
+  // the tiers for older copies).
   cfg.resume_step = -1;
   auto engine = Engine::Create(cfg);
   ASSERT_TRUE(engine.ok()) << engine.status();
   EXPECT_EQ((*engine)->step(), 2);
+  for (int t = 0; t < 2; ++t) {
+    absl::StatusOr<std::string> mark =
+        ReadSmallFile(RunDir(cfg, t) + "/COMMITTED");
+    ASSERT_TRUE(mark.ok()) << mark.status();
+    EXPECT_TRUE(absl::StrContains(*mark, "\ncommit 0 2\n")) << *mark;
+  }
+}
+
+TEST(EngineTest, ATierRestoredFromAnOlderCopyIsRefusedNotRolledBack) {
+  // Tier 1's files replaced by a copy taken one commit earlier (a backup,
+  // a snapshot) look like a crash between the tiers' commit records: the
+  // newest commit every tier holds is the copy's. Before, a resume went
+  // back to it without a word (the step after it lost). The COMMITTED
+  // marks name the newest commit that reached every tier, which a crash
+  // between the records never does: refused, naming the tier, and nothing
+  // is changed. Removing the marks is the way back to the older commit.
+  namespace fs = std::filesystem;
+  Model model({1000, 2000, 3000, 1500}, 27);
+  EngineConfig cfg = CommitEveryStep("restored_copy");
+  const std::string backup = TempDir("restored_copy_backup") + "/tier1";
+  const std::vector<std::string> dirs = {RunDir(cfg, 0), RunDir(cfg, 1)};
+  Snapshot at2;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(**engine, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(**engine, model, 1, 2));
+    at2 = Take(**engine, cfg.subgroup_numel);
+  }
+  fs::copy(dirs[1], backup, fs::copy_options::recursive);
+  cfg.resume = true;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_NO_FATAL_FAILURE(RunSteps(**engine, model, 3, 3));
+    EXPECT_EQ((*engine)->committed_step(), 3);
+  }
+  fs::remove_all(dirs[1]);
+  fs::copy(backup, dirs[1], fs::copy_options::recursive);
+  absl::StatusOr<std::string> commit0 = ReadSmallFile(dirs[0] + "/COMMIT");
+  ASSERT_TRUE(commit0.ok()) << commit0.status();
+
+  auto refused = Engine::Create(cfg);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+  for (const std::string& part :
+       {std::string("the commit of step 3 (epoch 0) reached every tier"),
+        dirs[1] + " (its COMMIT: step 2 (epoch 0)) holds an older copy",
+        std::string("remove the COMMITTED file of every tier")}) {
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), part))
+        << refused.status() << "\nlacks: " << part;
+  }
+  EXPECT_FALSE(absl::StrContains(refused.status().message(), dirs[0] + " ("))
+      << refused.status();
+  auto kept = ReadKeptCommits(dirs);
+  EXPECT_EQ(kept.status().code(), absl::StatusCode::kDataLoss) << kept.status();
+  absl::StatusOr<std::string> after = ReadSmallFile(dirs[0] + "/COMMIT");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, *commit0);  // nothing rolled back
+
+  // A mark of the first format names no commit: as before, no check.
+  for (const std::string& dir : dirs) {
+    ASSERT_TRUE(WriteFileAtomically(dir + "/COMMITTED",
+                                    "a commit of this run reached every "
+                                    "tier\n")
+                    .ok());
+  }
+  kept = ReadKeptCommits(dirs);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(*kept, (std::vector<CommitId>{{0, 2}}));
+  // The marks removed, as the error says: the older commit resumes.
+  for (const std::string& dir : dirs) {
+    ASSERT_EQ(unlink((dir + "/COMMITTED").c_str()), 0);
+  }
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->step(), 2);
+  EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
 }
 
 TEST(EngineTest, KeptCommitsAreReadWithoutOpeningTheRun) {
@@ -2140,6 +2240,7 @@ TEST(EngineTest, KeptCommitsAreReadWithoutOpeningTheRun) {
   absl::StatusOr<std::string> prev1 = ReadSmallFile(dirs[1] + "/COMMIT.prev");
   ASSERT_TRUE(prev0.ok() && prev1.ok());
   ASSERT_TRUE(WriteFileAtomically(dirs[1] + "/COMMIT", *prev1).ok());
+  ASSERT_NO_FATAL_FAILURE(MarkCommitted(dirs, {0, 2}));
   kept = ReadKeptCommits(dirs);
   ASSERT_TRUE(kept.ok()) << kept.status();
   EXPECT_EQ(*kept, (std::vector<CommitId>{{0, 2}}));

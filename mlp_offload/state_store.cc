@@ -346,7 +346,7 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
 }
 
 absl::Status WriteFileAtomically(const std::string& path,
-                                 absl::string_view contents) {
+                                 absl::string_view contents, bool durable) {
   std::string tmp = absl::StrCat(path, ".tmp.", getpid());
   int fd = open(tmp.c_str(),
                 O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -363,7 +363,7 @@ absl::Status WriteFileAtomically(const std::string& path,
     }
     done += static_cast<size_t>(w);
   }
-  if (fsync(fd) != 0) {
+  if (durable && fsync(fd) != 0) {
     int e = errno;
     close(fd);
     unlink(tmp.c_str());
@@ -375,6 +375,7 @@ absl::Status WriteFileAtomically(const std::string& path,
     unlink(tmp.c_str());
     return ErrnoStatus(e, "rename", absl::StrCat(tmp, " to ", path));
   }
+  if (!durable) return absl::OkStatus();
   // The rename is durable only once the directory's entry is: a crash
   // before that may bring the old file back.
   return SyncDirectory(ParentDirectory(path));

@@ -117,8 +117,11 @@ absl::StatusOr<CommitRecord> ParseCommitRecord(absl::string_view bytes,
 
 // Writes `contents` to `path` through a temporary file, fsync and rename, then
 // fsyncs the directory: readers see the old or the new file, never a mix.
+// `durable` false: no fsync of either (a crash may bring the old file back,
+// or leave an empty one), for a file that only adds evidence.
 absl::Status WriteFileAtomically(const std::string& path,
-                                 absl::string_view contents);
+                                 absl::string_view contents,
+                                 bool durable = true);
 // fsyncs directory `dir`: the creation, rename or removal of an entry in it
 // is durable only after this. Errors name the directory.
 absl::Status SyncDirectory(const std::string& dir);

@@ -614,11 +614,15 @@ def test_ranks_resume_the_step_every_rank_committed(tmp_path):
     spawn(commit_worker, tiers, str(tmp_path), 1)
     # A crash as rank 1 was committing step 4 (rank 0 had, and was waiting
     # for rank 1 in the parameter broadcast): rank 1's tiers hold step 2.
+    # Its COMMITTED marks, as the engine writes them, then named step 2 too
+    # (a mark names a commit once it reached every tier).
     rolled = 0
     for t in tiers:
         run_dir = os.path.join(t, "dist.r1")
         if os.path.exists(os.path.join(run_dir, "COMMIT.prev")):
             os.replace(os.path.join(run_dir, "COMMIT.prev"), os.path.join(run_dir, "COMMIT"))
+            with open(os.path.join(run_dir, "COMMITTED"), "w") as f:
+                f.write("a commit of this run reached every tier\ncommit 0 2\n")
             rolled += 1
     assert rolled == len(tiers)
     spawn(commit_worker, tiers, str(tmp_path), 2)
@@ -878,7 +882,7 @@ def repeated_step_worker(rank, tiers, out_dir, phase):
     kept = {}
     for t in tiers:
         run_dir = os.path.join(t, "again.r1")
-        for n in ("COMMIT", "COMMIT.prev"):
+        for n in ("COMMIT", "COMMIT.prev", "COMMITTED"):
             with open(os.path.join(run_dir, n), "rb") as f:
                 kept[os.path.join(run_dir, n)] = f.read()
     opt.load_checkpoint(ckpt, restore_params=True)

@@ -1187,6 +1187,48 @@ def test_a_commit_that_failed_is_written_when_the_step_is_retried(tmp_path):
     opt.close()
 
 
+def test_a_tier_restored_from_an_older_copy_is_refused_not_rolled_back(tmp_path):
+    # Tier b's run directory replaced by a copy taken one commit earlier (a
+    # backup, a snapshot) looks like a crash between the tiers' commit
+    # records; before, the resume went back to the copy's commit without a
+    # word, the step after it lost. The COMMITTED marks name the newest
+    # commit that reached every tier (which a crash between the records
+    # never does): refused, naming the tier, nothing changed. Removing the
+    # marks resumes the older commit on purpose.
+    a, b, model, opt = committed_run_after_one_step(tmp_path)
+    backward(model, 1)
+    opt.step()
+    opt.zero_grad()
+    at2 = params_of(model)
+    backup = str(tmp_path / "backup")
+    shutil.copytree(os.path.join(b, "r.r0"), backup)
+    backward(model, 2)
+    opt.step()
+    opt.close()
+    shutil.rmtree(os.path.join(b, "r.r0"))
+    shutil.copytree(backup, os.path.join(b, "r.r0"))
+
+    def records():
+        return {(t, n): open(os.path.join(t, "r.r0", n), "rb").read()
+                for t in (a, b) for n in ("COMMIT", "COMMIT.prev", "COMMITTED")}
+    before = records()
+    for resume in ("auto", "require"):
+        with pytest.raises(errors.CorruptStateError) as err:
+            wrap(make_model(), [a, b], run_name="r", commit_every=1, resume=resume)
+        msg = str(err.value)
+        assert "the commit of step 3 (epoch 0) reached every tier" in msg, msg
+        assert f"{os.path.join(b, 'r.r0')} (its COMMIT: step 2 (epoch 0)) holds an older " \
+               f"copy" in msg, msg
+        assert records() == before
+    for t in (a, b):
+        os.remove(os.path.join(t, "r.r0", "COMMITTED"))
+    resumed = make_model()
+    opt = wrap(resumed, [a, b], run_name="r", commit_every=1, resume="require")
+    assert opt.resumed_step == 2
+    assert_equal(params_of(resumed), at2, "the older commit, resumed on purpose")
+    opt.close()
+
+
 def train_then_add_group(model, tiers, steps_before, steps_after, **kwargs):
     """AdamW on the first two layers for `steps_before` steps, then the rest
     added as a group of its own (lr 5e-3), then `steps_after` more steps;
@@ -1711,7 +1753,10 @@ def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
     assert (opt.engine.committed_step, opt.engine.committed_epoch) == (3, 0)
     first, first_sd = params_of(model), copy.deepcopy(opt.state_dict())
     run1 = os.path.join(tiers[1], "r.r0")
-    kept = {n: open(os.path.join(run1, n), "rb").read() for n in ("COMMIT", "COMMIT.prev")}
+    # With the COMMITTED mark: a crash before tier 1's record of (1, 3) came
+    # before any mark named (1, 3) too.
+    kept = {n: open(os.path.join(run1, n), "rb").read()
+            for n in ("COMMIT", "COMMIT.prev", "COMMITTED")}
     opt.load_checkpoint(ckpt, restore_params=True)
     assert opt.engine.steps == 2
     opt.param_groups[0]["lr"] = 5e-3
@@ -1721,8 +1766,9 @@ def test_a_step_count_repeated_after_a_load_is_never_resumed_as_a_mix(tmp_path):
     assert not torch.equal(params_of(model)[0], first[0])
     opt.close()  # as a crash, after tier 0's record of (1, 3) only:
     for n, data in kept.items():
-        with open(os.path.join(run1, n), "wb") as f:
-            f.write(data)
+        for run in ((run1, os.path.join(tiers[0], "r.r0")) if n == "COMMITTED" else (run1,)):
+            with open(os.path.join(run, n), "wb") as f:
+                f.write(data)
     resumed = make_model()
     again = wrap(resumed, tiers, run_name="r", commit_every=1, resume="require")
     assert (again.resumed_from, again.resumed_step) == ("committed_step", 3)
