@@ -188,6 +188,49 @@ TEST_P(IoEngineTest, ShortTransfersAndEagainAreResubmitted) {
   ReadAndCompare(rng, 20);
 }
 
+// Every transfer reported as EAGAIN for 300 ms (a shortage that lasts):
+// before, a piece's kMaxRetries resubmissions went by in milliseconds and
+// the request failed; they now back off (RetryDelay), and the request
+// completes, whole, once the shortage passes.
+TEST_P(IoEngineTest, AnEagainThatLastsIsWaitedOutNotSpunThrough) {
+  const size_t len = 256 << 10;
+  internal_io::FillRandom(io_.data(), len, 11);
+  internal_io::SetEagainEveryForTesting(1);
+  IoFuture write =
+      engine_->Submit(IoRequest{IoOp::kWrite, file_.get(), 0, len, io_.data()});
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(write.Ready());
+  internal_io::SetEagainEveryForTesting(0);
+  absl::StatusOr<size_t> written = write.Wait();
+  ASSERT_TRUE(written.ok()) << written.status();
+  AlignedBuffer back = *AlignedBuffer::Allocate(len);
+  ASSERT_TRUE(
+      engine_->Submit(IoRequest{IoOp::kRead, file_.get(), 0, len, back.data()})
+          .Wait()
+          .ok());
+  EXPECT_EQ(std::memcmp(back.data(), io_.data(), len), 0);
+}
+
+TEST(RetryDelayTest, ImmediateAtFirstThenDoublingToACapAbout20SecondsInAll) {
+  for (int k = 1; k <= 8; ++k)
+    EXPECT_EQ(internal_io::RetryDelay(k), absl::ZeroDuration()) << k;
+  EXPECT_EQ(internal_io::RetryDelay(9), absl::Microseconds(50));
+  EXPECT_EQ(internal_io::RetryDelay(10), absl::Microseconds(100));
+  EXPECT_EQ(internal_io::RetryDelay(17), absl::Microseconds(12800));
+  EXPECT_EQ(internal_io::RetryDelay(18), absl::Milliseconds(20));  // capped
+  EXPECT_EQ(internal_io::RetryDelay(internal_io::kMaxRetries),
+            absl::Milliseconds(20));
+  EXPECT_EQ(internal_io::RetryDelay(1 << 30), absl::Milliseconds(20));
+  absl::Duration total;
+  for (int k = 1; k <= internal_io::kMaxRetries; ++k) {
+    const absl::Duration d = internal_io::RetryDelay(k);
+    if (k > 1) EXPECT_GE(d, internal_io::RetryDelay(k - 1)) << k;
+    total += d;
+  }
+  EXPECT_GT(total, absl::Seconds(15));
+  EXPECT_LT(total, absl::Seconds(25));
+}
+
 // io_uring only: the ring's own submission (io_uring_enter) failing. A
 // passing failure (EAGAIN: the kernel short of memory) only delays; one that
 // lasts makes the engine refuse new requests, naming the error, while what is

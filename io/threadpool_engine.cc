@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "io/internal/engines.h"
 #include "io/internal/request.h"
 #include "mlp_offload/base/mutex.h"
@@ -154,7 +155,9 @@ class ThreadPoolEngine final : public IoEngine {
   }
 
   // Runs the piece to completion: short transfers continue where they
-  // stopped, EINTR/EAGAIN retry, end of file on a read is an error.
+  // stopped, EINTR retries at once, EAGAIN and a write that moved nothing
+  // after RetryDelay (this worker waits; the others go on), end of file on
+  // a read is an error.
   static absl::Status Transfer(Piece* piece) {
     const IoRequest& request = piece->tracker->request();
     const int fd = request.file->fd();
@@ -174,6 +177,7 @@ class ThreadPoolEngine final : public IoEngine {
       if (n < 0) {
         if ((err == EAGAIN || err == EINTR) &&
             ++piece->retries <= kMaxRetries) {
+          if (err == EAGAIN) absl::SleepFor(RetryDelay(piece->retries));
           continue;
         }
         return TransferError(request.op, *request.file,
@@ -182,7 +186,10 @@ class ThreadPoolEngine final : public IoEngine {
       if (n == 0) {
         if (request.op == IoOp::kRead) return ShortTransferError(*piece);
         // A write that makes no progress: retry a bounded number of times.
-        if (++piece->retries <= kMaxRetries) continue;
+        if (++piece->retries <= kMaxRetries) {
+          absl::SleepFor(RetryDelay(piece->retries));
+          continue;
+        }
         return TransferError(request.op, *request.file,
                              piece->offset + piece->done, EIO);
       }

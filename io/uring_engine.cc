@@ -10,7 +10,7 @@
 // transfer completes or new work arrives. The loop follows liburing's
 // io_uring-cp pattern: at most queue_depth pieces in flight, the piece pointer
 // in user_data, every CQE consumed (failed ones too), short transfers and
-// -EAGAIN resubmitted.
+// -EAGAIN resubmitted (after RetryDelay: a timed wait bounds the sleep).
 #include <fcntl.h>
 #include <liburing.h>
 #include <poll.h>
@@ -19,10 +19,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -284,6 +286,9 @@ class UringEngine final : public IoEngine {
     if (res == -EAGAIN || res == -EINTR ||
         (res == 0 && request.op == IoOp::kWrite)) {
       if (++piece->retries <= kMaxRetries) {
+        if (res != -EINTR) {
+          piece->not_before = MonoAfter(RetryDelay(piece->retries));
+        }
         retry_.push_back(std::move(piece));
         return;
       }
@@ -375,10 +380,22 @@ class UringEngine final : public IoEngine {
     unsigned in_flight = 0;
     std::vector<io_uring_cqe*> cqes(2 * (queue_depth_ + 1));
     for (;;) {
-      // Resubmissions go first: they are older than anything queued.
-      while (in_flight < queue_depth_ && !retry_.empty()) {
-        Piece* piece = retry_.front().release();
-        retry_.pop_front();
+      // Resubmissions go first: they are older than anything queued. One
+      // waiting out its RetryDelay stays in its place until its time, which
+      // bounds the wait below.
+      std::optional<MonoTime> next_retry;
+      const MonoTime now = MonoNow();
+      for (auto it = retry_.begin();
+           it != retry_.end() && in_flight < queue_depth_;) {
+        if ((*it)->not_before > now) {
+          if (!next_retry.has_value() || (*it)->not_before < *next_retry) {
+            next_retry = (*it)->not_before;
+          }
+          ++it;
+          continue;
+        }
+        Piece* piece = it->release();
+        it = retry_.erase(it);
         int index;
         {
           ::mlp_offload::MutexLock lock(&mu_);
@@ -403,8 +420,24 @@ class UringEngine final : public IoEngine {
         }
       }
       const int injected = RingSubmitErrorForTesting();
-      const int rc =
-          injected != 0 ? -injected : io_uring_submit_and_wait(&ring_, 1);
+      int rc;
+      if (injected != 0) {
+        rc = -injected;
+      } else if (next_retry.has_value()) {
+        // Wakes for the first retry due, if nothing completes before.
+        const int64_t ns = std::max<int64_t>(
+            0, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   *next_retry - MonoNow())
+                   .count());
+        __kernel_timespec ts;
+        ts.tv_sec = ns / 1000000000;
+        ts.tv_nsec = ns % 1000000000;
+        io_uring_cqe* first = nullptr;
+        rc = io_uring_submit_and_wait_timeout(&ring_, &first, 1, &ts, nullptr);
+        if (rc == -ETIME) rc = 0;  // a retry is due
+      } else {
+        rc = io_uring_submit_and_wait(&ring_, 1);
+      }
       const unsigned n = io_uring_peek_batch_cqe(
           &ring_, cqes.data(), static_cast<unsigned>(cqes.size()));
       if (rc >= 0 || rc == -EINTR || n > 0) {
@@ -450,6 +483,9 @@ class UringEngine final : public IoEngine {
           rearm = true;
           continue;
         }
+        // The timeout liburing adds to a timed wait on kernels without
+        // IORING_FEAT_EXT_ARG: not a piece.
+        if (tag == LIBURING_UDATA_TIMEOUT) continue;
         --in_flight;
         HandleCompletion(static_cast<Piece*>(io_uring_cqe_get_data(cqes[i])),
                          res);

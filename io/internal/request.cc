@@ -25,6 +25,16 @@ bool Aligned(uint64_t x) { return x % kDirectIoAlignment == 0; }
 
 const char* OpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
+absl::Duration RetryDelay(int retries) {
+  constexpr int kImmediate = 8;
+  constexpr absl::Duration kFirst = absl::Microseconds(50);
+  constexpr absl::Duration kMost = absl::Milliseconds(20);
+  if (retries <= kImmediate) return absl::ZeroDuration();
+  // 50 us << 9 already exceeds 20 ms: no shift past that.
+  const int doublings = std::min(retries - kImmediate - 1, 10);
+  return std::min(kMost, kFirst * (int64_t{1} << doublings));
+}
+
 std::string Where(const File& file, uint64_t offset) {
   return absl::StrCat(file.path(), " at offset ", offset);
 }

@@ -12,7 +12,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "io/io_engine.h"
+#include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/mutex.h"
 
 namespace mlp_offload {
@@ -59,11 +61,21 @@ struct Piece {
   char* buffer = nullptr;
   size_t done = 0;
   int retries = 0;  // consecutive EAGAIN / zero-byte writes
+  // Not resubmitted before (io_uring: a retry waiting out RetryDelay).
+  MonoTime not_before{};
 };
 
 // Consecutive EAGAINs (or zero-byte writes) after which a piece fails instead
-// of being resubmitted forever.
+// of being resubmitted forever: about 20 s of retries (RetryDelay).
 inline constexpr int kMaxRetries = 1000;
+
+// The wait before the `retries`-th consecutive retry of a piece after EAGAIN
+// (the kernel short of memory, a file system's transient refusal) or a
+// write that moved nothing: none for the first few, then doubling from
+// 50 us to 20 ms, so a shortage that lasts is waited out (about 20 s in
+// all, kMaxRetries) instead of spun through in a few milliseconds. EINTR
+// retries at once.
+absl::Duration RetryDelay(int retries);
 
 // Splits `request` into pieces of at most `block_size` bytes sharing one
 // tracker. A zero-length request yields no pieces and completes at once.
