@@ -494,6 +494,10 @@ std::optional<uint64_t> TierFreeBytes(const std::string& path) {
   }
   struct statvfs vfs;
   if (statvfs(path.c_str(), &vfs) != 0) return std::nullopt;
+  // No blocks at all: a file system that does not say (some FUSE and
+  // network ones; proc and sysfs, whose refusal comes with the first file
+  // made there, naming the path), not a full one.
+  if (vfs.f_blocks == 0) return std::nullopt;
   return static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
 }
 
@@ -1887,6 +1891,15 @@ void Engine::Impl::RemoveMadeRunDirs() {
   for (Tier& tier : tiers) {
     if (!tier.made_dir) continue;
     if (tier.run_lock != nullptr) {
+      // This Create made the directory and holds its lock: what it holds
+      // besides is what this Create wrote (the manifest, preallocated
+      // records). Removed: a start that failed part-way (a tier that filled
+      // up) left them, their space taken from a retry. By name only.
+      for (size_t i = 0; i < config.subgroup_numel.size(); ++i) {
+        unlink(absl::StrCat(tier.dir, "/sg_", i, ".state").c_str());
+        unlink(absl::StrCat(tier.dir, "/sg_", i, ".grad").c_str());
+      }
+      unlink((tier.dir + "/MANIFEST").c_str());
       // Only our LOCK in it: nothing else was written there. The LOCK goes
       // while still held: a run of the same name that opened it meanwhile
       // is refused by its flock, or, taking it once it is dropped, finds it
@@ -2139,10 +2152,23 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
   MLP_RETURN_IF_ERROR(e.CheckTiers());
   // Capacity, unless given: this process's share of what the file system
   // has free (the node's shared_by processes that use the tier plan at the
-  // same time, each against the same free space), plus what this run's
-  // state files there hold already (a resume rewrites them in place;
-  // without them, a run that takes more than half the free space could never
-  // be resumed). Unknown: unlimited.
+  // same time, each against the same free space, and so do the tiers of
+  // this run on that file system: before, each was credited with all of
+  // it, and the start failed part-way, at a record's fallocate), plus what
+  // this run's state files there hold already (a resume rewrites them in
+  // place; without them, a run that takes more than half the free space
+  // could never be resumed). Unknown: unlimited.
+  std::map<dev_t, int> tiers_on_device;
+  std::vector<std::optional<dev_t>> device(in.tiers.size());
+  for (size_t t = 0; t < in.tiers.size(); ++t) {
+    struct stat st;
+    if (in.tiers[t].capacity_bytes == 0 &&
+        stat(e.real_paths[t].c_str(), &st) == 0) {
+      device[t] = st.st_dev;
+      ++tiers_on_device[st.st_dev];
+    }
+  }
+  std::vector<std::string> capacity_from;  // for a plan that does not fit
   for (size_t t = 0; t < in.tiers.size(); ++t) {
     if (in.tiers[t].capacity_bytes != 0) continue;
     const std::optional<uint64_t> free = TierFreeBytes(in.tiers[t].path);
@@ -2151,12 +2177,37 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
         ExistingRunBytes(absl::StrCat(e.real_paths[t], "/", config.run_name),
                          config.subgroup_numel, 1 + config.num_state_arrays,
                          !config.techniques.delayed_grad_conversion);
+    const int processes = std::max(1, in.tiers[t].shared_by);
+    const int same_fs = device[t].has_value() ? tiers_on_device[*device[t]] : 1;
+    const uint64_t share = *free / static_cast<uint64_t>(processes) /
+                           static_cast<uint64_t>(same_fs);
     // A full tier holds nothing (0 would tell the planner "unlimited").
-    const uint64_t share =
-        *free / static_cast<uint64_t>(std::max(1, in.tiers[t].shared_by));
     in.tiers[t].capacity_bytes = std::max<uint64_t>(1, share + own);
+    capacity_from.push_back(absl::StrCat(
+        "tier ", t, " (", in.tiers[t].path, ") ",
+        HumanBytes(in.tiers[t].capacity_bytes), ": ", HumanBytes(*free),
+        " free",
+        processes > 1 ? absl::StrCat(" / ", processes,
+                                     " processes of the node (shared_by)")
+                      : "",
+        same_fs > 1 ? absl::StrCat(" / ", same_fs, " tiers on that file system")
+                    : "",
+        own > 0 ? absl::StrCat(" + ", HumanBytes(own),
+                               " held by the run's files there")
+                : ""));
   }
-  MLP_ASSIGN_OR_RETURN(e.plan, MakePlan(in));
+  absl::StatusOr<Plan> planned = MakePlan(in);
+  if (!planned.ok() &&
+      planned.status().code() == absl::StatusCode::kResourceExhausted &&
+      absl::StrContains(planned.status().message(), "on disk") &&
+      !capacity_from.empty()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        planned.status().message(), "; capacities from the free space: ",
+        absl::StrJoin(capacity_from, ", "),
+        " (give capacity_bytes to set them)"));
+  }
+  MLP_RETURN_IF_ERROR(planned.status());
+  e.plan = *std::move(planned);
   e.planner_input = std::move(in);
   // From here on the run directories exist: a failed Create removes the
   // ones it made and left empty (a private run's, whose name no later run

@@ -2,6 +2,8 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -3731,6 +3733,90 @@ TEST(EngineTest, ProcessesSharingATierPlanWithTheirShareOfItsFreeSpace) {
           << engine.status();
     }
   }
+}
+
+TEST(EngineTest, TiersOnOneFileSystemShareItsFreeSpace) {
+  // Two tiers in directories of one file system (the same device): each
+  // was credited with all of its free space, the plan passed, and the start
+  // failed at a record's fallocate. Each now takes its part, and a plan
+  // that does not fit says how every capacity came about.
+  EngineConfig cfg = SmallConfig(2);
+  struct stat a, b;
+  ASSERT_EQ(stat(cfg.tiers[0].path.c_str(), &a), 0);
+  ASSERT_EQ(stat(cfg.tiers[1].path.c_str(), &b), 0);
+  ASSERT_EQ(a.st_dev, b.st_dev) << "the test's tiers are on one device";
+  const uint64_t need = StateDiskBytes(cfg);
+  FakeFileSystem fake_fs;
+  // 3/4 of the state free: twice that when counted once per tier.
+  g_fake_fs_bytes = need * 3 / 4;
+  cfg.run_name = "one_fs_small";
+  auto refused = Engine::Create(cfg);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused.status();
+  for (const std::string& part :
+       {absl::StrCat("tier 0 (", cfg.tiers[0].path, ") "),
+        absl::StrCat("tier 1 (", cfg.tiers[1].path, ") "),
+        std::string(" / 2 tiers on that file system"),
+        std::string("give capacity_bytes to set them")}) {
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), part))
+        << refused.status() << "\nlacks: " << part;
+  }
+  // shared_by in the message too, where it divides.
+  cfg.tiers[0].shared_by = cfg.tiers[1].shared_by = 3;
+  refused = Engine::Create(cfg);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                " / 3 processes of the node (shared_by) / 2 "
+                                "tiers on that file system"))
+      << refused.status();
+  // 3/2 of the state free: it fits in the two halves.
+  cfg.tiers[0].shared_by = cfg.tiers[1].shared_by = 1;
+  g_fake_fs_bytes = need * 3 / 2;
+  cfg.run_name = "one_fs_fits";
+  auto engine = Engine::Create(cfg);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+}
+
+TEST(EngineTest, AFreshStartThatFailsPartWayRemovesWhatItWrote) {
+  // A start that fails after it preallocated some records (a tier filling
+  // up meanwhile; here the file-size limit, EFBIG, on the last and largest
+  // record) left the run directories it made with the manifest and those
+  // records: their space stayed taken, and a retry found the tiers full of
+  // its own failed attempt. Everything it wrote goes with the directories.
+  EngineConfig cfg = SmallConfig(2);
+  cfg.run_name = "failed_start";
+  cfg.subgroup_numel = {1000, 2000, 3000, 400000};  // the last: ~9.6 MB
+  cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(400000, 3));
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  struct sigaction ignore = {}, old = {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old), 0);
+  struct rlimit small = saved;
+  small.rlim_cur = 1 << 20;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  auto engine = Engine::Create(cfg);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  sigaction(SIGXFSZ, &old, nullptr);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_TRUE(absl::StrContains(engine.status().message(), "sg_3.state"))
+      << engine.status();
+  for (int t = 0; t < 2; ++t) {
+    struct stat st;
+    EXPECT_NE(stat(RunDir(cfg, t).c_str(), &st), 0)
+        << RunDir(cfg, t) << " is still there";
+  }
+  // A directory this start did not make keeps what is in it.
+  const std::string kept = RunDir(cfg, 0) + "/keep.me";
+  ASSERT_EQ(mkdir(RunDir(cfg, 0).c_str(), 0700), 0);
+  ASSERT_TRUE(WriteFileAtomically(kept, "x").ok());
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old), 0);
+  engine = Engine::Create(cfg);
+  setrlimit(RLIMIT_FSIZE, &saved);
+  sigaction(SIGXFSZ, &old, nullptr);
+  ASSERT_FALSE(engine.ok());
+  struct stat st;
+  EXPECT_EQ(stat(kept.c_str(), &st), 0);
 }
 
 }  // namespace

@@ -30,16 +30,6 @@ constexpr uint64_t kHeaderBytes = 4096;
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-std::string HumanBytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  while (b >= 1024 && u < 5) {
-    b /= 1024;
-    ++u;
-  }
-  return absl::StrFormat("%.1f %s", b, units[u]);
-}
-
 // Effective bandwidth of a tier for one rank: the measured (or given) number,
 // capped by a throttle, split among the processes and among the tiers of the
 // same bandwidth pool.
@@ -440,6 +430,16 @@ std::string Plan::ToString(const std::vector<TierSpec>& tiers) const {
           "  predicted update phase: %.2f s (I/O %.2f s, compute %.2f s)\n",
           predicted_seconds, predicted_io_seconds, predicted_compute_seconds));
   return out;
+}
+
+std::string HumanBytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (b >= 1024 && u < 5) {
+    b /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", b, units[u]);
 }
 
 absl::StatusOr<Plan> MakePlan(const PlannerInput& in) {

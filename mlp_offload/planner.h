@@ -109,6 +109,8 @@ struct Plan {
 // or no placement of the subgroups that fits the tiers (the message gives the
 // total and each tier's capacity).
 absl::StatusOr<Plan> MakePlan(const PlannerInput& input);
+// "1.5 GiB": bytes in the largest binary unit below them, for messages.
+std::string HumanBytes(double bytes);
 
 // Bytes of a record of `numel` parameters with `arrays_per_param` fp32
 // arrays, rounded up to the O_DIRECT alignment. `numel` must be small enough

@@ -300,3 +300,59 @@ def test_a_half_duplex_throttle_needs_both_caps(tmp_path):
                                      "throttle_read_bytes_per_sec": 1e8,
                                      "throttle_write_bytes_per_sec": 5e7}])
     assert tiers[0]["throttle_half_duplex"] is True
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_at_construction(tmp_path):
+    # Before, resume="auto" found no checkpoint in it and started afresh,
+    # and only the first save said why.
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"")
+    refused(tier_dirs(tmp_path), rf"checkpoint_dir {re.escape(str(afile))} is not a directory",
+            checkpoint_dir=afile, run_name="r", resume="auto")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_checkpoint_inside_a_run_directory_is_refused(tmp_path, persistent):
+    # A save into the optimizer's own (private) run directory succeeded, and
+    # close() removed it with the run. Refused by name, nothing written;
+    # beside the run directories, on the tier, is fine.
+    tiers = tier_dirs(tmp_path)
+    kwargs = dict(run_name="r", commit_every=1) if persistent else {}
+    model = make_model()
+    opt = wrap(model, tiers, **kwargs)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    runs = [os.path.join(tiers[1], d) for d in os.listdir(tiers[1])]
+    assert len(runs) == 1, runs
+    inside = os.path.join(runs[0], "ckpt")
+    with pytest.raises(errors.ConfigError,
+                       match=rf"save_checkpoint: {re.escape(inside)} is inside "
+                             rf"{re.escape(os.path.realpath(runs[0]))}, a run directory of "
+                             rf"this optimizer on tier {re.escape(tiers[1])}"):
+        opt.save_checkpoint(inside)
+    assert not os.path.exists(inside)
+    beside = os.path.join(tiers[1], "ckpt")
+    opt.save_checkpoint(beside)
+    opt.close()
+    again = wrap(make_model(), tier_dirs(tmp_path, prefix="u"))
+    again.load_checkpoint(beside)
+    again.close()
+
+
+
+def test_a_tier_too_small_for_its_share_says_where_the_share_came_from(tmp_path, monkeypatch):
+    # LOCAL_WORLD_SIZE divides every tier's free space among the node's
+    # processes (and two tiers on one file system split it too): before,
+    # the error said only "the tiers hold 80.3 KiB", on a disk with 77 GB
+    # free.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 ** 31 - 1))
+    tiers = tier_dirs(tmp_path)
+    with pytest.raises(errors.TierFullError) as err:
+        wrap(make_model(), tiers).close()
+    msg = str(err.value)
+    for part in (f"tier 0 ({tiers[0]})", f"tier 1 ({tiers[1]})",
+                 f"/ {2 ** 31 - 1} processes of the node (shared_by) / 2 tiers on that file "
+                 f"system",
+                 f"LOCAL_WORLD_SIZE {2 ** 31 - 1}"):
+        assert part in msg, msg
+    assert os.listdir(tiers[0]) == os.listdir(tiers[1]) == []

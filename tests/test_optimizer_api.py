@@ -2823,6 +2823,37 @@ def test_a_group_value_out_of_the_kernels_range_names_its_param_group(tmp_path):
     opt.close()
 
 
+def test_a_group_value_of_the_wrong_type_is_refused_not_coerced(tmp_path):
+    # Values from a JSON or YAML config: "False" was read as true (an
+    # optimizer maximizing the loss, without a word) and "0.1" as a number
+    # (torch's own step refuses it). Both refused, naming the group and key;
+    # numpy's numbers and bools still pass.
+    import numpy as np
+    model = make_model()
+    params = list(model.parameters())
+    opt = wrap(torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2),
+               tmp_path)
+    loss_of(model, 0).backward()
+    before = [p.detach().clone() for p in params]
+    for key, value, text in (("maximize", "False", r"maximize must be a bool, got 'False' "
+                                                    r"\(a str\)"),
+                             ("amsgrad", 2, r"amsgrad must be a bool, got 2"),
+                             ("lr", "0.1", r"lr must be a number, got '0.1' \(a str\)"),
+                             ("betas", (0.9, "0.999"), r"betas\[1\] must be a number"),
+                             ("eps", None, r"eps must be a number, got None")):
+        saved = opt.param_groups[1][key]
+        opt.param_groups[1][key] = value
+        with pytest.raises(errors.ConfigError, match=r"^param group 1: " + text):
+            opt.step()
+        opt.param_groups[1][key] = saved
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    opt.param_groups[1].update(maximize=np.False_, amsgrad=0, lr=np.float32(1e-2),
+                               betas=(np.float64(0.9), 0.999))
+    opt.step()
+    assert all(not torch.equal(p, q) for p, q in zip(params, before))
+    opt.close()
+
+
 def test_loading_a_state_dict_with_sgd_momentum_says_the_load_turned_it_on(tmp_path):
     # A wrapper made without momentum has no array for it: the load is
     # refused. Before, the message spoke of schedulers only.

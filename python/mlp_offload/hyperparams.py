@@ -8,6 +8,7 @@ it, never silently ignored.
 """
 
 import math
+import numbers
 
 import torch
 
@@ -77,15 +78,31 @@ def check_options(optimizer, family):
 
 
 def _scalar(value, what):
+    """A number of a param group as a float. A str (as from a JSON or YAML
+    config: "0.1") is refused as torch's own step refuses it, not parsed."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ConfigError(f"{what} must be a scalar, got a tensor of shape "
                               f"{tuple(value.shape)}")
         return float(value.item())
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what} must be a number, got {value!r}") from None
+    if not isinstance(value, numbers.Real):
+        raise ConfigError(f"{what} must be a number, got {value!r} "
+                          f"(a {type(value).__name__})")
+    return float(value)
+
+
+def _flag(value, what):
+    """A switch of a param group (amsgrad, maximize, nesterov...) as a
+    bool. Only bools and the ints 0 and 1 (numpy's too): the string "False"
+    would be true, and an optimizer maximizing by mistake climbs the loss."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 \
+            and value.dtype == torch.bool:
+        return bool(value.item())
+    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
+        return bool(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return bool(value)  # numpy's bool, without importing numpy
+    raise ConfigError(f"{what} must be a bool, got {value!r} (a {type(value).__name__})")
 
 
 def group_hyperparams(family, group):
@@ -93,14 +110,15 @@ def group_hyperparams(family, group):
     if family == "adam":
         beta1, beta2 = group["betas"]
         return {
-            "kind": "adamw" if group.get("decoupled_weight_decay", False) else "adam",
+            "kind": "adamw" if _flag(group.get("decoupled_weight_decay", False),
+                                     "decoupled_weight_decay") else "adam",
             "lr": _scalar(group["lr"], "lr"),
             "beta1": _scalar(beta1, "betas[0]"),
             "beta2": _scalar(beta2, "betas[1]"),
             "eps": _scalar(group["eps"], "eps"),
             "weight_decay": _scalar(group["weight_decay"], "weight_decay"),
-            "amsgrad": bool(group["amsgrad"]),
-            "maximize": bool(group.get("maximize", False)),
+            "amsgrad": _flag(group["amsgrad"], "amsgrad"),
+            "maximize": _flag(group.get("maximize", False), "maximize"),
         }
     if family == "sgd":
         return {
@@ -109,8 +127,8 @@ def group_hyperparams(family, group):
             "momentum": _scalar(group["momentum"], "momentum"),
             "dampening": _scalar(group["dampening"], "dampening"),
             "weight_decay": _scalar(group["weight_decay"], "weight_decay"),
-            "nesterov": bool(group["nesterov"]),
-            "maximize": bool(group.get("maximize", False)),
+            "nesterov": _flag(group["nesterov"], "nesterov"),
+            "maximize": _flag(group.get("maximize", False), "maximize"),
         }
     if family == "adagrad":
         return {
@@ -121,7 +139,7 @@ def group_hyperparams(family, group):
             "weight_decay": _scalar(group["weight_decay"], "weight_decay"),
             "initial_accumulator_value": _scalar(group["initial_accumulator_value"],
                                                  "initial_accumulator_value"),
-            "maximize": bool(group.get("maximize", False)),
+            "maximize": _flag(group.get("maximize", False), "maximize"),
         }
     raise ConfigError(f"no native kernel family {family!r}")
 

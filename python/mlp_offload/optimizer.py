@@ -614,6 +614,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             self._resume_placement = resume_placement
             self._checkpoint_dir = None if checkpoint_dir is None \
                 else _config.check_path("checkpoint_dir", checkpoint_dir)
+            if self._checkpoint_dir is not None and os.path.exists(self._checkpoint_dir) \
+                    and not os.path.isdir(self._checkpoint_dir):
+                # Else resume="auto" found no checkpoint there and started
+                # afresh, and only the first save said why.
+                raise ConfigError(f"checkpoint_dir {self._checkpoint_dir} is not a directory")
             self._atomic_step = _config.check_bool("atomic_step", atomic_step)
             self._engine_settings["fault_injection"] = _config.check_bool(
                 "fault_injection", fault_injection)
@@ -1429,6 +1434,18 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             f"or resume='auto' with checkpoint_dir and a new run_name)")
 
     def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1):
+        try:
+            return self._engine_create(budget, numel, resume, resume_epoch, resume_step)
+        except TierFullError as e:
+            if "(shared_by)" not in str(e) or "LOCAL_WORLD_SIZE" in str(e):
+                raise
+            # Where that number came from, for a tier that did not give it.
+            raise TierFullError(
+                f"{e} (shared_by: the processes of the node, LOCAL_WORLD_SIZE "
+                f"{os.environ.get('LOCAL_WORLD_SIZE', '(unset)')}, else the world size "
+                f"{self._world}, for a tier that does not give it)") from e
+
+    def _engine_create(self, budget, numel, resume, resume_epoch, resume_step):
         return _C.engine.Engine.create(
             tiers=self._tiers, host_budget_bytes=budget, subgroup_numel=numel,
             num_state_arrays=self._num_arrays,
@@ -4166,6 +4183,26 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             return self._checkpoint_dir
         return os.fspath(directory)
 
+    def _check_outside_run_dirs(self, directory, what):
+        """ConfigError if `directory` is, or is inside, one of this
+        optimizer's run directories on a tier: the optimizer manages those (a
+        private run's goes at close(), a persistent run's other directory
+        once a re-packing is done with it), and a checkpoint there would go
+        with them (a save there succeeded, and close() deleted it)."""
+        names = {self._run_name}
+        if self._persistent:
+            names.update(_recovery.run_dir_names(self._run_prefix, self._rank))
+        real = os.path.realpath(directory)
+        for tier in self._tiers:
+            for name in sorted(n for n in names if n):
+                run = os.path.realpath(os.path.join(tier["path"], name))
+                if real == run or real.startswith(run + os.sep):
+                    raise ConfigError(
+                        f"{what}: {directory} is inside {run}, a run directory of this "
+                        f"optimizer on tier {tier['path']}, which the optimizer clears "
+                        f"({'at a re-packing' if self._persistent else 'at close()'}): "
+                        f"give a directory outside the tiers' run directories")
+
     def save_checkpoint(self, directory=None):
         """Saves the offloaded state to `directory` (default: the
         checkpoint_dir the optimizer was constructed with), streamed tier by
@@ -4190,6 +4227,7 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             with self._together(f"create the checkpoint directory {directory}"):
                 try:
                     self._check_inner_stateless("save_checkpoint")
+                    self._check_outside_run_dirs(directory, "save_checkpoint")
                     os.makedirs(directory, mode=0o700, exist_ok=True)
                     if not os.path.isdir(directory):
                         raise ConfigError(
