@@ -1874,10 +1874,18 @@ absl::Status Engine::Impl::OpenTiers() {
         paths = {base + ".read", base + ".write"};
       }
       for (const std::string& path : paths) {
-        MLP_ASSIGN_OR_RETURN(
-            std::unique_ptr<TierLock> lock,
-            TierLock::Open(path, std::max(1, config.tier_lock_slots)));
-        locks.push_back(std::move(lock));
+        absl::StatusOr<std::unique_ptr<TierLock>> lock =
+            TierLock::Open(path, std::max(1, config.tier_lock_slots));
+        if (!lock.ok()) {
+          // Named as a missing one is (TierLockPrefix): /proc or a read-only
+          // directory gets this far, and "open <file>: ..." alone does not
+          // say which setting to change.
+          return Annotate(lock.status(), absl::StrCat("tier ", t,
+                                                      ": tier lock: tier lock "
+                                                      "directory ",
+                                                      ParentDirectory(path)));
+        }
+        locks.push_back(*std::move(lock));
       }
     }
     tier.channel = std::make_unique<TierChannel>(

@@ -60,3 +60,15 @@ def test_export_takes_one_name_per_line(ckpt, tmp_path):
     got = safetensors.torch.load_file(str(out))
     assert sorted(got) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert got["0.weight"].shape == (4, 6) and got["1.bias"].shape == (2,)
+
+
+def test_export_to_a_directory_says_to_name_the_file(ckpt, tmp_path):
+    # Before: "OUT/: Not a directory", from the write of a temporary file.
+    out = tmp_path / "exports"
+    out.mkdir()
+    for given in (str(out), str(out) + "/"):
+        code, err = _export([ckpt, given])
+        assert code == 1 and err == (f"mlp-offload export: error: OUT {given} is a directory: "
+                                     f"give the file to write, e.g. "
+                                     f"{given.rstrip('/')}/model.safetensors\n"), err
+    assert list(out.iterdir()) == []

@@ -142,6 +142,22 @@ def test_bad_arguments_exit_2(capsys, bad):
     assert e.value.code == 2
 
 
+def test_a_capacity_without_a_unit_is_refused(capsys):
+    # A bare READ or WRITE is GB/s: a bare CAPACITY was bytes, and "3.5"
+    # planned a tier of 3 bytes (the baseline "does not fit", mlp moved
+    # everything elsewhere) with exit status 0.
+    for capacity in ("3.5", "4096", "1e12"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["plan", "--tier", f"n:/x:6:3:{capacity}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1].endswith(
+            f"argument --tier: tier n: capacity '{capacity}' has no unit: give one "
+            f"(3.5TB, 800GiB, 4096B)"), err
+    assert whatif.parse_tier("n:/x:6:3:4096B")["capacity_bytes"] == 4096
+    assert whatif.parse_tier("n:/x:6:3:1e12B")["capacity_bytes"] == 10 ** 12
+
+
 @pytest.mark.parametrize("capacity", ["0", "0B", "0.0TB", "0.1"])
 def test_capacity_under_a_byte_is_refused(capsys, capacity):
     # 0 is a typo, not "unlimited" (that is no capacity, or '-'): refused
@@ -212,6 +228,17 @@ def test_units():
             units.parse_count(bad)
     with pytest.raises(ConfigError, match="too large"):
         units.parse_size("1e7TB")
+    # "Gb" is how bits are written (a network link's 10Gb/s is 1.25 GB/s):
+    # refused, where it was read as GB (case is free otherwise).
+    for parse, text in ((units.parse_size, "10Gb"), (units.parse_rate, "10Gb/s"),
+                        (units.parse_rate, "800Mb"), (units.parse_size, "4Tib")):
+        unit = re.match(r"[\d.]+([A-Za-z]+)", text).group(1)
+        with pytest.raises(ConfigError, match=rf"'{unit}' reads as bits; give bytes "
+                                              rf"\({unit[0]}B or {unit[0]}iB\)"):
+            parse(text)
+    assert units.parse_size("10gb") == units.parse_size("10GB") == 10 ** 10
+    assert units.parse_rate("2gib/s") == 2 * 2 ** 30
+    assert units.parse_count("70B") == 70 * 10 ** 9  # a count's B is billions
 
 
 @pytest.mark.parametrize("unbuffered", [False, True])

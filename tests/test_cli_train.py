@@ -152,6 +152,18 @@ def test_train_bad_heads_is_one_line_error(capsys):
     assert code == 1 and "multiple of heads" in err and err.count("\n") == 1
 
 
+def test_a_diverging_run_says_where_and_which_flags_to_change(capsys):
+    # lr 1e300: the gradients become NaN. The library's advice (a GradScaler,
+    # nonfinite='skip') named options the CLI does not have, and no step.
+    code = cli.main(["train", "--no-compare", "--out", "", "--lr", "1e300", "--warmup", "0"]
+                    + TINY)
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(r"error: the mlp run diverged at step \d+ of 6 \(loss \S+\): its gradients "
+                     r"are not finite; try a smaller learning rate \(--lr, now 1e\+300\) or a "
+                     r"longer warm-up \(--warmup\)$", err.strip()), err
+
+
 def test_train_largest_seed_runs(capsys):
     code = cli.main(["train", "--json", "--no-compare", "--out", "", "--seed", "4294967295"]
                     + TINY)

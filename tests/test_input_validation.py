@@ -356,3 +356,22 @@ def test_a_tier_too_small_for_its_share_says_where_the_share_came_from(tmp_path,
                  f"LOCAL_WORLD_SIZE {2 ** 31 - 1}"):
         assert part in msg, msg
     assert os.listdir(tiers[0]) == os.listdir(tiers[1]) == []
+
+
+def test_a_tier_lock_directory_that_takes_no_files_is_named_with_its_source(tmp_path,
+                                                                            monkeypatch):
+    # /proc passes the directory checks, and the lock file's open failed
+    # with "open /proc/mlp_offload_tier_lock...: No such file or directory"
+    # alone. It now names the tier, the tier lock directory, and the
+    # environment variable it came from; the run directories made go again.
+    monkeypatch.setenv("MLP_OFFLOAD_TIER_LOCK_DIR", "/proc")
+    tiers = tier_dirs(tmp_path)
+    with pytest.raises(errors.TierError,
+                       match=r"tier 0: tier lock: tier lock directory /proc: .*"
+                             r"\$MLP_OFFLOAD_TIER_LOCK_DIR's: unset it, or give tier_lock_dir"):
+        wrap(make_model(), tiers).close()
+    assert os.listdir(tiers[0]) == os.listdir(tiers[1]) == []
+    with pytest.raises(errors.TierError, match=r"tier 0: tier lock: tier lock directory /proc: ") \
+            as err:
+        wrap(make_model(), tiers, tier_lock_dir="/proc").close()
+    assert "MLP_OFFLOAD_TIER_LOCK_DIR" not in str(err.value)

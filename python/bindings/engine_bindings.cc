@@ -68,6 +68,14 @@ class DictReader {
     known_.push_back(key);
     if (!dict_.contains(key)) return;
     py::handle value = dict_[key];
+    // A bool is an int to pybind11 (True: 1 thread), never a number here.
+    if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+      if (py::isinstance<py::bool_>(value)) {
+        ThrowIfError(absl::InvalidArgumentError(absl::StrCat(
+            what_, ": bad value for '", key,
+            "': ", std::string(py::repr(value)), " (a bool, not a number)")));
+      }
+    }
     try {
       *out = value.cast<T>();
     } catch (const py::cast_error&) {

@@ -585,6 +585,10 @@ def _cmd_export(args, out):
     import torch
 
     from mlp_offload import checkpoint
+    if os.path.isdir(args.out):
+        # Else "OUT/: Not a directory" from the write of its temporary file.
+        raise ConfigError(f"OUT {args.out} is a directory: give the file to write, e.g. "
+                          f"{os.path.join(args.out, 'model.safetensors')}")
     ckpt = os.path.realpath(args.checkpoint)
     out_dir = os.path.realpath(os.path.dirname(os.path.abspath(args.out)))
     if out_dir == ckpt or out_dir.startswith(ckpt + os.sep):

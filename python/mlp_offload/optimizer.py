@@ -590,6 +590,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "tier_lock_dir": _config.tier_lock_dir(tier_lock_dir),
                 "tier_lock_timeout": tier_lock_timeout,
             }
+            # For errors: where the tier lock directory came from.
+            self._tier_lock_dir_from_env = tier_lock_dir is None and bool(
+                self._engine_settings["tier_lock_dir"])
             if run_name is not None:
                 _recovery.run_dir_name(run_name, self._rank)  # a plain name, or ConfigError
             self._run_prefix = "mlp_offload" if run_name is None else run_name
@@ -1436,8 +1439,13 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
     def _new_engine(self, budget, numel, resume, resume_epoch=0, resume_step=-1):
         try:
             return self._engine_create(budget, numel, resume, resume_epoch, resume_step)
-        except TierFullError as e:
-            if "(shared_by)" not in str(e) or "LOCAL_WORLD_SIZE" in str(e):
+        except (TierError, ConfigError) as e:
+            if "tier lock directory" in str(e) and self._tier_lock_dir_from_env \
+                    and "MLP_OFFLOAD_TIER_LOCK_DIR" not in str(e):
+                raise type(e)(f"{e} (the tier lock directory is $MLP_OFFLOAD_TIER_LOCK_DIR's: "
+                              f"unset it, or give tier_lock_dir)") from e
+            if not isinstance(e, TierFullError) or "(shared_by)" not in str(e) \
+                    or "LOCAL_WORLD_SIZE" in str(e):
                 raise
             # Where that number came from, for a tier that did not give it.
             raise TierFullError(

@@ -16,7 +16,7 @@ import time
 import torch
 
 from mlp_offload import gpt as _gpt
-from mlp_offload.errors import ConfigError
+from mlp_offload.errors import ConfigError, NonFiniteGradientError
 from mlp_offload.optimizer import MLPOffloadOptimizer
 
 _log = logging.getLogger(__name__)
@@ -121,7 +121,17 @@ def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=
                 with torch.no_grad():
                     for m, p in zip(master, params):
                         m.grad = p.grad.float()
-            opt.step()
+            try:
+                opt.step()
+            except NonFiniteGradientError as e:
+                # The library's advice (a GradScaler, nonfinite=...) is for
+                # its API; here the run diverged, and the flags are what a
+                # user can change.
+                raise NonFiniteGradientError(
+                    f"the {mode} run diverged at step {step + 1} of {steps} (loss "
+                    f"{float(loss.item()):.4g}): its gradients are not finite; try a smaller "
+                    f"learning rate (--lr, now {opt.param_groups[0]['lr']:g}) or a longer "
+                    f"warm-up (--warmup)") from e
             if sched is not None:
                 sched.step()
             if master is not None:

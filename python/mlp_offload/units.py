@@ -34,6 +34,12 @@ def _split(text, what, example):
     value = float(m.group(1))
     if not math.isfinite(value):
         raise ConfigError(f"bad {what} {text!r}: too large")
+    if what != "count" and re.fullmatch(r"[KMGTP]i?b(/s)?", m.group(2)):
+        # Case is otherwise free ("gb" is GB), but "Gb" is how gigabits are
+        # written (network links): 8 times less than GB, never guessed.
+        unit = m.group(2).split("/")[0]
+        raise ConfigError(f"bad {what} {text!r}: {unit!r} reads as bits; give bytes "
+                          f"({unit[0]}B or {unit[0]}iB)")
     return m.group(1), value, m.group(2).lower()
 
 

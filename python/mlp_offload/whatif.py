@@ -42,7 +42,7 @@ def parse_tier(text, index=0):
     """A TierSpec dict from 'NAME:PATH:READ:WRITE[:CAPACITY]'.
 
     READ and WRITE are bandwidths (a bare number is GB/s; '800MB/s' works
-    too), CAPACITY a size ('3.5TB'; absent, empty or '-': unlimited; 0,
+    too), CAPACITY a size with its unit ('3.5TB'; absent, empty or '-': unlimited; 0,
     like any size under a byte, is refused: a tier that holds nothing is a
     typo). PATH is only a label here: the planner does no I/O.
     """
@@ -64,6 +64,11 @@ def parse_tier(text, index=0):
         if spec["capacity_bytes"] < 1:
             raise ConfigError(f"tier {name}: capacity {parts[4]!r} is less than a byte "
                               f"(leave it out or give '-' for unlimited)")
+        if not any(c.isalpha() for c in parts[4].replace("e", "").replace("E", "")):
+            # A bare READ or WRITE is GB/s; a bare CAPACITY would be bytes
+            # (3.5: the 3 bytes of a tier that holds nothing, not 3.5 TB).
+            raise ConfigError(f"tier {name}: capacity {parts[4]!r} has no unit: give one "
+                              f"(3.5TB, 800GiB, 4096B)")
     for key in ("read_bytes_per_sec", "write_bytes_per_sec"):
         if not spec[key] > 0:
             raise ConfigError(f"tier {name}: {key.split('_')[0]} bandwidth must be > 0")
