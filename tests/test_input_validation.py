@@ -375,3 +375,21 @@ def test_a_tier_lock_directory_that_takes_no_files_is_named_with_its_source(tmp_
             as err:
         wrap(make_model(), tiers, tier_lock_dir="/proc").close()
     assert "MLP_OFFLOAD_TIER_LOCK_DIR" not in str(err.value)
+
+
+@pytest.mark.parametrize("names,match", [
+    (("fast", "fast"), r"tiers 0 and 1 have the name 'fast': give each tier its own name"),
+    (("", "slow"), r"tier 0: 'name' is empty \(leave it out for 'tier0'\)"),
+    ((" ", "slow"), r"tier 0: 'name' is empty"),
+])
+def test_tier_names_that_label_nothing_are_refused(tmp_path, names, match):
+    # As `mlp-offload plan --tier` refuses them: statistics and plans label
+    # the tiers by name.
+    tiers = [{"path": p, "name": n} for p, n in zip(tier_dirs(tmp_path), names)]
+    refused(tiers, match)
+
+
+def test_an_io_option_given_a_bool_for_a_number_is_refused(tmp_path):
+    # pybind11 casts True to the int 1 (one I/O thread), silently.
+    refused(tier_dirs(tmp_path), r"io: bad value for 'num_threads': True \(a bool, not a "
+                                 r"number\)", io={"num_threads": True})
