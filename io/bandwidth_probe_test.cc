@@ -1,8 +1,6 @@
 #include "io/bandwidth_probe.h"
 
 #include <dirent.h>
-#include <signal.h>
-#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -218,20 +216,15 @@ TEST(BandwidthProbeTest, AFileThatCannotBePreallocatedIsRemoved) {
   // A file-size limit stands in for a full disk: the preallocation fails
   // after the file was created (EFBIG here, ENOSPC there).
   const std::string dir = internal_io::ScratchDir("probe_full");
-  struct rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  struct sigaction ignore = {}, old = {};
-  ignore.sa_handler = SIG_IGN;
-  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old), 0);
-  struct rlimit small = saved;
-  small.rlim_cur = 1 << 20;
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
   ProbeOptions options;
   options.bytes = 8 << 20;
   options.queue_depth = 4;
-  absl::Status s = ProbeBandwidth({dir}, options).status();
-  setrlimit(RLIMIT_FSIZE, &saved);
-  sigaction(SIGXFSZ, &old, nullptr);
+  absl::Status s;
+  {
+    internal_io::ScopedFileSizeLimit limit(1 << 20);
+    ASSERT_TRUE(limit.ok());
+    s = ProbeBandwidth({dir}, options).status();
+  }
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find(dir), std::string::npos) << s;
   EXPECT_EQ(CountEntries(dir), 0);

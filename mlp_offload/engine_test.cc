@@ -2,8 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,6 +27,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "io/fault_injection.h"
+#include "io/internal/test_util.h"
 #include "io/tier_lock.h"
 #include "mlp_offload/base/clock.h"
 #include "mlp_offload/base/threads.h"
@@ -3786,17 +3785,12 @@ TEST(EngineTest, AFreshStartThatFailsPartWayRemovesWhatItWrote) {
   cfg.run_name = "failed_start";
   cfg.subgroup_numel = {1000, 2000, 3000, 400000};  // the last: ~9.6 MB
   cfg.host_budget_bytes = 4 * (4096 + AlignedRecordBytes(400000, 3));
-  struct rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  struct sigaction ignore = {}, old = {};
-  ignore.sa_handler = SIG_IGN;
-  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old), 0);
-  struct rlimit small = saved;
-  small.rlim_cur = 1 << 20;
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-  auto engine = Engine::Create(cfg);
-  setrlimit(RLIMIT_FSIZE, &saved);
-  sigaction(SIGXFSZ, &old, nullptr);
+  auto create_under_1mib_files = [&cfg] {
+    internal_io::ScopedFileSizeLimit limit(1 << 20);
+    EXPECT_TRUE(limit.ok());
+    return Engine::Create(cfg);
+  };
+  auto engine = create_under_1mib_files();
   ASSERT_FALSE(engine.ok());
   EXPECT_TRUE(absl::StrContains(engine.status().message(), "sg_3.state"))
       << engine.status();
@@ -3809,11 +3803,7 @@ TEST(EngineTest, AFreshStartThatFailsPartWayRemovesWhatItWrote) {
   const std::string kept = RunDir(cfg, 0) + "/keep.me";
   ASSERT_EQ(mkdir(RunDir(cfg, 0).c_str(), 0700), 0);
   ASSERT_TRUE(WriteFileAtomically(kept, "x").ok());
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &old), 0);
-  engine = Engine::Create(cfg);
-  setrlimit(RLIMIT_FSIZE, &saved);
-  sigaction(SIGXFSZ, &old, nullptr);
+  engine = create_under_1mib_files();
   ASSERT_FALSE(engine.ok());
   struct stat st;
   EXPECT_EQ(stat(kept.c_str(), &st), 0);

@@ -63,5 +63,25 @@ std::string KindName(IoEngineOptions::Kind kind) {
   return "Unknown";
 }
 
+ScopedFileSizeLimit::ScopedFileSizeLimit(uint64_t bytes) {
+  if (getrlimit(RLIMIT_FSIZE, &saved_) != 0) return;
+  struct sigaction ignore = {};
+  ignore.sa_handler = SIG_IGN;
+  if (sigaction(SIGXFSZ, &ignore, &old_) != 0) return;
+  struct rlimit small = saved_;
+  small.rlim_cur = bytes;
+  if (setrlimit(RLIMIT_FSIZE, &small) != 0) {
+    sigaction(SIGXFSZ, &old_, nullptr);
+    return;
+  }
+  ok_ = true;
+}
+
+ScopedFileSizeLimit::~ScopedFileSizeLimit() {
+  if (!ok_) return;
+  setrlimit(RLIMIT_FSIZE, &saved_);
+  sigaction(SIGXFSZ, &old_, nullptr);
+}
+
 }  // namespace internal_io
 }  // namespace mlp_offload

@@ -2,6 +2,9 @@
 #ifndef MLP_OFFLOAD_IO_INTERNAL_TEST_UTIL_H_
 #define MLP_OFFLOAD_IO_INTERNAL_TEST_UTIL_H_
 
+#include <signal.h>
+#include <sys/resource.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -22,6 +25,23 @@ void FillRandom(void* data, size_t bytes, uint64_t seed);
 // The engine kinds usable here: kThreadPool always, kUring when available.
 std::vector<IoEngineOptions::Kind> EngineKinds();
 std::string KindName(IoEngineOptions::Kind kind);
+
+// While in scope, no file of this process grows past `bytes` (RLIMIT_FSIZE:
+// EFBIG, SIGXFSZ ignored): a file system that fills up, for a test. ok():
+// whether the limit took.
+class ScopedFileSizeLimit {
+ public:
+  explicit ScopedFileSizeLimit(uint64_t bytes);
+  ~ScopedFileSizeLimit();
+  ScopedFileSizeLimit(const ScopedFileSizeLimit&) = delete;
+  ScopedFileSizeLimit& operator=(const ScopedFileSizeLimit&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  struct rlimit saved_ = {};
+  struct sigaction old_ = {};
+  bool ok_ = false;
+};
 
 }  // namespace internal_io
 }  // namespace mlp_offload
