@@ -224,7 +224,9 @@ TEST(RetryDelayTest, ImmediateAtFirstThenDoublingToACapAbout20SecondsInAll) {
   absl::Duration total;
   for (int k = 1; k <= internal_io::kMaxRetries; ++k) {
     const absl::Duration d = internal_io::RetryDelay(k);
-    if (k > 1) EXPECT_GE(d, internal_io::RetryDelay(k - 1)) << k;
+    if (k > 1) {
+      EXPECT_GE(d, internal_io::RetryDelay(k - 1)) << k;
+    }
     total += d;
   }
   EXPECT_GT(total, absl::Seconds(15));

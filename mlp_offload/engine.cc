@@ -1132,8 +1132,11 @@ struct Engine::Impl {
       const uint64_t bytes = payload_bytes[i];
       uint64_t sum;
       mu.Unlock();
+      const MonoTime hash_start = MonoNow();
       sum = PayloadChecksum(payload, bytes, &pool);
+      const double hashed = SecondsSince(hash_start);
       mu.Lock();
+      stats.checksum_seconds += hashed;
       if (sum != h.payload_checksum) {
         return absl::DataLossError(
             absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));
@@ -2787,8 +2790,12 @@ absl::StatusOr<SubgroupView> Engine::Next() {
     e.next_read = std::max(e.next_read, e.pos + 1);
   }
   absl::Status s = e.WaitIo(b);
+  const double hashed_before = e.stats.checksum_seconds;
   if (s.ok()) s = e.VerifyRecord(i, b);
-  e.stats.read_wait_seconds += SecondsSince(wait_start);
+  // The verification's hashing is checksum_seconds'.
+  e.stats.read_wait_seconds +=
+      std::max(0.0, SecondsSince(wait_start) -
+                        (e.stats.checksum_seconds - hashed_before));
   if (!s.ok()) {
     if (hit) {
       e.buffers[b].io_status = absl::OkStatus();  // the retry reads again
@@ -2838,11 +2845,15 @@ absl::Status Engine::Done(bool updated) {
     }
     unchanged_on_disk = !updated && e.OnDisk(i);
   }
+  double hashed = 0;
   if ((!kept || commit) && !unchanged_on_disk) {
+    const MonoTime hash_start = MonoNow();
     checksum =
         PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i], &e.pool);
+    hashed = SecondsSince(hash_start);
   }
   MutexLock l(&e.mu);
+  e.stats.checksum_seconds += hashed;
   if (updated) ++e.sg_step[i];
   e.done_in_step[i] = true;
   if (!updated) e.untouched_in_step[i] = Impl::kPassedThrough;

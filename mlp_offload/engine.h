@@ -154,8 +154,12 @@ struct StepStats {
   int64_t step = 0;
   bool skipped = false;  // non-finite gradients: nothing updated
   double seconds = 0;
-  double read_wait_seconds = 0;   // compute thread waiting on reads
-  double compute_seconds = 0;     // kernels (or the caller's generic step)
+  double read_wait_seconds = 0;  // compute thread waiting on reads
+  double compute_seconds = 0;    // kernels (or the caller's generic step)
+  // Hashing records on the compute thread (the compute pool's threads):
+  // each read's verification (verify_checksums; not in read_wait_seconds)
+  // and each write's payload checksum for its header.
+  double checksum_seconds = 0;
   double write_wait_seconds = 0;  // waiting on writes at the end / for buffers
   double grad_offload_seconds = 0;  // baseline: eager grad conversion + writes
   // Baseline: of grad_offload_seconds, the wait at the step's start for the

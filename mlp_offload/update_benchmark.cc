@@ -310,7 +310,8 @@ class Worker {
 // What a configuration measured: medians over the measured steps (per rank,
 // then averaged over ranks), bytes of the last step summed over ranks.
 struct Summary {
-  double step = 0, read_wait = 0, compute = 0, write_wait = 0, grads = 0;
+  double step = 0, read_wait = 0, compute = 0, write_wait = 0, grads = 0,
+         checksum = 0;
   double bytes_read[2] = {0, 0}, bytes_written[2] = {0, 0};
   double predicted = 0;
   int cache_hits = 0, num_cached = 0;
@@ -334,7 +335,7 @@ absl::StatusOr<Summary> RunRank(const std::string& name,
     remove_run_dirs.Add(absl::StrCat(d, "/", RunName(name, setup, rank)));
   MLP_ASSIGN_OR_RETURN(std::unique_ptr<Worker> worker,
                        Worker::Create(name, config, setup, rank, shard));
-  std::vector<double> times, read_wait, compute, write_wait, grads;
+  std::vector<double> times, read_wait, compute, write_wait, grads, checksum;
   StepStats last;
   const int steps = absl::GetFlag(FLAGS_steps);
   for (int step = 0; step <= steps; ++step) {
@@ -348,6 +349,7 @@ absl::StatusOr<Summary> RunRank(const std::string& name,
     compute.push_back(stats.compute_seconds);
     write_wait.push_back(stats.write_wait_seconds);
     grads.push_back(stats.grad_offload_seconds);
+    checksum.push_back(stats.checksum_seconds);
     last = stats;
   }
   Summary s;
@@ -356,6 +358,7 @@ absl::StatusOr<Summary> RunRank(const std::string& name,
   s.compute = Median(compute);
   s.write_wait = Median(write_wait);
   s.grads = Median(grads);
+  s.checksum = Median(checksum);
   for (int t = 0; t < 2; ++t) {
     s.bytes_read[t] = static_cast<double>(last.bytes_read[t]);
     s.bytes_written[t] = static_cast<double>(last.bytes_written[t]);
@@ -656,35 +659,42 @@ int Run() {
       lower = std::max(lower, moved / cap);
     }
     if (absl::GetFlag(FLAGS_json)) {
+      // No caps (--fast_mbps=0): no bound; JSON has no inf.
+      auto number = [](double x) {
+        return std::isfinite(x) ? absl::StrFormat("%.4f", x)
+                                : std::string("null");
+      };
       std::printf(
           "{\"config\": \"%s\", \"params\": %llu, \"subgroups\": %d, "
           "\"steps\": %d, \"ranks\": %d, \"contention\": %.3f, "
-          "\"step_seconds_median\": %.4f, \"io_lower_bound_seconds\": %.4f, "
-          "\"predicted_seconds\": %.4f, \"bytes_read\": %.0f, "
+          "\"step_seconds_median\": %.4f, \"io_lower_bound_seconds\": %s, "
+          "\"predicted_seconds\": %s, \"bytes_read\": %.0f, "
           "\"bytes_written\": %.0f, "
           "\"read_wait_seconds\": %.4f, \"compute_seconds\": %.4f, "
+          "\"checksum_seconds\": %.4f, "
           "\"write_wait_seconds\": %.4f, \"grad_offload_seconds\": %.4f, "
           "\"cache_hits\": %d, \"num_cached\": %d, \"fast_cap_bytes_per_sec\": "
           "%.0f, "
           "\"slow_cap_bytes_per_sec\": %.0f, \"half_duplex\": %s}\n",
           name.c_str(), static_cast<unsigned long long>(params), n,
-          absl::GetFlag(FLAGS_steps), ranks, setup.contention, s.step, lower,
-          s.predicted, br, bw, s.read_wait, s.compute, s.write_wait, s.grads,
+          absl::GetFlag(FLAGS_steps), ranks, setup.contention, s.step,
+          number(lower).c_str(), number(s.predicted).c_str(), br, bw,
+          s.read_wait, s.compute, s.checksum, s.write_wait, s.grads,
           s.cache_hits, s.num_cached, setup.fast, setup.slow,
           setup.half_duplex ? "true" : "false");
     } else {
       rows.push_back(absl::StrFormat(
-          "%-24s %8.2f %8.2f %8.2f %7.2f %7.2f %7.2f %7.2f %8.2f %8.2f", name,
-          s.step, lower, s.predicted, s.read_wait, s.compute, s.write_wait,
-          s.grads, br / 1e9, bw / 1e9));
+          "%-24s %8.2f %8.2f %8.2f %7.2f %7.2f %7.2f %7.2f %7.2f %8.2f %8.2f",
+          name, s.step, lower, s.predicted, s.read_wait, s.compute, s.checksum,
+          s.write_wait, s.grads, br / 1e9, bw / 1e9));
       std::printf("%s done\n", name.c_str());
     }
     std::fflush(stdout);
   }
   if (!absl::GetFlag(FLAGS_json)) {
-    std::printf("\n%-24s %8s %8s %8s %7s %7s %7s %7s %8s %8s\n", "config",
-                "step_s", "io_lb_s", "pred_s", "rd_wait", "compute", "wr_wait",
-                "grads", "read_GB", "write_GB");
+    std::printf("\n%-24s %8s %8s %8s %7s %7s %7s %7s %7s %8s %8s\n", "config",
+                "step_s", "io_lb_s", "pred_s", "rd_wait", "compute", "chksum",
+                "wr_wait", "grads", "read_GB", "write_GB");
     for (const auto& r : rows) std::printf("%s\n", r.c_str());
   }
   return 0;

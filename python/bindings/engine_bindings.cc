@@ -304,6 +304,7 @@ py::dict StatsToDict(const StepStats& s) {
   d["seconds"] = s.seconds;
   d["read_wait_seconds"] = s.read_wait_seconds;
   d["compute_seconds"] = s.compute_seconds;
+  d["checksum_seconds"] = s.checksum_seconds;
   d["write_wait_seconds"] = s.write_wait_seconds;
   d["grad_offload_seconds"] = s.grad_offload_seconds;
   d["grad_wait_seconds"] = s.grad_wait_seconds;
