@@ -1136,7 +1136,9 @@ struct Engine::Impl {
       sum = PayloadChecksum(payload, bytes, &pool);
       const double hashed = SecondsSince(hash_start);
       mu.Lock();
-      stats.checksum_seconds += hashed;
+      // A step's own (as its bytes): not the reads of a state access or a
+      // checkpoint between steps.
+      if (in_step) stats.checksum_seconds += hashed;
       if (sum != h.payload_checksum) {
         return absl::DataLossError(
             absl::StrCat(w, ": payload checksum mismatch (corrupt state)"));

@@ -161,7 +161,13 @@ def test_a_diverging_run_says_where_and_which_flags_to_change(capsys):
     assert code == 1 and err.count("\n") == 1, err
     assert re.search(r"error: the mlp run diverged at step \d+ of 6 \(loss \S+\): its gradients "
                      r"are not finite; try a smaller learning rate \(--lr, now 1e\+300\) or a "
-                     r"longer warm-up \(--warmup\)$", err.strip()), err
+                     r"longer warm-up \(--warmup, now 0\)$", err.strip()), err
+    # The flag's value, not the warm-up's scaled one (a review: 1e-05 for
+    # --lr 1e-3 --warmup 100, and a user would raise it).
+    code = cli.main(["train", "--no-compare", "--out", "", "--lr", "1e300", "--warmup", "100"]
+                    + TINY)
+    err = capsys.readouterr().err
+    assert code == 1 and "(--lr, now 1e+300) or a longer warm-up (--warmup, now 100)" in err, err
 
 
 def test_train_largest_seed_runs(capsys):

@@ -389,6 +389,13 @@ def test_tier_names_that_label_nothing_are_refused(tmp_path, names, match):
     refused(tiers, match)
 
 
+def test_a_given_name_that_meets_a_default_one_still_works(tmp_path):
+    # Only names given are checked: tier 1's default name is "tier1" (a
+    # review: refusing this broke a config that worked).
+    a, b = tier_dirs(tmp_path)
+    wrap(make_model(), [{"path": a, "name": "tier1"}, b]).close()
+
+
 def test_an_io_option_given_a_bool_for_a_number_is_refused(tmp_path):
     # pybind11 casts True to the int 1 (one I/O thread), silently.
     refused(tier_dirs(tmp_path), r"io: bad value for 'num_threads': True \(a bool, not a "

@@ -204,15 +204,18 @@ def normalize_tiers(tiers, tier_bandwidths=None, shared_by=1):
                 f"tiers {seen[real]} and {i} are the same directory ({spec['path']})"
             )
         seen[real] = i
+        given = "name" in spec
         spec["name"] = check_str(f"tier {i}: 'name'", spec.get("name", f"tier{i}"))
-        # The name labels the tier in statistics and plans (as `plan --tier`
-        # requires): one that is empty, or another tier's, labels nothing.
-        if not spec["name"].strip():
-            raise ConfigError(f"tier {i}: 'name' is empty (leave it out for 'tier{i}')")
-        if spec["name"] in names:
-            raise ConfigError(f"tiers {names[spec['name']]} and {i} have the name "
-                              f"{spec['name']!r}: give each tier its own name")
-        names[spec["name"]] = i
+        # A name given labels the tier in statistics and plans (as `plan
+        # --tier` requires): one that is empty, or another's, labels nothing.
+        # (A default that meets a given one stays, as it always did.)
+        if given:
+            if not spec["name"].strip():
+                raise ConfigError(f"tier {i}: 'name' is empty (leave it out for 'tier{i}')")
+            if spec["name"] in names:
+                raise ConfigError(f"tiers {names[spec['name']]} and {i} have the name "
+                                  f"{spec['name']!r}: give each tier its own name")
+            names[spec["name"]] = i
         for key in ("read_bytes_per_sec", "write_bytes_per_sec"):
             if key in spec and spec[key] is None:
                 del spec[key]  # unknown, as if left out

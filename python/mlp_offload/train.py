@@ -130,8 +130,8 @@ def train_run(mode, *, data, vocab_size, steps=100, seq_len=64, dim=256, layers=
                 raise NonFiniteGradientError(
                     f"the {mode} run diverged at step {step + 1} of {steps} (loss "
                     f"{float(loss.item()):.4g}): its gradients are not finite; try a smaller "
-                    f"learning rate (--lr, now {opt.param_groups[0]['lr']:g}) or a longer "
-                    f"warm-up (--warmup)") from e
+                    f"learning rate (--lr, now {DEFAULT_LR[optimizer] if lr is None else lr:g}) "
+                    f"or a longer warm-up (--warmup, now {warmup})") from e
             if sched is not None:
                 sched.step()
             if master is not None:
