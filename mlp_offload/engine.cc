@@ -1015,7 +1015,8 @@ struct Engine::Impl {
 
   // Seals buffer b's header for subgroup i at its current step and issues
   // the write to the slot that does not hold the committed version.
-  void IssueWrite(int i, int b, uint64_t checksum)
+  // `checksum` is the payload's in record format `format_version`.
+  void IssueWrite(int i, int b, uint64_t checksum, uint32_t format_version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Buffer& buf = buffers[b];
     const int t = plan.tier_of_subgroup[i];
@@ -1027,6 +1028,7 @@ struct Engine::Impl {
     h.step = sg_step[i];
     h.payload_bytes = payload_bytes[i];
     h.payload_checksum = checksum;
+    h.format_version = format_version;
     EncodeRecordHeader(h, buf.mem.data());
     buf.write_slot = WriteSlotFor(i);
     buf.write_checksum = checksum;
@@ -1133,7 +1135,7 @@ struct Engine::Impl {
       uint64_t sum;
       mu.Unlock();
       const MonoTime hash_start = MonoNow();
-      sum = PayloadChecksum(payload, bytes, &pool);
+      sum = PayloadChecksum(payload, bytes, &pool, h.format_version);
       const double hashed = SecondsSince(hash_start);
       mu.Lock();
       // A step's own (as its bytes): not the reads of a state access or a
@@ -1324,7 +1326,9 @@ struct Engine::Impl {
       uint64_t checksum = 0;
       mu.Unlock();
       const int64_t step = fill(i, payload);
-      if (write) checksum = PayloadChecksum(payload, bytes, &pool);
+      if (write) {
+        checksum = PayloadChecksum(payload, bytes, &pool, kStateFormatVersion);
+      }
       mu.Lock();
       buffers[b].from_disk = false;
       if (!write) {
@@ -1338,7 +1342,7 @@ struct Engine::Impl {
       // write fails and changed nothing.
       flying.push_back({i, b, sg_step[i], cached || OverwritesLatest(i)});
       sg_step[i] = step;
-      IssueWrite(i, b, checksum);
+      IssueWrite(i, b, checksum, kStateFormatVersion);
     }
     while (!flying.empty()) settle();
     return first;
@@ -1459,7 +1463,10 @@ struct Engine::Impl {
 
   // Writes buffer b (subgroup i) synchronously to its tier.
   absl::Status WriteNow(int i, int b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    IssueWrite(i, b, PayloadChecksum(Payload(b), payload_bytes[i], &pool));
+    IssueWrite(i, b,
+               PayloadChecksum(Payload(b), payload_bytes[i], &pool,
+                               kStateFormatVersion),
+               kStateFormatVersion);
     return FinishWrite(b);
   }
   // Waits for the write IssueWrite started from buffer b (kept claimed).
@@ -2535,8 +2542,8 @@ uint64_t CombineSegmentHashes(
     parts.push_back(offset);
     parts.push_back(hash);
   }
-  return PayloadChecksum(parts.data(), parts.size() * sizeof(uint64_t),
-                         nullptr);
+  return PayloadChecksum(parts.data(), parts.size() * sizeof(uint64_t), nullptr,
+                         kStateFormatVersion);
 }
 
 }  // namespace
@@ -2559,7 +2566,8 @@ absl::StatusOr<uint64_t> Engine::GradientFingerprint(
   hashes.reserve(order.size());
   for (const Segment* s : order) {
     hashes.push_back(
-        {s->offset, PayloadChecksum(s->grad, s->numel * bytes, &e.pool)});
+        {s->offset, PayloadChecksum(s->grad, s->numel * bytes, &e.pool,
+                                    kStateFormatVersion)});
   }
   return CombineSegmentHashes(std::move(hashes));
 }
@@ -2629,8 +2637,8 @@ absl::Status Engine::OffloadGradients(int i,
     };
     if (fingerprint != nullptr) {
       hashes.push_back(
-          {s.offset,
-           PayloadChecksumVisiting(s.grad, s.numel * bytes, &e.pool, convert)});
+          {s.offset, PayloadChecksumVisiting(s.grad, s.numel * bytes, &e.pool,
+                                             convert, kStateFormatVersion)});
     } else {
       // The same chunks, without the hash.
       const size_t total = s.numel * bytes, chunk = kChecksumChunkBytes;
@@ -2850,8 +2858,8 @@ absl::Status Engine::Done(bool updated) {
   double hashed = 0;
   if ((!kept || commit) && !unchanged_on_disk) {
     const MonoTime hash_start = MonoNow();
-    checksum =
-        PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i], &e.pool);
+    checksum = PayloadChecksum(e.PayloadUnlocked(b), e.payload_bytes[i],
+                               &e.pool, kStateFormatVersion);
     hashed = SecondsSince(hash_start);
   }
   MutexLock l(&e.mu);
@@ -2862,12 +2870,14 @@ absl::Status Engine::Done(bool updated) {
   if (kept) {
     e.buffers[b].state = BufState::kCached;
     // Durable too, and still cached.
-    if (commit && !unchanged_on_disk) e.IssueWrite(i, b, checksum);
+    if (commit && !unchanged_on_disk) {
+      e.IssueWrite(i, b, checksum, kStateFormatVersion);
+    }
   } else if (unchanged_on_disk) {
     e.Free(b);
   } else {
     e.buffers[b].state = BufState::kWriting;
-    e.IssueWrite(i, b, checksum);
+    e.IssueWrite(i, b, checksum, kStateFormatVersion);
   }
   ++e.pos;
   e.IssueReads();
@@ -3254,8 +3264,8 @@ absl::Status Engine::SaveCheckpoint(const std::string& dir) {
           h.numel = e.numel[i];
           h.step = e.sg_step[i];
           h.payload_bytes = e.payload_bytes[i];
-          h.payload_checksum =
-              PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool);
+          h.payload_checksum = PayloadChecksum(e.Payload(b), e.payload_bytes[i],
+                                               &e.pool, kStateFormatVersion);
           std::vector<char> page(kRecordHeaderBytes);
           EncodeRecordHeader(h, page.data());
           std::string path = absl::StrCat(tmp, "/sg_", i, ".ckpt");
@@ -3479,8 +3489,8 @@ absl::Status Engine::Impl::LoadRecords(
         h = *hs;
         s = CheckCheckpointRecordHeader(
             h, j, e.numel[i], static_cast<uint32_t>(e.arrays()), path);
-        if (s.ok() && PayloadChecksum(e.Payload(b), e.payload_bytes[i],
-                                      &e.pool) != h.payload_checksum) {
+        if (s.ok() && PayloadChecksum(e.Payload(b), e.payload_bytes[i], &e.pool,
+                                      h.format_version) != h.payload_checksum) {
           s = absl::DataLossError(absl::StrCat(
               path, ": payload checksum mismatch (subgroup ", i, ")"));
         }
@@ -3506,8 +3516,9 @@ absl::Status Engine::Impl::LoadRecords(
     // it (until the write, the disk holds the old version).
     if (cached) e.rewritten[i] = true;
     if (!cached) {
-      // The header's checksum was just verified against this payload.
-      e.IssueWrite(i, b, h.payload_checksum);
+      // The header's checksum was just verified against this payload (in
+      // its format, which the written record keeps).
+      e.IssueWrite(i, b, h.payload_checksum, h.format_version);
       absl::Status previous = finish_writing();
       writing = b;
       if (!previous.ok()) {

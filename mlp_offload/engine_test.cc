@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -1483,6 +1484,222 @@ void MarkCommitted(const std::vector<std::string>& run_dirs, CommitId id) {
 }
 void MarkCommitted(const EngineConfig& cfg, CommitId id) {
   MarkCommitted({RunDir(cfg, 0), RunDir(cfg, 1)}, id);
+}
+
+// Each record slot of subgroup i in `dir` that holds a record: its header.
+std::vector<std::pair<int, RecordHeader>> SlotHeaders(const std::string& dir,
+                                                      int i, uint64_t numel) {
+  std::vector<std::pair<int, RecordHeader>> out;
+  const std::string path = absl::StrCat(dir, "/sg_", i, ".state");
+  int fd = open(path.c_str(), O_RDONLY);
+  EXPECT_GE(fd, 0) << path;
+  if (fd < 0) return out;
+  std::vector<char> page(kRecordHeaderBytes);
+  for (int slot = 0; slot < 2; ++slot) {
+    const uint64_t at = SlotOffset(slot, AlignedRecordBytes(numel, 3));
+    if (pread(fd, page.data(), page.size(), at) !=
+        static_cast<ssize_t>(page.size())) {
+      continue;
+    }
+    auto h = DecodeRecordHeader(page.data(), page.size(), path);
+    if (h.ok()) out.emplace_back(slot, *h);
+  }
+  close(fd);
+  return out;
+}
+
+// Rewrites a run's files as a build of state format 1 wrote them: every
+// record's header and payload checksum, the commit records that name those
+// checksums, the manifests.
+void ConvertRunToFormatOne(const EngineConfig& cfg, int tiers) {
+  std::map<uint64_t, uint64_t> new_sum;  // format 2's checksum -> format 1's
+  for (int t = 0; t < tiers; ++t) {
+    const std::string dir = RunDir(cfg, t);
+    auto text = ReadSmallFile(dir + "/MANIFEST");
+    ASSERT_TRUE(text.ok()) << text.status();
+    auto m = ParseManifest(*text, "MANIFEST");
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_EQ(m->format_version, 2u);
+    for (size_t i = 0; i < m->tier_of_subgroup.size(); ++i) {
+      if (m->tier_of_subgroup[i] != t) continue;
+      const uint64_t numel = cfg.subgroup_numel[i];
+      const std::string path = absl::StrCat(dir, "/sg_", i, ".state");
+      int fd = open(path.c_str(), O_RDWR);
+      ASSERT_GE(fd, 0) << path;
+      for (auto& [slot, h] : SlotHeaders(dir, static_cast<int>(i), numel)) {
+        const uint64_t at = SlotOffset(slot, AlignedRecordBytes(numel, 3));
+        std::vector<char> record(kRecordHeaderBytes + h.payload_bytes);
+        ASSERT_EQ(pread(fd, record.data(), record.size(), at),
+                  static_cast<ssize_t>(record.size()));
+        const uint64_t old_sum = PayloadChecksum(
+            record.data() + kRecordHeaderBytes, h.payload_bytes, nullptr, 2);
+        ASSERT_EQ(old_sum, h.payload_checksum) << path << " slot " << slot;
+        h.format_version = 1;
+        h.payload_checksum = PayloadChecksum(record.data() + kRecordHeaderBytes,
+                                             h.payload_bytes, nullptr, 1);
+        ASSERT_NE(h.payload_checksum, old_sum);
+        new_sum[old_sum] = h.payload_checksum;
+        EncodeRecordHeader(h, record.data());
+        ASSERT_EQ(pwrite(fd, record.data(), kRecordHeaderBytes, at),
+                  static_cast<ssize_t>(kRecordHeaderBytes));
+      }
+      close(fd);
+    }
+    m->format_version = 1;
+    ASSERT_TRUE(
+        WriteFileAtomically(dir + "/MANIFEST", EncodeManifest(*m)).ok());
+  }
+  for (int t = 0; t < tiers; ++t) {
+    for (const char* name : {"/COMMIT", "/COMMIT.prev"}) {
+      const std::string path = RunDir(cfg, t) + name;
+      auto bytes = ReadSmallFile(path);
+      if (!bytes.ok()) continue;
+      auto c = ParseCommitRecord(*bytes, path);
+      ASSERT_TRUE(c.ok()) << c.status();
+      for (uint64_t& sum : c->subgroup_checksum) {
+        if (sum == 0) continue;
+        ASSERT_EQ(new_sum.count(sum), 1u) << path;
+        sum = new_sum[sum];
+      }
+      ASSERT_TRUE(WriteFileAtomically(path, EncodeCommitRecord(*c)).ok());
+    }
+  }
+}
+
+TEST(EngineTest, ARunOfStateFormatOneResumesAndItsRewrittenRecordsGetTwo) {
+  // Format 2 changed the payload checksum's chunk hash only: a run written
+  // before it resumes, each record verified in the format its header names
+  // (a damaged one still caught), and each record a step writes is format 2.
+  EngineConfig cfg = SmallConfig(2);
+  cfg.commit_every = 1;
+  cfg.run_name = "format_one_run";
+  Model model(cfg.subgroup_numel, 11);
+  Snapshot at2, at3;
+  std::vector<int> tier_of;
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    tier_of = (*engine)->plan().tier_of_subgroup;
+    ASSERT_NO_FATAL_FAILURE(InitializeFrom(**engine, model));
+    ASSERT_NO_FATAL_FAILURE(RunSteps(**engine, model, 1, 2));
+    at2 = Take(**engine, cfg.subgroup_numel);
+  }
+  ASSERT_NO_FATAL_FAILURE(ConvertRunToFormatOne(cfg, 2));
+  cfg.resume = true;
+  std::string victim;
+  uint64_t victim_at = 0;
+  {
+    // A byte of a committed format-1 record damaged: its read fails.
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const int i = 1, t = tier_of[i];
+    for (auto& [slot, h] :
+         SlotHeaders(RunDir(cfg, t), i, cfg.subgroup_numel[i])) {
+      EXPECT_EQ(h.format_version, 1u);
+      if (h.step != 2) continue;
+      victim = absl::StrCat(RunDir(cfg, t), "/sg_", i, ".state");
+      victim_at =
+          SlotOffset(slot, AlignedRecordBytes(cfg.subgroup_numel[i], 3)) +
+          kRecordHeaderBytes + 4 * 17;
+    }
+    ASSERT_FALSE(victim.empty());
+    int fd = open(victim.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    char byte;
+    ASSERT_EQ(pread(fd, &byte, 1, victim_at), 1);
+    byte ^= 0x40;
+    ASSERT_EQ(pwrite(fd, &byte, 1, victim_at), 1);
+    std::vector<float> got(cfg.subgroup_numel[i]), m(got.size()), v(got.size());
+    absl::Status s =
+        (*engine)->ReadSubgroup(i, got.data(), {m.data(), v.data()}, nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("payload checksum mismatch"), std::string::npos)
+        << s;
+    byte ^= 0x40;
+    ASSERT_EQ(pwrite(fd, &byte, 1, victim_at), 1);
+    close(fd);
+  }
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->step(), 2);
+    EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at2);
+    ASSERT_NO_FATAL_FAILURE(RunSteps(**engine, model, 3, 3));
+    EXPECT_EQ((*engine)->committed_step(), 3);
+    at3 = Take(**engine, cfg.subgroup_numel);
+  }
+  // Step 3's records are format 2; step 2's, in the other slots, still 1.
+  for (int i = 0; i < 4; ++i) {
+    std::map<int64_t, uint32_t> format_of_step;
+    for (auto& [slot, h] :
+         SlotHeaders(RunDir(cfg, tier_of[i]), i, cfg.subgroup_numel[i])) {
+      format_of_step[h.step] = h.format_version;
+    }
+    EXPECT_EQ(format_of_step, (std::map<int64_t, uint32_t>{{2, 1}, {3, 2}}))
+        << "subgroup " << i;
+  }
+  const std::string ckpt = TempDir("format_one_ckpt");
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->step(), 3);
+    EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at3);
+    ASSERT_TRUE((*engine)->SaveCheckpoint(ckpt).ok());
+  }
+  // A checkpoint of format 1 reads, with and without an engine; its records
+  // go to the tiers of the run that loads it as they are, still format 1.
+  auto text = ReadSmallFile(ckpt + "/MANIFEST");
+  ASSERT_TRUE(text.ok()) << text.status();
+  auto manifest = ParseManifest(*text, "MANIFEST");
+  ASSERT_TRUE(manifest.ok()) << manifest.status();
+  manifest->format_version = 1;
+  ASSERT_TRUE(
+      WriteFileAtomically(ckpt + "/MANIFEST", EncodeManifest(*manifest)).ok());
+  for (int i = 0; i < 4; ++i) {
+    const std::string path = absl::StrCat(ckpt, "/sg_", i, ".ckpt");
+    auto bytes = ReadSmallFile(path, size_t{1} << 20);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    auto h = DecodeRecordHeader(bytes->data(), kRecordHeaderBytes, path);
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ(h->format_version, 2u);
+    h->format_version = 1;
+    h->payload_checksum = PayloadChecksum(bytes->data() + kRecordHeaderBytes,
+                                          h->payload_bytes, nullptr, 1);
+    std::string page(kRecordHeaderBytes, '\0');
+    EncodeRecordHeader(*h, page.data());
+    ASSERT_TRUE(
+        WriteFileAtomically(path, page + bytes->substr(kRecordHeaderBytes))
+            .ok());
+    std::vector<float> master(cfg.subgroup_numel[i]), m(master.size()),
+        v(master.size());
+    int64_t step = -1;
+    absl::Status s = ReadCheckpointRecord(ckpt, i, master.size(), master.data(),
+                                          {m.data(), v.data()},
+                                          /*verify=*/true, &step);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(master, at3.master[i]);
+    EXPECT_EQ(step, 3);
+  }
+  cfg.run_name = "format_one_loaded";
+  cfg.resume = false;
+  cfg.techniques = Only(true, false, true, false);  // records not cached
+  {
+    auto engine = Engine::Create(cfg);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    tier_of = (*engine)->plan().tier_of_subgroup;
+    ASSERT_TRUE((*engine)->LoadCheckpoint(ckpt).ok());
+    ASSERT_TRUE((*engine)->Commit().ok());
+  }
+  cfg.resume = true;
+  auto engine = Engine::Create(cfg);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  EXPECT_EQ((*engine)->step(), 3);
+  EXPECT_TRUE(Take(**engine, cfg.subgroup_numel) == at3);
+  for (int i = 0; i < 4; ++i) {
+    auto slots = SlotHeaders(RunDir(cfg, tier_of[i]), i, cfg.subgroup_numel[i]);
+    ASSERT_EQ(slots.size(), 1u) << "subgroup " << i;
+    EXPECT_EQ(slots[0].second.format_version, 1u) << "subgroup " << i;
+  }
 }
 
 TEST(EngineTest, CrashBetweenTheTiersCommitRecordsResumesTheOlderCommit) {

@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "kernels/checksum.h"
 #include "mlp_offload/base/status_macros.h"
 
 namespace mlp_offload {
@@ -79,46 +81,71 @@ struct HeaderLayout {
 };
 
 // PayloadChecksum hashes fixed chunks (chunk c seeded with c), then the
-// chunks' hashes in order, seeded with the payload's size.
-uint64_t ChunkHash(const void* data, size_t len, size_t c) {
-  return HashChunk(static_cast<const unsigned char*>(data), len, c);
+// chunks' hashes in order, seeded with the payload's size; with HashChunk in
+// format 1, StripeHash64 from format 2.
+uint64_t FormatHash(const void* data, size_t len, uint64_t seed,
+                    uint32_t format_version) {
+  switch (format_version) {
+    case 1:
+      return HashChunk(static_cast<const unsigned char*>(data), len, seed);
+    case 2:
+      return StripeHash64(data, len, seed);
+    default:
+      // Headers and manifests of other versions are refused as they are
+      // decoded: one here is a bug of the caller's, and no checksum of an
+      // unknown format can be right.
+      std::abort();
+  }
 }
 
-uint64_t CombineChunkHashes(const std::vector<uint64_t>& parts, uint64_t n) {
-  return HashChunk(reinterpret_cast<const unsigned char*>(parts.data()),
-                   parts.size() * sizeof(uint64_t), n);
+uint64_t ChunkHash(const void* data, size_t len, size_t c,
+                   uint32_t format_version) {
+  return FormatHash(data, len, c, format_version);
+}
+
+uint64_t CombineChunkHashes(const std::vector<uint64_t>& parts, uint64_t n,
+                            uint32_t format_version) {
+  return FormatHash(parts.data(), parts.size() * sizeof(uint64_t), n,
+                    format_version);
+}
+
+bool ReadableFormat(uint64_t version) {
+  return version >= kOldestStateFormatVersion && version <= kStateFormatVersion;
 }
 
 }  // namespace
 
-uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool) {
-  return PayloadChecksumVisiting(data, n, pool, nullptr);
+uint64_t PayloadChecksum(const void* data, size_t n, ThreadPool* pool,
+                         uint32_t format_version) {
+  return PayloadChecksumVisiting(data, n, pool, nullptr, format_version);
 }
 
 uint64_t PayloadChecksumVisiting(
     const void* data, size_t n, ThreadPool* pool,
-    const std::function<void(size_t begin, size_t length)>& visit) {
+    const std::function<void(size_t begin, size_t length)>& visit,
+    uint32_t format_version) {
   const size_t chunks = (n + kChecksumChunkBytes - 1) / kChecksumChunkBytes;
   std::vector<uint64_t> parts(chunks);
   auto body = [&](size_t c) {
     size_t begin = c * kChecksumChunkBytes,
            len = std::min(kChecksumChunkBytes, n - begin);
     if (visit) visit(begin, len);
-    parts[c] = ChunkHash(static_cast<const char*>(data) + begin, len, c);
+    parts[c] = ChunkHash(static_cast<const char*>(data) + begin, len, c,
+                         format_version);
   };
   if (pool != nullptr) {
     pool->ParallelFor(chunks, body);
   } else {
     for (size_t c = 0; c < chunks; ++c) body(c);
   }
-  return CombineChunkHashes(parts, n);
+  return CombineChunkHashes(parts, n, format_version);
 }
 
 void EncodeRecordHeader(const RecordHeader& h, void* page) {
   std::memset(page, 0, kRecordHeaderBytes);
   HeaderLayout l{};
   l.magic = kHeaderMagic;
-  l.version = kStateFormatVersion;
+  l.version = h.format_version;
   l.header_bytes = kRecordHeaderBytes;
   l.run_id = h.run_id;
   l.subgroup = h.subgroup;
@@ -150,8 +177,7 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
     return absl::DataLossError(
         absl::StrCat(where, ": header checksum mismatch"));
   }
-  if (l.version != kStateFormatVersion ||
-      l.header_bytes != kRecordHeaderBytes) {
+  if (!ReadableFormat(l.version) || l.header_bytes != kRecordHeaderBytes) {
     return absl::DataLossError(
         absl::StrCat(where, ": unsupported state format version ", l.version));
   }
@@ -167,6 +193,7 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
   h.step = l.step;
   h.payload_bytes = l.payload_bytes;
   h.payload_checksum = l.payload_checksum;
+  h.format_version = l.version;
   return h;
 }
 
@@ -213,7 +240,7 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text,
   uint64_t count = 0;
   if (!field(0, "mlp_offload_manifest", &m.format_version))
     return bad("bad first line");
-  if (m.format_version != kStateFormatVersion) {
+  if (!ReadableFormat(m.format_version)) {
     return absl::DataLossError(absl::StrCat(
         where, ": unsupported manifest version ", m.format_version));
   }
@@ -579,7 +606,8 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
         std::min<uint64_t>(kChecksumChunkBytes, payload - begin));
     MLP_RETURN_IF_ERROR(
         ReadFileAt(fd, chunk.data(), len, kRecordHeaderBytes + begin, path));
-    parts.push_back(ChunkHash(chunk.data(), len, parts.size()));
+    parts.push_back(
+        ChunkHash(chunk.data(), len, parts.size(), h.format_version));
     // Scatter [begin, begin + len) over the arrays it spans.
     for (uint64_t at = begin; at < begin + len;) {
       const uint64_t a = at / array_bytes;
@@ -591,7 +619,8 @@ absl::Status ReadCheckpointRecord(const std::string& dir_in, int subgroup,
       at = end;
     }
   }
-  if (CombineChunkHashes(parts, payload) != h.payload_checksum) {
+  if (CombineChunkHashes(parts, payload, h.format_version) !=
+      h.payload_checksum) {
     return absl::DataLossError(absl::StrCat(
         path, ": payload checksum mismatch (subgroup ", subgroup, ")"));
   }

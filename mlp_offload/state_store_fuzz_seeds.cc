@@ -24,6 +24,11 @@ int main(int argc, char** argv) {
   h.payload_bytes = 1200;
   std::string page(kRecordHeaderBytes, '\0');
   EncodeRecordHeader(h, page.data());
+  // The oldest format still read, whose header checksum the fuzzer would
+  // hardly find by mutation.
+  std::string old_page(kRecordHeaderBytes, '\0');
+  h.format_version = kOldestStateFormatVersion;
+  EncodeRecordHeader(h, old_page.data());
   Manifest m;
   m.run_id = 9;
   m.arrays_per_param = 3;
@@ -34,7 +39,11 @@ int main(int argc, char** argv) {
   c.subgroup_checksum = {7, 0, 9};
   c.subgroup_step = {4, -1, 4};
   c.subgroup_slot = {0, 0, 1};
+  Manifest old_m = m;
+  old_m.format_version = kOldestStateFormatVersion;
   bool ok = put("header", page.substr(0, 128)) &&
+            put("header_oldest_format", old_page.substr(0, 128)) &&
+            put("manifest_oldest_format", EncodeManifest(old_m)) &&
             put("manifest", EncodeManifest(m)) &&
             put("commit", EncodeCommitRecord(c));
   return ok ? 0 : 1;

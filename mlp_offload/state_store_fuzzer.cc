@@ -16,13 +16,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string page(kRecordHeaderBytes, '\0');
     EncodeRecordHeader(*h, page.data());
     auto again = DecodeRecordHeader(page.data(), page.size(), "fuzz");
-    if (!again.ok() || again->step != h->step || again->numel != h->numel)
+    if (!again.ok() || again->step != h->step || again->numel != h->numel ||
+        again->format_version != h->format_version ||
+        again->payload_checksum != h->payload_checksum) {
       std::abort();
+    }
   }
   if (auto m = ParseManifest(text, "fuzz"); m.ok()) {
     auto again = ParseManifest(EncodeManifest(*m), "fuzz");
     if (!again.ok() || again->subgroup_numel != m->subgroup_numel ||
-        again->tier_of_subgroup != m->tier_of_subgroup) {
+        again->tier_of_subgroup != m->tier_of_subgroup ||
+        again->format_version != m->format_version) {
       std::abort();
     }
     (void)CheckManifestMatches(*m, *again, "fuzz");

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace mlp_offload {
@@ -38,6 +39,8 @@ extern "C" int fsync(int fd) {
 
 namespace mlp_offload {
 namespace {
+
+constexpr uint64_t kPinnedFormat2 = 0xc4fa732954feb06aull;
 
 std::string TestDir(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
@@ -79,13 +82,67 @@ TEST(StateStoreTest, ChecksumIsThreadCountIndependentAndSensitive) {
   std::mt19937 rng(1);
   for (auto& x : data) x = std::uniform_real_distribution<float>(-1, 1)(rng);
   size_t bytes = data.size() * sizeof(float);
-  uint64_t one = PayloadChecksum(data.data(), bytes, nullptr);
+  uint64_t one = PayloadChecksum(data.data(), bytes, nullptr, 2);
   ThreadPool pool(3);
-  EXPECT_EQ(PayloadChecksum(data.data(), bytes, &pool), one);
+  EXPECT_EQ(PayloadChecksum(data.data(), bytes, &pool, 2), one);
   for (size_t pos : {size_t{0}, size_t{1 << 20}, bytes - 1}) {
     reinterpret_cast<unsigned char*>(data.data())[pos] ^= 1;
-    EXPECT_NE(PayloadChecksum(data.data(), bytes, &pool), one) << pos;
+    EXPECT_NE(PayloadChecksum(data.data(), bytes, &pool, 2), one) << pos;
     reinterpret_cast<unsigned char*>(data.data())[pos] ^= 1;
+  }
+}
+
+// A deterministic payload of three 1 MiB chunks and a partial one.
+std::vector<unsigned char> PinnedPayload() {
+  std::vector<unsigned char> b((size_t{3} << 20) + 123);
+  for (size_t i = 0; i < b.size(); ++i) {
+    b[i] = static_cast<unsigned char>((i * 131 + 7) ^ (i >> 9));
+  }
+  return b;
+}
+
+TEST(StateStoreTest, EachFormatsPayloadChecksumIsPinned) {
+  // Records on disk carry these values: format 1's are what the builds
+  // before format 2 computed (the same payload through 312d3f0's
+  // PayloadChecksum), format 2's pin StripeHash64's constants.
+  const std::vector<unsigned char> b = PinnedPayload();
+  ThreadPool pool(2);
+  for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
+    EXPECT_EQ(PayloadChecksum(b.data(), b.size(), p, 1), 0xa7b90bbd4a87654full);
+    EXPECT_EQ(PayloadChecksum(b.data(), 100, p, 1), 0xb842ec744093ea68ull);
+    EXPECT_EQ(PayloadChecksum(b.data(), b.size(), p, 2), kPinnedFormat2);
+    EXPECT_EQ(kStateFormatVersion, 2u);
+  }
+}
+
+TEST(StateStoreTest, HeadersOfEveryReadableFormatDecodeOthersAreRefused) {
+  RecordHeader h;
+  h.numel = 10;
+  h.num_arrays = 3;
+  h.payload_bytes = 120;
+  h.payload_checksum = 5;
+  std::vector<unsigned char> page(kRecordHeaderBytes);
+  for (uint32_t version = 0; version <= kStateFormatVersion + 1; ++version) {
+    h.format_version = version;
+    EncodeRecordHeader(h, page.data());
+    auto back = DecodeRecordHeader(page.data(), page.size(), "sg_0.state");
+    if (version >= kOldestStateFormatVersion &&
+        version <= kStateFormatVersion) {
+      ASSERT_TRUE(back.ok()) << back.status();
+      EXPECT_EQ(back->format_version, version);
+    } else {
+      EXPECT_EQ(back.status().code(), absl::StatusCode::kDataLoss);
+      EXPECT_NE(back.status().message().find(absl::StrCat(
+                    "sg_0.state: unsupported state format version ", version)),
+                std::string::npos)
+          << back.status();
+    }
+    Manifest m;
+    m.format_version = version;
+    m.arrays_per_param = 3;
+    auto manifest = ParseManifest(EncodeManifest(m), "MANIFEST");
+    EXPECT_EQ(manifest.ok(), back.ok()) << manifest.status();
+    if (manifest.ok()) EXPECT_EQ(manifest->format_version, version);
   }
 }
 

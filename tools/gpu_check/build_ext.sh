@@ -46,7 +46,8 @@ srcs=(io/aligned_buffer.cc io/bandwidth_probe.cc io/fault_injection.cc io/file.c
       io/io_engine.cc io/shared_throttle.cc io/threadpool_engine.cc io/tier_lock.cc
       io/uring_engine.cc io/internal/delay_queue.cc io/internal/paced_engine.cc
       io/internal/request.cc
-      kernels/memory_probe.cc kernels/optimizer_kernels.cc kernels/target_info.cc
+      kernels/checksum.cc kernels/memory_probe.cc kernels/optimizer_kernels.cc
+      kernels/target_info.cc
       mlp_offload/base/status_macros.cc mlp_offload/base/thread_pool.cc
       mlp_offload/base/threads.cc
       mlp_offload/engine.cc mlp_offload/planner.cc mlp_offload/state_store.cc
