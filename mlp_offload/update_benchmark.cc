@@ -516,6 +516,7 @@ absl::StatusOr<Summary> RunRanks(const std::string& name,
     total.compute += w * rep.summary.compute;
     total.write_wait += w * rep.summary.write_wait;
     total.grads += w * rep.summary.grads;
+    total.checksum += w * rep.summary.checksum;
     total.predicted = std::max(total.predicted, rep.summary.predicted);
     total.cache_hits += rep.summary.cache_hits;
     total.num_cached += rep.summary.num_cached;

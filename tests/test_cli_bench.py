@@ -186,6 +186,18 @@ def test_bench_budget_beyond_an_int_is_one_line_error_before_the_header(capsys):
     assert err.count("\n") == 1 and "budget_fraction 1e+300" in err and "host budget" in err, err
 
 
+def test_bench_tier_that_takes_no_directories_is_refused_before_the_header(tmp_path, capsys):
+    # /proc: a directory, and access() says yes to root, but nothing can be
+    # made in it (before: the header printed, then the engine's error).
+    code = cli.main(["bench", "--out", "", "--tiers", str(tmp_path), "/proc"] + TINY)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", out
+    assert err.startswith("mlp-offload bench: error: tier directory /proc takes no new "
+                          "directories ("), err
+    assert err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_tier_that_is_a_file_is_one_line_error_without_a_bar(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     (tmp_path / "slow").mkdir()

@@ -36,6 +36,8 @@ def test_ranks_share_the_tiers(bench, tmp_path):
     for r in got:
         assert r["ranks"] == 2 and r["contention"] == pytest.approx(0.5)
         assert r["bytes_read"] > 0 and r["bytes_written"] > 0
+        # The ranks' times are averaged, the checksums' too (it was 0).
+        assert r["compute_seconds"] > 0 and r["checksum_seconds"] > 0
         # The tiers' caps hold for both ranks together: a step cannot beat
         # the slowest tier moving both ranks' bytes at its cap (less one
         # 1 MiB piece of pacing slack each way).

@@ -224,13 +224,25 @@ def _progress_bar(total, desc, disable):
 
 @contextlib.contextmanager
 def _tier_dirs(paths, prefix):
-    """The given directories, or two fresh temporary ones (removed after)."""
+    """The given directories, or two fresh temporary ones (removed after);
+    given ones must take new directories (for commands that start runs)."""
     if paths:
         for p in paths:
             if not os.path.lexists(p):
                 raise ConfigError(f"tier directory {p} does not exist")
             if not os.path.isdir(p):
                 raise ConfigError(f"tier directory {p} is not a directory")
+            # The run makes its directory there: one made and removed now
+            # (access() says yes to root everywhere, /proc included; before,
+            # bench failed after its header). Only for commands that start
+            # runs: one that read a tier would not need it writable.
+            try:
+                made = tempfile.mkdtemp(dir=p, prefix=".mlp_offload_check_")
+            except OSError as e:
+                raise ConfigError(f"tier directory {p} takes no new directories "
+                                  f"({e.strerror or e})") from e
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
         yield list(paths)
         return
     made = [tempfile.mkdtemp(prefix=f"{prefix}{i}_") for i in range(2)]
