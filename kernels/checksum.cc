@@ -29,16 +29,15 @@ inline void StripeIntoLanes(const unsigned char* p, size_t s, uint64_t* acc) {
 
 inline void ScrambleLanes(uint64_t* acc) {
   for (size_t l = 0; l < kHashLanes; ++l) {
-    const uint64_t a =
-        acc[l] ^ (acc[l] >> 47) ^ kStripeHashKeys.scramble[l];
+    const uint64_t a = acc[l] ^ (acc[l] >> 47) ^ kStripeHashKeys.scramble[l];
     acc[l] = a * kHashPrime32;
   }
 }
 
 // What follows the last whole block: its whole stripes, the zero-padded
 // partial one, then the fold of the lanes with the length and the seed.
-inline uint64_t FinishStripeHash(const unsigned char* p, size_t rest,
-                                 size_t n, uint64_t seed, uint64_t* acc) {
+inline uint64_t FinishStripeHash(const unsigned char* p, size_t rest, size_t n,
+                                 uint64_t seed, uint64_t* acc) {
   size_t s = 0;
   for (; rest >= kHashStripeBytes; ++s) {
     StripeIntoLanes(p, s, acc);
@@ -72,8 +71,8 @@ inline void InitLanes(uint64_t seed, uint64_t* acc) {
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/checksum.cc"
-#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/cache_control.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -120,21 +119,18 @@ void HashBlocks(const unsigned char* p, size_t blocks, uint64_t* acc) {
           reinterpret_cast<const uint64_t*>(p + s * kHashStripeBytes);
       for (size_t v = 0; v < kVecs; ++v) {
         const V w = hn::LoadU(d, words + v * N);
-        const V k =
-            hn::Xor(w, hn::LoadU(d, kStripeHashKeys.stripe[s] + v * N));
+        const V k = hn::Xor(w, hn::LoadU(d, kStripeHashKeys.stripe[s] + v * N));
         const V product = hn::MulEven(hn::BitCast(d32, k),
                                       hn::BitCast(d32, hn::ShiftRight<32>(k)));
         lanes[v] = hn::Add(lanes[v], hn::Add(product, hn::Shuffle01(w)));
       }
     }
     for (size_t v = 0; v < kVecs; ++v) {
-      const V a = hn::Xor(
-          hn::Xor(lanes[v], hn::ShiftRight<47>(lanes[v])),
-          hn::LoadU(d, kStripeHashKeys.scramble + v * N));
+      const V a = hn::Xor(hn::Xor(lanes[v], hn::ShiftRight<47>(lanes[v])),
+                          hn::LoadU(d, kStripeHashKeys.scramble + v * N));
       // a * prime mod 2^64 = lo32(a) * prime + (hi32(a) * prime << 32).
       const V lo = hn::MulEven(hn::BitCast(d32, a), prime);
-      const V hi =
-          hn::MulEven(hn::BitCast(d32, hn::ShiftRight<32>(a)), prime);
+      const V hi = hn::MulEven(hn::BitCast(d32, hn::ShiftRight<32>(a)), prime);
       lanes[v] = hn::Add(lo, hn::ShiftLeft<32>(hi));
     }
   }
@@ -152,8 +148,7 @@ namespace mlp_offload {
 namespace internal_kernels {
 HWY_EXPORT(HashBlocks);
 
-void DispatchHashBlocks(const unsigned char* p, size_t blocks,
-                        uint64_t* acc) {
+void DispatchHashBlocks(const unsigned char* p, size_t blocks, uint64_t* acc) {
   HWY_DYNAMIC_DISPATCH(HashBlocks)(p, blocks, acc);
 }
 }  // namespace internal_kernels

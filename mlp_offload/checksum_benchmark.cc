@@ -29,8 +29,7 @@ namespace mlp_offload {
 namespace {
 
 double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                       since)
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since)
       .count();
 }
 
@@ -75,9 +74,10 @@ int Run() {
                  (!one.ok() ? one.status() : all.status()).ToString().c_str());
     return 1;
   }
-  std::printf("SIMD target %s; memory read bandwidth (probe): %.1f GB/s on "
-              "1 thread, %.1f GB/s on %d\n",
-              SimdTargetName().c_str(), *one, *all, threads);
+  std::printf(
+      "SIMD target %s; memory read bandwidth (probe): %.1f GB/s on "
+      "1 thread, %.1f GB/s on %d\n",
+      SimdTargetName().c_str(), *one, *all, threads);
   std::printf("%-8s %-22s %10s %10s\n", "format", "span", "1 thread",
               (std::to_string(threads) + " threads").c_str());
   uint64_t sink = 0;
@@ -94,10 +94,10 @@ int Run() {
     const double mn = Rate(data.data(), bytes, 1, reps, &pool, format, &sink);
     std::printf("%-8u %-22s %7.1f GB/s %6.1f GB/s\n", format,
                 "in cache (1-2 MiB/thr)", c1, cn);
-    std::printf("%-8u %-22s %7.1f GB/s %6.1f GB/s\n", format,
-                ("from memory (" + std::to_string(bytes >> 20) + " MiB)")
-                    .c_str(),
-                m1, mn);
+    std::printf(
+        "%-8u %-22s %7.1f GB/s %6.1f GB/s\n", format,
+        ("from memory (" + std::to_string(bytes >> 20) + " MiB)").c_str(), m1,
+        mn);
   }
   std::printf("(sum of the checksums: %016llx)\n",
               static_cast<unsigned long long>(sink));

@@ -109,6 +109,16 @@ uint64_t CombineChunkHashes(const std::vector<uint64_t>& parts, uint64_t n,
                     format_version);
 }
 
+// What an unreadable version's error adds: the versions this build reads,
+// and who writes newer ones.
+std::string FormatsReadHint(uint64_t version) {
+  return absl::StrCat(" (this build reads ", kOldestStateFormatVersion, " to ",
+                      kStateFormatVersion,
+                      version > kStateFormatVersion
+                          ? "; a newer build of MLP-Offload wrote it)"
+                          : ")");
+}
+
 bool ReadableFormat(uint64_t version) {
   return version >= kOldestStateFormatVersion && version <= kStateFormatVersion;
 }
@@ -179,7 +189,8 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(const void* page, size_t size,
   }
   if (!ReadableFormat(l.version) || l.header_bytes != kRecordHeaderBytes) {
     return absl::DataLossError(
-        absl::StrCat(where, ": unsupported state format version ", l.version));
+        absl::StrCat(where, ": unsupported state format version ", l.version,
+                     FormatsReadHint(l.version)));
   }
   if (l.payload_bytes != l.numel * 4ull * l.num_arrays) {
     return absl::DataLossError(
@@ -241,8 +252,9 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text,
   if (!field(0, "mlp_offload_manifest", &m.format_version))
     return bad("bad first line");
   if (!ReadableFormat(m.format_version)) {
-    return absl::DataLossError(absl::StrCat(
-        where, ": unsupported manifest version ", m.format_version));
+    return absl::DataLossError(
+        absl::StrCat(where, ": unsupported manifest version ", m.format_version,
+                     FormatsReadHint(m.format_version)));
   }
   if (!field(1, "run_id", &m.run_id) ||
       !field(2, "arrays_per_param", &m.arrays_per_param) ||
