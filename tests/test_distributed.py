@@ -1712,3 +1712,43 @@ def damaged_pystate_worker(rank, tiers):
 
 def test_a_rank_whose_committed_python_state_is_damaged_makes_every_rank_raise(tmp_path):
     spawn(damaged_pystate_worker, tier_dirs(tmp_path))
+
+
+def probe_worker(rank, tiers):
+    # tier_bandwidths="probe": rank 0 probes, once; every rank plans with
+    # its numbers (the same placement everywhere follows from them).
+    from mlp_offload import optimizer as impl
+    impl._PROBE_BYTES = 8 << 20
+    calls, real = [], _C.probe_bandwidth
+    _C.probe_bandwidth = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        opt = MLPOffloadOptimizer(OPTIMIZERS["adamw"](make_model().parameters()), tiers=tiers,
+                                  tier_bandwidths="probe", subgroup_numel=200,
+                                  compute_threads=1)
+    finally:
+        _C.probe_bandwidth = real
+    assert calls == ([1] if rank == 0 else []), (rank, calls)
+    mine = [(t["read_bytes_per_sec"], t["write_bytes_per_sec"], t.get("bandwidth_pool"))
+            for t in opt._tiers]
+    assert all(r > 0 and w > 0 for r, w, _ in mine), mine
+    got = [None] * WORLD
+    dist.all_gather_object(got, mine)
+    assert got[0] == got[1], got
+    opt.close()
+
+
+def probe_failure_worker(rank, tiers):
+    # Rank 0's probe fails: every rank raises (none waits for the others).
+    with pytest.raises(errors.OffloadError) as e:
+        MLPOffloadOptimizer(OPTIMIZERS["adamw"](make_model().parameters()),
+                            tiers=[tiers[0], "/proc"], tier_bandwidths="probe",
+                            subgroup_numel=200, compute_threads=1)
+    assert "/proc" in str(e.value), str(e.value)
+    if rank == 1:
+        assert "rank 0 could not probe the tiers" in str(e.value), str(e.value)
+
+
+def test_tier_bandwidths_probe_is_rank_0s_on_every_rank(tmp_path):
+    dirs = tier_dirs(tmp_path)
+    spawn(probe_worker, dirs)
+    spawn(probe_failure_worker, dirs)

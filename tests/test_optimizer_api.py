@@ -22,6 +22,7 @@ import torch.optim.optimizer as _optim_module
 import mlp_offload
 from mlp_offload import MLPOffloadOptimizer, cuda_path, errors, layout
 from mlp_offload import optimizer as optimizer_module
+from conftest import tier_dirs
 
 torch.set_num_threads(1)  # CI shares 2 cores between test processes
 
@@ -2867,3 +2868,79 @@ def test_loading_a_state_dict_with_sgd_momentum_says_the_load_turned_it_on(tmp_p
         opt.load_state_dict(ref_opt.state_dict())
     assert opt.param_groups[0]["momentum"] == 0
     opt.close()
+
+
+def _probe_result(path, read, write, device="sda", shares=()):
+    return {"dir": path, "device": device, "read_alone": read, "write_alone": write,
+            "read_together": read, "write_together": write, "direct": True,
+            "direct_fallback_reason": "", "shares_device_with": list(shares)}
+
+
+def test_tier_bandwidths_probe_plans_with_the_measured_bandwidths(tmp_path, monkeypatch):
+    # One probe of every tier (rank 0's, here the only rank), whose numbers
+    # (to two significant digits) the planner takes: the faster tier gets
+    # more of the state. A tier whose dict gives its bandwidth keeps it.
+    a, b, c = tier_dirs(tmp_path, 3)
+    calls = []
+
+    def probe(paths, bytes, block_size, queue_depth):
+        calls.append((list(paths), bytes))
+        return [_probe_result(a, 3.04e9, 1.96e9, "nvme0n1"),
+                _probe_result(b, 1.01e9, 4.97e8, "sdb"), _probe_result(c, 7e8, 7e8, "sdc")]
+    monkeypatch.setattr(mlp_offload._C, "probe_bandwidth", probe)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
+    opt = MLPOffloadOptimizer(
+        torch.optim.AdamW(model.parameters()),
+        tiers=[a, b, {"path": c, "read_bytes_per_sec": 4e9, "write_bytes_per_sec": 4e9}],
+        tier_bandwidths="probe", subgroup_numel=200, compute_threads=1)
+    try:
+        assert calls == [([a, b, c], optimizer_module._PROBE_BYTES)]
+        assert [(t["read_bytes_per_sec"], t["write_bytes_per_sec"]) for t in opt._tiers] == \
+            [(3e9, 2e9), (1e9, 5e8), (4e9, 4e9)]
+        assert not any("bandwidth_pool" in t for t in opt._tiers)
+        on = [list(opt.plan.tier_of_subgroup).count(t) for t in range(3)]
+        assert on[0] > on[1] > 0 and on[2] > on[0], on
+    finally:
+        opt.close()
+
+
+def test_tier_bandwidths_probe_pools_the_tiers_of_one_device(tmp_path, monkeypatch):
+    # Two directories on one device share its bandwidth (bandwidth_pool),
+    # as the probe tells; a pool the tier's dict names stays.
+    a, b, c = tier_dirs(tmp_path, 3)
+    monkeypatch.setattr(mlp_offload._C, "probe_bandwidth", lambda paths, **kw: [
+        _probe_result(a, 2e9, 1e9, "nvme0n1", [b]), _probe_result(b, 2e9, 1e9, "nvme0n1", [a]),
+        _probe_result(c, 1e9, 1e9, "sdc")])
+    opt = MLPOffloadOptimizer(
+        torch.optim.SGD(torch.nn.Linear(16, 8).parameters(), lr=0.1),
+        tiers=[a, {"path": b, "bandwidth_pool": "mine"}, c], tier_bandwidths="probe",
+        subgroup_numel=100, compute_threads=1)
+    try:
+        assert [t.get("bandwidth_pool") for t in opt._tiers] == ["device nvme0n1", "mine", None]
+    finally:
+        opt.close()
+
+
+def test_tier_bandwidths_probe_measures_for_real_and_a_failure_names_it(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(optimizer_module, "_PROBE_BYTES", 8 << 20)
+    dirs = tier_dirs(tmp_path, 2)
+    opt = MLPOffloadOptimizer(torch.optim.AdamW(torch.nn.Linear(16, 8).parameters()),
+                              tiers=dirs, tier_bandwidths="probe", subgroup_numel=100,
+                              compute_threads=1)
+    try:
+        for t in opt._tiers:
+            for key in ("read_bytes_per_sec", "write_bytes_per_sec"):
+                assert t[key] > 0 and t[key] != mlp_offload.config.DEFAULT_TIER_BYTES_PER_SEC
+        # Both directories are on one file system: one pool.
+        assert opt._tiers[0].get("bandwidth_pool") == opt._tiers[1].get("bandwidth_pool")
+        assert opt._tiers[0].get("bandwidth_pool")
+    finally:
+        opt.close()
+    assert sorted(os.listdir(dirs[0])) == [] and sorted(os.listdir(dirs[1])) == []
+    # A tier the probe cannot write: its error, before any state is made.
+    with pytest.raises(errors.OffloadError, match="/proc"):
+        MLPOffloadOptimizer(torch.optim.AdamW(torch.nn.Linear(16, 8).parameters()),
+                            tiers=[dirs[0], "/proc"], tier_bandwidths="probe",
+                            subgroup_numel=100, compute_threads=1)

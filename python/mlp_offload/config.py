@@ -171,8 +171,8 @@ def normalize_tiers(tiers, tier_bandwidths=None, shared_by=1):
                 raise TypeError
             tier_bandwidths = list(tier_bandwidths)
         except TypeError:
-            raise ConfigError(f"tier_bandwidths must be a list (one entry per tier), got "
-                              f"{tier_bandwidths!r}") from None
+            raise ConfigError(f"tier_bandwidths must be a list (one entry per tier) or "
+                              f"'probe', got {tier_bandwidths!r}") from None
         if len(tier_bandwidths) != len(tiers):
             raise ConfigError(
                 f"tier_bandwidths has {len(tier_bandwidths)} entries for "

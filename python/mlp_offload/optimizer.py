@@ -59,6 +59,9 @@ from mlp_offload.errors import (ConcurrentUseError, ConfigError, CorruptStateErr
 _log = logging.getLogger(__name__)
 
 _NONFINITE = ("raise", "skip", "ignore")
+# Bytes written then read per tier by tier_bandwidths="probe" (as
+# `mlp-offload probe`'s default): about a second on a 1 GB/s device.
+_PROBE_BYTES = 256 << 20
 _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
 _RESUME_PLACEMENTS = ("keep", "replan")
@@ -445,7 +448,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         past it, step() raises TierLockTimeoutError naming the lock (the
         step can be retried).
       tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
-        dict does not say; unknown bandwidths are assumed equal.
+        dict does not say; unknown bandwidths are assumed equal. "probe":
+        measured at construction by rank 0 of the group (256 MiB written
+        and read per tier, alone then all at once, as `mlp-offload probe`;
+        every rank plans with rank 0's numbers), tiers on one device made a
+        bandwidth pool.
       nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
         NonFiniteGradientError (nothing updated), "skip" the step, or
         "ignore" (update anyway, as torch does).
@@ -577,7 +584,11 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             local_world = _config.env_int("LOCAL_WORLD_SIZE", self._world, minimum=1)
             self._local_world = local_world
 
-            self._tiers = _config.normalize_tiers(tiers, tier_bandwidths, shared_by=local_world)
+            # "probe": measured after the ranks agree (a collective), the
+            # tiers checked now.
+            self._probe_tiers = isinstance(tier_bandwidths, str) and tier_bandwidths == "probe"
+            self._tiers = _config.normalize_tiers(
+                tiers, None if self._probe_tiers else tier_bandwidths, shared_by=local_world)
             self._subgroup_numel = _config.check_int("subgroup_numel", subgroup_numel,
                                                      minimum=1)
             self._host_cache_bytes = host_cache_bytes
@@ -658,10 +669,14 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             subgroup_numel=subgroup_numel, mode=mode, nonfinite=nonfinite,
             state_dict_type=state_dict_type, run_name=run_name, commit_every=commit_every,
             resume=resume, resume_placement=resume_placement,
+            tier_bandwidths_probe=self._probe_tiers if failure is None else None,
             # Checked in the try block: a rank that failed there sends None.
             atomic_step=self._atomic_step if failure is None else None,
             checkpoint_dir=self._checkpoint_dir if failure is None else None,
             generic_state_keys=self._generic_state_keys if failure is None else None))
+
+        if self._probe_tiers:
+            self._tiers = self._probed_tiers(tiers)
 
         # torch.optim.Optimizer bookkeeping (hooks, zero_grad, step patching);
         # then share the wrapped optimizer's param_groups list itself.
@@ -842,6 +857,51 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                                          for p in g["params"]],
                     param_devices=sorted({p.device.type for g in groups
                                           for p in g["params"]}))
+
+    def _probed_tiers(self, tiers):
+        """Collective (the constructor's, tier_bandwidths="probe"): the tiers
+        with the bandwidths that rank 0 of the group measures on its own
+        tiers (`mlp-offload probe`'s O_DIRECT probe, _PROBE_BYTES per tier
+        and direction; every rank takes them: one probe, not one per rank
+        contending on shared devices). Tiers that probe as one device share
+        a bandwidth pool; a tier's dict that gives a bandwidth keeps it."""
+        paths = [t["path"] for t in self._tiers]
+        got = [None, None]  # (the probe's results, or its error)
+        if self._rank == 0:
+            try:
+                got[0] = _C.probe_bandwidth(paths, bytes=_PROBE_BYTES, block_size=1 << 20,
+                                            queue_depth=32)
+            except Exception as e:  # the error goes to every rank
+                if self._process_group is None:
+                    raise
+                got[1] = e
+        if self._process_group is not None:
+            torch.distributed.broadcast_object_list(got, src=self._global_rank(0),
+                                                    group=self._process_group)
+        results, error = got
+        if error is not None:
+            if self._rank == 0:
+                raise error
+            raise OffloadError(f"rank {self._rank}: rank 0 could not probe the tiers "
+                               f"(tier_bandwidths='probe'): {type(error).__name__}: {error}")
+        # Two significant digits: a probe's noise (a few %) then seldom
+        # changes the numbers a resumed run's placement was planned under
+        # (_placement_settings), which resume_placement="replan" would
+        # answer by moving records at every start.
+        out = _config.normalize_tiers(
+            tiers, [(float(f"{r['read_alone']:.2g}"), float(f"{r['write_alone']:.2g}"))
+                    for r in results], shared_by=self._local_world)
+        for spec, r in zip(out, results):
+            if r["shares_device_with"] and "bandwidth_pool" not in spec:
+                spec["bandwidth_pool"] = f"device {r['device']}"
+        _log.info("tier bandwidths probed%s: %s", "" if self._process_group is None else
+                  " by rank 0", "; ".join(
+                      f"{spec['name']} ({spec['path']}) read {r['read_alone'] / 1e6:.0f} MB/s, "
+                      f"write {r['write_alone'] / 1e6:.0f} MB/s"
+                      + (f", one device with {', '.join(r['shares_device_with'])}"
+                         if r["shares_device_with"] else "")
+                      for spec, r in zip(out, results)))
+        return out
 
     def _agree_on_settings(self, failure, settings):
         """Collective (the constructor's): raises on every rank if one
