@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "hwy/targets.h"
+#include "kernels/internal/per_target_test.h"
 #include "kernels/internal/stripe_hash_keys.h"
 #include "kernels/target_info.h"
 
@@ -79,19 +80,10 @@ uint64_t Hash(const std::vector<unsigned char>& v, uint64_t seed = 0) {
   return StripeHash64(v.data(), v.size(), seed);
 }
 
-class ChecksumTargetTest : public ::testing::TestWithParam<int64_t> {
- protected:
-  void SetUp() override { hwy::SetSupportedTargetsForTest(GetParam()); }
-  void TearDown() override { hwy::SetSupportedTargetsForTest(0); }
-};
+class ChecksumTargetTest : public PerTargetTest {};
 
-std::string TargetParamName(const ::testing::TestParamInfo<int64_t>& info) {
-  return hwy::TargetName(info.param);
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllTargets, ChecksumTargetTest,
-    ::testing::ValuesIn(hwy::SupportedAndGeneratedTargets()), TargetParamName);
+INSTANTIATE_TEST_SUITE_P(AllTargets, ChecksumTargetTest, AllSimdTargets(),
+                         SimdTargetParamName);
 
 TEST_P(ChecksumTargetTest, MatchesThePlainImplementation) {
   ASSERT_EQ(SimdTargetName(), hwy::TargetName(GetParam()));

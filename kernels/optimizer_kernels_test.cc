@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "hwy/highway.h"
 #include "hwy/targets.h"
+#include "kernels/internal/per_target_test.h"
 #include "kernels/target_info.h"
 #include "mlp_offload/base/thread_pool.h"
 
@@ -468,19 +469,10 @@ constexpr size_t kLarge = 1000003;
 // ----------------------------------------------------------------------------
 // Every test below runs once per SIMD target (compiled in and supported).
 
-class KernelTargetTest : public ::testing::TestWithParam<int64_t> {
- protected:
-  void SetUp() override { hwy::SetSupportedTargetsForTest(GetParam()); }
-  void TearDown() override { hwy::SetSupportedTargetsForTest(0); }
-};
+class KernelTargetTest : public PerTargetTest {};
 
-std::string TargetParamName(const ::testing::TestParamInfo<int64_t>& info) {
-  return hwy::TargetName(info.param);
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllTargets, KernelTargetTest,
-    ::testing::ValuesIn(hwy::SupportedAndGeneratedTargets()), TargetParamName);
+INSTANTIATE_TEST_SUITE_P(AllTargets, KernelTargetTest, AllSimdTargets(),
+                         SimdTargetParamName);
 
 TEST_P(KernelTargetTest, DispatchRunsTheForcedTarget) {
   EXPECT_EQ(SimdTargetName(), hwy::TargetName(GetParam()));

@@ -1730,7 +1730,7 @@ def probe_worker(rank, tiers):
     assert calls == ([1] if rank == 0 else []), (rank, calls)
     mine = [(t["read_bytes_per_sec"], t["write_bytes_per_sec"], t.get("bandwidth_pool"))
             for t in opt._tiers]
-    assert all(r > 0 and w > 0 for r, w, _ in mine), mine
+    assert opt._probed == [True, True], opt._probed
     got = [None] * WORLD
     dist.all_gather_object(got, mine)
     assert got[0] == got[1], got
@@ -1743,9 +1743,10 @@ def probe_failure_worker(rank, tiers):
         MLPOffloadOptimizer(OPTIMIZERS["adamw"](make_model().parameters()),
                             tiers=[tiers[0], "/proc"], tier_bandwidths="probe",
                             subgroup_numel=200, compute_threads=1)
+    assert "tier_bandwidths='probe': probing the tiers failed: " in str(e.value), str(e.value)
     assert "/proc" in str(e.value), str(e.value)
     if rank == 1:
-        assert "rank 0 could not probe the tiers" in str(e.value), str(e.value)
+        assert "rank 1: rank 0 could not probe the tiers" in str(e.value), str(e.value)
 
 
 def test_tier_bandwidths_probe_is_rank_0s_on_every_rank(tmp_path):

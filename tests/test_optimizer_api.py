@@ -2899,48 +2899,91 @@ def test_tier_bandwidths_probe_plans_with_the_measured_bandwidths(tmp_path, monk
         assert [(t["read_bytes_per_sec"], t["write_bytes_per_sec"]) for t in opt._tiers] == \
             [(3e9, 2e9), (1e9, 5e8), (4e9, 4e9)]
         assert not any("bandwidth_pool" in t for t in opt._tiers)
+        assert opt._probed == [True, True, False]
         on = [list(opt.plan.tier_of_subgroup).count(t) for t in range(3)]
         assert on[0] > on[1] > 0 and on[2] > on[0], on
     finally:
         opt.close()
 
 
-def test_tier_bandwidths_probe_pools_the_tiers_of_one_device(tmp_path, monkeypatch):
-    # Two directories on one device share its bandwidth (bandwidth_pool),
-    # as the probe tells; a pool the tier's dict names stays.
-    a, b, c = tier_dirs(tmp_path, 3)
+def test_tier_bandwidths_probe_pools_the_tiers_that_share_a_device(tmp_path, monkeypatch):
+    # The tiers the probe finds sharing a device (a connected group of its
+    # shares_device_with: one device, or two that slowed each other down)
+    # share one bandwidth pool, the one a member's dict names if one does.
+    # A tier with its own numbers (here a throttle cap) takes none of it.
+    a, b, c, d, e = tier_dirs(tmp_path, 5)
     monkeypatch.setattr(mlp_offload._C, "probe_bandwidth", lambda paths, **kw: [
         _probe_result(a, 2e9, 1e9, "nvme0n1", [b]), _probe_result(b, 2e9, 1e9, "nvme0n1", [a]),
-        _probe_result(c, 1e9, 1e9, "sdc")])
+        _probe_result(c, 1e9, 1e9, "sdc", [d]), _probe_result(d, 1e9, 1e9, "sdd", [c]),
+        _probe_result(e, 1e9, 1e9, "sde")])
     opt = MLPOffloadOptimizer(
         torch.optim.SGD(torch.nn.Linear(16, 8).parameters(), lr=0.1),
-        tiers=[a, {"path": b, "bandwidth_pool": "mine"}, c], tier_bandwidths="probe",
-        subgroup_numel=100, compute_threads=1)
+        tiers=[a, {"path": b, "bandwidth_pool": "mine"}, c, d,
+               {"path": e, "throttle_read_bytes_per_sec": 5e8}],
+        tier_bandwidths="probe", subgroup_numel=100, compute_threads=1)
     try:
-        assert [t.get("bandwidth_pool") for t in opt._tiers] == ["device nvme0n1", "mine", None]
+        assert [t.get("bandwidth_pool") for t in opt._tiers] == \
+            ["mine", "mine", f"probed device of {c}", f"probed device of {c}", None]
+        assert opt._tiers[4]["read_bytes_per_sec"] == mlp_offload.config.DEFAULT_TIER_BYTES_PER_SEC
     finally:
         opt.close()
+
+
+def test_tier_bandwidths_probe_is_one_setting_whatever_it_measures(tmp_path, monkeypatch):
+    # The placement settings a commit records name the probe, not its
+    # numbers: a resume that measures a little else sees the same settings
+    # (else a warning at every start, and resume_placement="replan" moving
+    # records back and forth). Where nothing would change, nothing is
+    # probed.
+    a, b = tier_dirs(tmp_path, 2)
+    calls, settings = [], []
+    for read in (3.04e9, 2.51e9):
+        monkeypatch.setattr(mlp_offload._C, "probe_bandwidth", lambda paths, read=read, **kw: (
+            calls.append(paths), [_probe_result(a, read, 2e9, "sda"),
+                                  _probe_result(b, 1e9, 1e9, "sdb")])[1])
+        opt = MLPOffloadOptimizer(torch.optim.SGD(torch.nn.Linear(16, 8).parameters(), lr=0.1),
+                                  tiers=[a, b], tier_bandwidths="probe", subgroup_numel=100,
+                                  compute_threads=1)
+        settings.append(opt._placement_settings())
+        assert opt._tiers[0]["read_bytes_per_sec"] == float(f"{read:.2g}")
+        opt.close()
+    assert len(calls) == 2 and settings[0] == settings[1] and '"probe"' in settings[0]
+    for kwargs in ({"tiers": [a]}, {"tiers": [a, b], "multipath": False},
+                   {"tiers": [{"path": a, "read_bytes_per_sec": 1e9},
+                              {"path": b, "write_bytes_per_sec": 2e9}]}):
+        opt = MLPOffloadOptimizer(torch.optim.SGD(torch.nn.Linear(16, 8).parameters(), lr=0.1),
+                                  tier_bandwidths="probe", subgroup_numel=100,
+                                  compute_threads=1, **kwargs)
+        opt.close()
+    assert len(calls) == 2, calls
 
 
 def test_tier_bandwidths_probe_measures_for_real_and_a_failure_names_it(
         tmp_path, monkeypatch):
     monkeypatch.setattr(optimizer_module, "_PROBE_BYTES", 8 << 20)
     dirs = tier_dirs(tmp_path, 2)
+    measured, real = [], mlp_offload._C.probe_bandwidth
+    monkeypatch.setattr(mlp_offload._C, "probe_bandwidth",
+                        lambda *a, **k: measured.append(real(*a, **k)) or measured[-1])
     opt = MLPOffloadOptimizer(torch.optim.AdamW(torch.nn.Linear(16, 8).parameters()),
                               tiers=dirs, tier_bandwidths="probe", subgroup_numel=100,
                               compute_threads=1)
     try:
-        for t in opt._tiers:
-            for key in ("read_bytes_per_sec", "write_bytes_per_sec"):
-                assert t[key] > 0 and t[key] != mlp_offload.config.DEFAULT_TIER_BYTES_PER_SEC
+        (results,) = measured
+        assert [(t["read_bytes_per_sec"], t["write_bytes_per_sec"]) for t in opt._tiers] == \
+            [(float(f"{r['read_alone']:.2g}"), float(f"{r['write_alone']:.2g}"))
+             for r in results]
         # Both directories are on one file system: one pool.
-        assert opt._tiers[0].get("bandwidth_pool") == opt._tiers[1].get("bandwidth_pool")
-        assert opt._tiers[0].get("bandwidth_pool")
+        assert results[0]["shares_device_with"] == [dirs[1]]
+        assert opt._tiers[0]["bandwidth_pool"] == opt._tiers[1]["bandwidth_pool"] == \
+            f"probed device of {dirs[0]}"
     finally:
         opt.close()
     assert sorted(os.listdir(dirs[0])) == [] and sorted(os.listdir(dirs[1])) == []
-    # A tier the probe cannot write: its error, before any state is made.
-    with pytest.raises(errors.OffloadError, match="/proc"):
+    # A tier the probe cannot write: its error, named as the probe's,
+    # before any state is made.
+    with pytest.raises(errors.OffloadError,
+                       match=r"tier_bandwidths='probe': probing the tiers failed: .*/proc"):
         MLPOffloadOptimizer(torch.optim.AdamW(torch.nn.Linear(16, 8).parameters()),
                             tiers=[dirs[0], "/proc"], tier_bandwidths="probe",
                             subgroup_numel=100, compute_threads=1)

@@ -62,6 +62,8 @@ _NONFINITE = ("raise", "skip", "ignore")
 # Bytes written then read per tier by tier_bandwidths="probe" (as
 # `mlp-offload probe`'s default): about a second on a 1 GB/s device.
 _PROBE_BYTES = 256 << 20
+# What tier_bandwidths="probe" sets in a tier's spec.
+_PROBED_KEYS = ("read_bytes_per_sec", "write_bytes_per_sec", "bandwidth_pool")
 _STATE_DICT_TYPES = ("full", "sharded")
 _TIER_LOCK_MODES = ("exclusive", "per_direction")
 _RESUME_PLACEMENTS = ("keep", "replan")
@@ -450,9 +452,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
       tier_bandwidths: per tier, bytes/s or (read, write), for tiers whose
         dict does not say; unknown bandwidths are assumed equal. "probe":
         measured at construction by rank 0 of the group (256 MiB written
-        and read per tier, alone then all at once, as `mlp-offload probe`;
-        every rank plans with rank 0's numbers), tiers on one device made a
-        bandwidth pool.
+        and read per tier, alone then all at once, as `mlp-offload probe`:
+        256 MiB free on each, about a second a tier at 1 GB/s), for the
+        tiers whose dict gives no bandwidth or throttle cap; every rank
+        plans with rank 0's numbers (to two digits); tiers that share a
+        device become one bandwidth pool. Commits record "probe" as the
+        placement's setting, not the numbers (a resume measures again).
       nonfinite: what a NaN/Inf gradient does without a GradScaler: "raise"
         NonFiniteGradientError (nothing updated), "skip" the step, or
         "ignore" (update anyway, as torch does).
@@ -587,6 +592,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             # "probe": measured after the ranks agree (a collective), the
             # tiers checked now.
             self._probe_tiers = isinstance(tier_bandwidths, str) and tier_bandwidths == "probe"
+            if self._probe_tiers and not isinstance(tiers, (str, os.PathLike, dict)):
+                with contextlib.suppress(TypeError):  # (normalize_tiers names it)
+                    tiers = list(tiers)  # read twice: a generator once
             self._tiers = _config.normalize_tiers(
                 tiers, None if self._probe_tiers else tier_bandwidths, shared_by=local_world)
             self._subgroup_numel = _config.check_int("subgroup_numel", subgroup_numel,
@@ -670,6 +678,9 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             state_dict_type=state_dict_type, run_name=run_name, commit_every=commit_every,
             resume=resume, resume_placement=resume_placement,
             tier_bandwidths_probe=self._probe_tiers if failure is None else None,
+            # (Ranks may have tiers of their own, unless rank 0's probe
+            # stands for them all.)
+            num_tiers=len(self._tiers) if failure is None and self._probe_tiers else None,
             # Checked in the try block: a rank that failed there sends None.
             atomic_step=self._atomic_step if failure is None else None,
             checkpoint_dir=self._checkpoint_dir if failure is None else None,
@@ -862,19 +873,41 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         """Collective (the constructor's, tier_bandwidths="probe"): the tiers
         with the bandwidths that rank 0 of the group measures on its own
         tiers (`mlp-offload probe`'s O_DIRECT probe, _PROBE_BYTES per tier
-        and direction; every rank takes them: one probe, not one per rank
-        contending on shared devices). Tiers that probe as one device share
-        a bandwidth pool; a tier's dict that gives a bandwidth keeps it."""
+        written and read alone, then all at once; every rank takes them: one
+        probe, not one per rank contending on shared devices). Only tiers
+        whose dict gives neither bandwidth nor throttle cap take the
+        probe's; the tiers the probe finds sharing a device (one connected
+        group of its shares_device_with) become one bandwidth pool, the
+        pool a member's dict names if one does. Nothing is probed where
+        nothing would change: one tier, multipath off, or no tier to take
+        the numbers. Sets self._probed (per tier: took the probe's numbers,
+        and its pool) for _placement_settings."""
+        def given(i):
+            t = tiers[i] if isinstance(tiers, list) else tiers
+            return isinstance(t, dict) and any(
+                t.get(k) is not None for k in (
+                    "read_bytes_per_sec", "write_bytes_per_sec",
+                    "throttle_read_bytes_per_sec", "throttle_write_bytes_per_sec"))
+        takes = [not given(i) for i in range(len(self._tiers))]
+        self._probed = [False] * len(self._tiers)
+        if len(self._tiers) < 2 or not self._techniques["multipath"] or not any(takes):
+            _log.info("tier_bandwidths='probe': nothing probed (%s)",
+                      "one tier" if len(self._tiers) < 2 else
+                      "multipath is off" if not self._techniques["multipath"] else
+                      "every tier gives its own bandwidths")
+            return self._tiers
         paths = [t["path"] for t in self._tiers]
         got = [None, None]  # (the probe's results, or its error)
         if self._rank == 0:
             try:
                 got[0] = _C.probe_bandwidth(paths, bytes=_PROBE_BYTES, block_size=1 << 20,
                                             queue_depth=32)
-            except Exception as e:  # the error goes to every rank
+            except OffloadError as e:  # the error goes to every rank
+                full = " (the probe writes 256 MiB a tier)" if isinstance(e, TierFullError) \
+                    else ""
+                got[1] = type(e)(f"tier_bandwidths='probe': probing the tiers failed{full}: {e}")
                 if self._process_group is None:
-                    raise
-                got[1] = e
+                    raise got[1] from e
         if self._process_group is not None:
             torch.distributed.broadcast_object_list(got, src=self._global_rank(0),
                                                     group=self._process_group)
@@ -882,25 +915,45 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
         if error is not None:
             if self._rank == 0:
                 raise error
-            raise OffloadError(f"rank {self._rank}: rank 0 could not probe the tiers "
-                               f"(tier_bandwidths='probe'): {type(error).__name__}: {error}")
-        # Two significant digits: a probe's noise (a few %) then seldom
-        # changes the numbers a resumed run's placement was planned under
-        # (_placement_settings), which resume_placement="replan" would
-        # answer by moving records at every start.
-        out = _config.normalize_tiers(
-            tiers, [(float(f"{r['read_alone']:.2g}"), float(f"{r['write_alone']:.2g}"))
-                    for r in results], shared_by=self._local_world)
-        for spec, r in zip(out, results):
-            if r["shares_device_with"] and "bandwidth_pool" not in spec:
-                spec["bandwidth_pool"] = f"device {r['device']}"
+            raise OffloadError(f"rank {self._rank}: rank 0 could not probe the tiers: "
+                               f"{type(error).__name__}: {error}")
+        # Two significant digits (the log gives the measured numbers).
+        bandwidths = [(float(f"{r['read_alone']:.2g}"), float(f"{r['write_alone']:.2g}"))
+                      if takes[i] else None for i, r in enumerate(results)]
+        out = _config.normalize_tiers(tiers, bandwidths, shared_by=self._local_world)
+        # The tiers that share a device: connected groups of the probe's
+        # shares_device_with (by directory as given to it).
+        group = list(range(len(out)))
+
+        def root(i):
+            while group[i] != i:
+                i = group[i]
+            return i
+        index = {r["dir"]: i for i, r in enumerate(results)}
+        for i, r in enumerate(results):
+            for d in r["shares_device_with"]:
+                if d in index:
+                    group[root(index[d])] = root(i)
+        members = {}
+        for i in range(len(out)):
+            members.setdefault(root(i), []).append(i)
+        for tiers_of_device in members.values():
+            if len(tiers_of_device) < 2:
+                continue
+            named = [out[i]["bandwidth_pool"] for i in tiers_of_device
+                     if "bandwidth_pool" in out[i]]
+            pool = named[0] if named else f"probed device of {out[tiers_of_device[0]]['path']}"
+            for i in tiers_of_device:
+                if takes[i] and "bandwidth_pool" not in out[i]:
+                    out[i]["bandwidth_pool"] = pool
+        self._probed = takes
         _log.info("tier bandwidths probed%s: %s", "" if self._process_group is None else
                   " by rank 0", "; ".join(
                       f"{spec['name']} ({spec['path']}) read {r['read_alone'] / 1e6:.0f} MB/s, "
                       f"write {r['write_alone'] / 1e6:.0f} MB/s"
-                      + (f", one device with {', '.join(r['shares_device_with'])}"
-                         if r["shares_device_with"] else "")
-                      for spec, r in zip(out, results)))
+                      + (f", pool {spec['bandwidth_pool']!r}" if spec.get("bandwidth_pool")
+                         else "") + ("" if takes[i] else " (its own bandwidths kept)")
+                      for i, (spec, r) in enumerate(zip(out, results))))
         return out
 
     def _agree_on_settings(self, failure, settings):
@@ -1250,11 +1303,16 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 "throttle_read_bytes_per_sec", "throttle_write_bytes_per_sec",
                 "bandwidth_pool")
         # (A half-duplex throttle is listed only where it is on: the text of
-        # a commit made before the option stays the same.)
+        # a commit made before the option stays the same.) Numbers and pools
+        # that tier_bandwidths="probe" measured are listed as "probe": they
+        # differ at every start by the probe's noise, and a resume would
+        # otherwise see other settings each time (warning, or moving every
+        # record with resume_placement="replan").
+        probed = getattr(self, "_probed", None) or [False] * len(self._tiers)
         return json.dumps([self._techniques["multipath"],
-                           [[t.get(k) for k in keys]
+                           [[("probe" if p and k in _PROBED_KEYS else t.get(k)) for k in keys]
                             + ([True] if t.get("throttle_half_duplex") else [])
-                            for t in self._tiers]])
+                            for t, p in zip(self._tiers, probed)]])
 
     def _settle_placement(self):
         """After a resume (the constructor; collective with 'replan'): where
