@@ -1747,6 +1747,18 @@ def probe_failure_worker(rank, tiers):
     assert "/proc" in str(e.value), str(e.value)
     if rank == 1:
         assert "rank 1: rank 0 could not probe the tiers" in str(e.value), str(e.value)
+    # Any exception of rank 0's probe, not only the library's: rank 1 waits
+    # for no broadcast that never comes.
+    real = _C.probe_bandwidth
+    if rank == 0:
+        _C.probe_bandwidth = mock.Mock(side_effect=RuntimeError("injected"))
+    try:
+        with pytest.raises(errors.OffloadError, match="RuntimeError: injected"):
+            MLPOffloadOptimizer(OPTIMIZERS["adamw"](make_model().parameters()), tiers=tiers,
+                                tier_bandwidths="probe", subgroup_numel=200,
+                                compute_threads=1)
+    finally:
+        _C.probe_bandwidth = real
 
 
 def test_tier_bandwidths_probe_is_rank_0s_on_every_rank(tmp_path):

@@ -902,10 +902,12 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
             try:
                 got[0] = _C.probe_bandwidth(paths, bytes=_PROBE_BYTES, block_size=1 << 20,
                                             queue_depth=32)
-            except OffloadError as e:  # the error goes to every rank
+            except Exception as e:  # the error goes to every rank (none waits)
                 full = " (the probe writes 256 MiB a tier)" if isinstance(e, TierFullError) \
                     else ""
-                got[1] = type(e)(f"tier_bandwidths='probe': probing the tiers failed{full}: {e}")
+                why = f"{e}" if isinstance(e, OffloadError) else f"{type(e).__name__}: {e}"
+                got[1] = (type(e) if isinstance(e, OffloadError) else OffloadError)(
+                    f"tier_bandwidths='probe': probing the tiers failed{full}: {why}")
                 if self._process_group is None:
                     raise got[1] from e
         if self._process_group is not None:
