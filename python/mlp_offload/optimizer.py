@@ -903,8 +903,8 @@ class MLPOffloadOptimizer(torch.optim.Optimizer):
                 got[0] = _C.probe_bandwidth(paths, bytes=_PROBE_BYTES, block_size=1 << 20,
                                             queue_depth=32)
             except Exception as e:  # the error goes to every rank (none waits)
-                full = " (the probe writes 256 MiB a tier)" if isinstance(e, TierFullError) \
-                    else ""
+                full = f" (the probe writes {_PROBE_BYTES >> 20} MiB a tier)" \
+                    if isinstance(e, TierFullError) else ""
                 why = f"{e}" if isinstance(e, OffloadError) else f"{type(e).__name__}: {e}"
                 got[1] = (type(e) if isinstance(e, OffloadError) else OffloadError)(
                     f"tier_bandwidths='probe': probing the tiers failed{full}: {why}")

@@ -49,6 +49,13 @@ def _to_int(value, text, what):
     return int(round(value))
 
 
+def has_unit(text):
+    """Whether a number as parse_size, parse_rate or parse_count take it
+    ends in a unit ("3.5TB", not "3.5" or "1e9"); False for any other text."""
+    m = re.fullmatch(_NUMBER + r"\s*([A-Za-z/]*)", str(text).strip())
+    return bool(m and m.group(2))
+
+
 def parse_size(text):
     """Bytes from '200GiB', '1.5TB', '512MB', '4096', '1e9' (int)."""
     _, value, unit = _split(text, "size", "200GiB, 1.5TB, 512MB, 4096")

@@ -64,7 +64,7 @@ def parse_tier(text, index=0):
         if spec["capacity_bytes"] < 1:
             raise ConfigError(f"tier {name}: capacity {parts[4]!r} is less than a byte "
                               f"(leave it out or give '-' for unlimited)")
-        if not any(c.isalpha() for c in parts[4].replace("e", "").replace("E", "")):
+        if not units.has_unit(parts[4]):
             # A bare READ or WRITE is GB/s; a bare CAPACITY would be bytes
             # (3.5: the 3 bytes of a tier that holds nothing, not 3.5 TB).
             raise ConfigError(f"tier {name}: capacity {parts[4]!r} has no unit: give one "
